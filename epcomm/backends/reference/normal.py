@@ -1,0 +1,176 @@
+"""Normal mode on torch.distributed: layout, dispatch and combine as a variable-size all-to-all.
+
+Every token row is packed into bytes (data | scales | top-k ids | top-k weights) so one
+all-to-all moves all of it. Rows travel in ascending token order per destination, so received
+rows are ordered by source rank, then source token index, exactly as the kernels order them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...handle import DispatchHandle
+from .backend import F, Op, ReferenceBackend, from_bytes, to_bytes
+
+X_BF16, X_FP8 = 0, 1
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_domain: int):
+    """Counts per rank, per domain and per expert, and which ranks each token goes to (-1 ignored)."""
+    num_tokens = topk_idx.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0
+    safe = topk_idx.clamp(min=0)
+    num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
+    num_tokens_per_expert.scatter_add_(0, safe[valid], torch.ones_like(safe[valid]))
+    dest_rank = torch.where(valid, safe // experts_per_rank, torch.full_like(safe, num_ranks))
+    in_rank = torch.zeros((num_tokens, num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
+    in_rank.scatter_(1, dest_rank, True)
+    is_token_in_rank = in_rank[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
+    num_tokens_per_domain = None
+    num_domains = num_ranks // ranks_per_domain
+    if num_domains > 1:
+        in_domain = is_token_in_rank.view(num_tokens, num_domains, ranks_per_domain).any(-1)
+        num_tokens_per_domain = in_domain.sum(0).to(torch.int32)
+    return num_tokens_per_rank, num_tokens_per_domain, num_tokens_per_expert.to(torch.int32), is_token_in_rank
+
+
+def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle | None,
+             num_tokens_per_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor | None,
+             num_tokens_per_expert: torch.Tensor | None, topk_idx: torch.Tensor | None,
+             topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int, num_experts: int,
+             buffer_uid: str):
+    rank, num_ranks = be.rank, be.num_ranks
+    num_tokens, hidden = x.shape
+    cached = handle is not None
+    if cached:
+        is_token_in_rank = handle.is_token_in_rank
+        send_counts = list(handle.send_counts)
+        num_worst_tokens = handle.num_worst_tokens
+    else:
+        send_counts = num_tokens_per_rank.tolist()
+    scale_cols = scales.shape[1] if scales is not None else 0
+    headers = be.handshake(Op.DISPATCH, {
+        F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
+        F.SCALE_COLS: scale_cols, F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
+        F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: num_tokens,
+    }, counts=send_counts)
+    count_matrix = headers[:, 16:]  # [src, dst]
+    recv_counts = count_matrix[:, rank].tolist()
+    if cached and recv_counts != handle.recv_counts:
+        raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
+                           f"but peers now send {recv_counts}; use the handle of the matching dispatch")
+    everyone_empty = int(count_matrix.sum()) == 0
+
+    # Per-expert counts: each rank tells each destination how many of its entries target each local expert.
+    num_recv_tokens_per_expert_list = None
+    if not cached:
+        experts_per_rank = num_experts // num_ranks
+        per_expert = num_tokens_per_expert.to(torch.int32).view(num_ranks, experts_per_rank)
+        recv_per_expert = be.exchange_rows(to_bytes(per_expert.to(be.device)), [1] * num_ranks, [1] * num_ranks,
+                                           Op.DISPATCH, everyone_empty=False)
+        totals = from_bytes(recv_per_expert, torch.int32, experts_per_rank).sum(0).tolist()
+        if num_worst_tokens == 0:
+            a = expert_alignment
+            num_recv_tokens_per_expert_list = [(c + a - 1) // a * a for c in totals]
+
+    # Pack each row as bytes: data | scales | topk ids | topk weights.
+    parts = [to_bytes(x)]
+    if scales is not None:
+        parts.append(to_bytes(scales))
+    if topk_idx is not None:
+        parts.append(to_bytes(topk_idx))
+    if topk_weights is not None:
+        parts.append(to_bytes(topk_weights))
+    packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    token_order = [torch.nonzero(is_token_in_rank[:, r]).flatten() for r in range(num_ranks)]
+    send = packed[torch.cat(token_order)] if num_tokens else packed
+    recv = be.exchange_rows(send, send_counts, recv_counts, Op.DISPATCH, everyone_empty)
+    num_recv_tokens = sum(recv_counts)
+    if num_worst_tokens and num_recv_tokens > num_worst_tokens:
+        raise RuntimeError(f"epcomm dispatch: rank {rank} received {num_recv_tokens} tokens but "
+                           f"num_worst_tokens={num_worst_tokens}; pass at least num_tokens * num_ranks")
+    num_rows = num_worst_tokens or num_recv_tokens
+
+    # Unpack.
+    col = 0
+
+    def take(nbytes: int, dtype: torch.dtype, cols: int, fill: float | int) -> torch.Tensor:
+        nonlocal col
+        out = torch.full((num_rows, cols), fill, dtype=dtype, device=x.device) if num_rows > num_recv_tokens \
+            else torch.empty((num_rows, cols), dtype=dtype, device=x.device)
+        if num_recv_tokens:
+            out[:num_recv_tokens] = from_bytes(recv[:, col:col + nbytes], dtype, cols)
+        col += nbytes
+        return out
+
+    recv_x = take(hidden * x.element_size(), x.dtype, hidden, 0)
+    recv_scales = None
+    if scales is not None:
+        recv_scales = take(scale_cols * 4, scales.dtype, scale_cols, 0)
+        if scales.stride(0) == 1 and scale_cols > 1:  # column-major in, column-major out
+            recv_scales = recv_scales.t().contiguous().t()
+    recv_topk_idx = recv_topk_weights = None
+    if topk_idx is not None:
+        k = topk_idx.shape[1]
+        global_idx = take(k * 8, torch.int64, k, -1)
+        lo = rank * (num_experts // num_ranks)
+        hi = lo + num_experts // num_ranks
+        mine = (global_idx >= lo) & (global_idx < hi)
+        recv_topk_idx = torch.where(mine, global_idx - lo, torch.full_like(global_idx, -1))
+        if topk_weights is not None:
+            weights = take(k * 4, torch.float32, k, 0)
+            recv_topk_weights = torch.where(mine, weights, torch.zeros_like(weights))
+    recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
+
+    if cached:
+        return recv_x_out, None, None, None, handle
+    new_handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden,
+                                num_recv_tokens=num_recv_tokens, num_worst_tokens=num_worst_tokens,
+                                is_token_in_rank=is_token_in_rank, send_counts=send_counts,
+                                recv_counts=recv_counts)
+    expert_list = num_recv_tokens_per_expert_list if num_recv_tokens_per_expert_list is not None else []
+    return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+
+
+def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+            biases: tuple[torch.Tensor, ...]):
+    num_ranks = be.num_ranks
+    hidden = x.shape[1]
+    headers = be.handshake(Op.COMBINE, {
+        F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
+        F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
+        F.NUM_TOKENS: handle.num_tokens,
+    }, counts=handle.recv_counts)
+    count_matrix = headers[:, 16:]
+    if count_matrix[:, be.rank].tolist() != handle.send_counts:
+        raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
+                           "every rank must combine with the handle of the same dispatch")
+    everyone_empty = int(count_matrix.sum()) == 0
+    num_recv = handle.num_recv_tokens
+    parts = [to_bytes(x[:num_recv])]
+    if topk_weights is not None:
+        parts.append(to_bytes(topk_weights[:num_recv]))
+    send = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    recv = be.exchange_rows(send, handle.recv_counts, handle.send_counts, Op.COMBINE, everyone_empty)
+
+    num_tokens = handle.num_tokens
+    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    k = topk_weights.shape[1] if topk_weights is not None else 0
+    acc_w = torch.zeros((num_tokens, k), dtype=torch.float32, device=x.device) if k else None
+    begin = 0
+    for r in range(num_ranks):  # ascending source rank: a fixed fp32 summation order
+        count = handle.send_counts[r]
+        if count == 0:
+            continue
+        rows = recv[begin:begin + count]
+        idx = torch.nonzero(handle.is_token_in_rank[:, r]).flatten()
+        acc.index_add_(0, idx, from_bytes(rows[:, :hidden * 2], torch.bfloat16, hidden).float())
+        if acc_w is not None:
+            acc_w.index_add_(0, idx, from_bytes(rows[:, hidden * 2:], torch.float32, k))
+        begin += count
+    for bias in biases:
+        acc += bias.float()
+    return acc.to(torch.bfloat16), acc_w
+

@@ -1,0 +1,115 @@
+"""Collectives with a deadline: every wait is bounded and names the ranks that did not arrive.
+
+Each call first publishes "rank r reached call #seq" in the process group's store, then runs an
+asynchronous torch.distributed collective and polls it. If the deadline passes, the store tells
+which ranks never reached this call, and the error names them. After such a timeout the group
+holds an unfinished collective: destroy the Buffer and the process group.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class PeerTimeoutError(RuntimeError):
+    """A peer did not arrive within the timeout."""
+
+
+class Transport:
+    def __init__(self, group: dist.ProcessGroup, uid: str, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self.uid = uid
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except Exception:  # not every launcher exposes the store; errors then name no rank
+            self._store = None
+
+    def _key(self, rank: int) -> str:
+        return f"epcomm/{self.uid}/arrived/{rank}"
+
+    def announce(self, seq: int) -> None:
+        if self._store is not None:
+            self._store.set(self._key(self.rank), str(seq))
+
+    def missing_ranks(self, seq: int) -> list[int] | None:
+        """Ranks whose last announced call is older than ``seq`` (None when unknowable)."""
+        if self._store is None:
+            return None
+        missing = []
+        for r in range(self.num_ranks):
+            key = self._key(r)
+            if not self._store.check([key]) or int(self._store.get(key)) < seq:
+                missing.append(r)
+        return missing
+
+    def wait(self, work: dist.Work, op: str, seq: int, deadline: float) -> None:
+        """Poll ``work`` until done; on the deadline raise naming the absent ranks."""
+        pause = 2e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                missing = self.missing_ranks(seq)
+                who = (f"rank(s) {missing} did not arrive" if missing
+                       else "every rank arrived, so a peer failed during the exchange" if missing == []
+                       else "the ranks that did not arrive are unknown (no store)")
+                raise PeerTimeoutError(
+                    f"epcomm {op}: rank {self.rank} timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S) "
+                    f"waiting for its peers; {who}. Destroy the Buffer and the process group.")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
+        work.wait()
+
+    def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.num_ranks)]
+        self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline)
+        return out
+
+    def all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int], op: str, seq: int,
+                   deadline: float) -> torch.Tensor:
+        """Variable-size all-to-all of the rows of a 2-D byte tensor; rows of rank j land in block j."""
+        return self.start_all_to_all(send, send_rows, recv_rows).wait(op, seq, deadline)
+
+    def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> PendingExchange:
+        """Issue the all-to-all; ``.wait()`` on the result completes it and returns the received rows.
+
+        gloo hangs on an all-to-all where a rank sends or receives nothing, so every block carries
+        one padding row that is dropped on arrival.
+        """
+        padded_send = _pad_blocks(send, send_rows)
+        recv = torch.empty((sum(recv_rows) + len(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, padded_send, [c + 1 for c in recv_rows], [c + 1 for c in send_rows],
+                                      group=self.group, async_op=True)
+        return PendingExchange(self, work, recv, recv_rows, keep_alive=padded_send)
+
+
+class PendingExchange:
+    def __init__(self, transport: Transport, work: dist.Work, recv: torch.Tensor, recv_rows: list[int],
+                 keep_alive: torch.Tensor) -> None:
+        self.transport, self.work, self.recv, self.recv_rows = transport, work, recv, recv_rows
+        self._keep_alive = keep_alive
+
+    def wait(self, op: str, seq: int, deadline: float) -> torch.Tensor:
+        self.transport.wait(self.work, op, seq, deadline)
+        self._keep_alive = None
+        return _unpad_blocks(self.recv, self.recv_rows)
+
+
+def _block_rows(rows: list[int]) -> torch.Tensor:
+    """Indices of the real rows inside blocks that each end with one padding row."""
+    starts = torch.tensor([0] + rows[:-1]).cumsum(0) + torch.arange(len(rows))
+    return torch.cat([torch.arange(c) + s for c, s in zip(rows, starts.tolist())]) if rows else torch.empty(0)
+
+
+def _pad_blocks(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    out = torch.zeros((t.shape[0] + len(rows), t.shape[1]), dtype=t.dtype, device=t.device)
+    out[_block_rows(rows).to(t.device, torch.int64)] = t
+    return out
+
+
+def _unpad_blocks(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return t[_block_rows(rows).to(t.device, torch.int64)]

@@ -1,0 +1,635 @@
+"""``Buffer``: the public API (DeepEP V1's ``deep_ep.Buffer``), shared by every backend.
+
+This layer checks every argument and handles streams and events; the backend moves the data.
+A refused argument is announced to the peers before raising, so every rank raises instead of
+waiting for a call that never comes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _env
+from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
+from .backends.reference import ReferenceBackend
+from .backends.reference import low_latency as ref_ll
+from .backends.reference import normal as ref_normal
+from .backends.reference.backend import Op
+from .config import Config, default_combine_config, default_dispatch_config, low_latency_size_hint
+from .event import EventOverlap
+from .handle import DispatchHandle, LowLatencyHandle
+
+_buffer_counter = itertools.count()
+_BACKENDS = ("auto", "cuda", "reference")
+# Errors of argument checking: the refusing rank tells its peers before raising.
+_REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+
+
+class Buffer:
+    """Communication buffer for MoE dispatch and combine over a ``torch.distributed`` group.
+
+    ``num_nvl_bytes`` / ``num_rdma_bytes`` are the bytes reserved for normal mode (see
+    ``Config.get_nvl_buffer_size_hint``) and low-latency mode (``get_low_latency_rdma_size_hint``).
+    Every method is collective over ``group``: all ranks call it, in the same order.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None, *, backend: str | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("epcomm.Buffer needs torch.distributed initialized (dist.init_process_group)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        self.num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.comm = comm
+        backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if backend == "cuda":
+            raise RuntimeError("backend='cuda': the CUDA kernels are not available in this build of epcomm; "
+                               "use backend='reference' (or 'auto')")
+        self.backend_name = "reference"
+        pg_backend = dist.get_backend(self.group)
+        if "nccl" in str(pg_backend):
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.uid = f"{next(_buffer_counter)}"
+        self.ranks_per_domain = self._ranks_per_domain()
+        self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._local_nvl: torch.Tensor | None = None
+        self._local_rdma: torch.Tensor | None = None
+        self._destroyed = False
+        # Low-latency double buffering: each call takes the next of two slots.
+        self._ll_counter = 0
+        self._ll_pending: dict[int, str] = {}
+        self._ll_needs_clean = False
+        self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------ static API
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        check_int("new_num_sms", new_num_sms, minimum=2)
+        if new_num_sms % 2:
+            raise ValueError(f"new_num_sms must be even (two SMs per channel), got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return default_dispatch_config(check_int("num_ranks", num_ranks, minimum=1), Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return default_combine_config(check_int("num_ranks", num_ranks, minimum=1), Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether SM90 kernels are available (False in a reference-only build)."""
+        return False
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as ``previous_event``."""
+        if not torch.cuda.is_available():
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    # ------------------------------------------------------------------ buffers
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | tuple[int, ...] | None = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A view of this rank's communication buffer as ``dtype`` (optionally reshaped to ``size``)."""
+        self._check_alive()
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        check_int("offset", offset, minimum=0, maximum=total)
+        attr = "_local_rdma" if use_rdma_buffer else "_local_nvl"
+        if getattr(self, attr) is None:
+            setattr(self, attr, torch.zeros(total, dtype=torch.uint8, device=self.device))
+        raw: torch.Tensor = getattr(self, attr)
+        element = torch.empty((), dtype=dtype).element_size()
+        usable = (total - offset) // element
+        view = raw[offset:offset + usable * element].view(dtype)
+        if size is None:
+            return view
+        numel = 1
+        for s in size:
+            numel *= s
+        if numel > usable:
+            raise ValueError(f"size {tuple(size)} needs {numel * element} bytes from offset {offset}, but the "
+                             f"{'RDMA' if use_rdma_buffer else 'NVL'} buffer has {total} bytes")
+        return view[:numel].view(size)
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        return self._comm_stream
+
+    def destroy(self) -> None:
+        """Free the buffers; the Buffer cannot be used afterwards."""
+        if self._destroyed:
+            return
+        if self._ll_pending:
+            raise RuntimeError(f"epcomm destroy: low-latency receive(s) {sorted(self._ll_pending.values())} are "
+                               "still pending; call their hook() first")
+        if self._comm_stream is not None:
+            self._comm_stream.synchronize()
+        self._local_nvl = self._local_rdma = None
+        self._backend.ll_combine_buffers.clear()
+        self._destroyed = True
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this epcomm Buffer was destroyed")
+
+    def _ranks_per_domain(self) -> int:
+        raw = _env.env_str("EPCOMM_RANKS_PER_DOMAIN")
+        if raw:
+            value = int(raw)
+            if value <= 0 or self.group_size % value:
+                raise ValueError(f"EPCOMM_RANKS_PER_DOMAIN={raw} must divide the group size {self.group_size}")
+            return value
+        # One domain per host: count the ranks that share this rank's host name.
+        names: list[str | None] = [None] * self.group_size
+        dist.all_gather_object(names, socket.gethostname(), group=self.group)
+        per_host = names.count(names[self.rank])
+        return per_host if self.group_size % per_host == 0 else self.group_size
+
+    @property
+    def num_domains(self) -> int:
+        return self.group_size // self.ranks_per_domain
+
+    # ------------------------------------------------------------------ helpers
+    def _refuse(self, op: Op, error: Exception) -> None:
+        """Tell the peers this rank refused its arguments (so they raise too), then raise."""
+        try:
+            self._backend.handshake(op, {}, refused=True)
+        except RuntimeError:
+            pass  # a peer timeout while refusing: the argument error is still the one to report
+        raise error
+
+    def _run(self, fn: Callable[[], Any], previous_event: EventOverlap | None, async_finish: bool,
+             allocate_on_comm_stream: bool, keep_alive: tuple) -> tuple[Any, EventOverlap]:
+        """Run ``fn`` on the communication stream with DeepEP's event semantics."""
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream=True requires previous_event and async_finish=True "
+                             "(DeepEP's rule)")
+        if self._comm_stream is None:
+            return fn(), EventOverlap(None)
+        compute = torch.cuda.current_stream(self.device)
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            result = fn()
+        event = torch.cuda.Event()
+        event.record(self._comm_stream)
+        outputs = [t for t in _tensors(result)]
+        if not allocate_on_comm_stream:
+            for t in outputs:
+                t.record_stream(compute)
+        if async_finish:
+            return result, EventOverlap(event, extra_tensors=(keep_alive, tuple(outputs)))
+        compute.wait_event(event)
+        return result, EventOverlap(None)
+
+    def _check_handle(self, handle: object, kind: type) -> None:
+        if not isinstance(handle, kind):
+            raise TypeError(f"handle must be the {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
+        if handle.buffer_uid != self.uid:  # type: ignore[attr-defined]
+            raise ValueError("handle was created by another Buffer; pass the handle of this Buffer's dispatch")
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: EventOverlap | None = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Per-rank, per-domain and per-expert token counts of ``topk_idx`` (local; no communication).
+
+        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [domains] int32 or None,
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)``.
+        """
+        self._check_alive()
+        check_int("num_experts", num_experts, minimum=1)
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
+                             f"({self.group_size})")
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
+
+        def run():
+            return ref_normal.dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_domain)
+
+        result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
+        return (*result, event)
+
+    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: DispatchHandle | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank holding one of its experts.
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event)``; with ``handle=`` (cached dispatch) only ``recv_x`` and the handle are returned set.
+        """
+        self._check_alive()
+        try:
+            args = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                        num_worst_tokens, config)
+        except _REFUSALS as error:
+            self._refuse(Op.DISPATCH, error)
+        self._note_normal_use()
+        data, scales, num_experts = args
+
+        def run():
+            return ref_normal.dispatch(self._backend, data, scales, handle, num_tokens_per_rank, is_token_in_rank,
+                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                       num_worst_tokens, num_experts, self.uid)
+
+        keep = (x, topk_idx, topk_weights, is_token_in_rank)
+        result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream, keep)
+        return (*result, event)
+
+    def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config):
+        data, scales = split_x("x", x)
+        num_tokens, hidden = data.shape
+        check_tensor("x", data, device=self.device, contiguous=True)
+        if hidden * data.element_size() % 16:
+            raise ValueError(f"x: hidden ({hidden}) * element size ({data.element_size()}) must be a multiple "
+                             "of 16 bytes")
+        if scales is not None:
+            check_tensor("x[1] (scales)", scales, device=self.device)
+            if scales.shape[0] != num_tokens:
+                raise ValueError(f"x[1] (scales) must have {num_tokens} rows, got {scales.shape[0]}")
+            if not (scales.stride(1) == 1 or scales.stride(0) == 1):
+                raise ValueError(f"x[1] (scales) must be row- or column-major, got strides {scales.stride()}")
+        check_int("expert_alignment", expert_alignment, minimum=1)
+        check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be an epcomm.Config, got {type(config).__name__}")
+        r = self.group_size
+        if handle is not None:
+            self._check_handle(handle, DispatchHandle)
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank",
+                                is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert),
+                                ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+                if value is not None:
+                    raise ValueError(f"{name} must be None for a cached dispatch (handle= given)")
+            if num_tokens != handle.num_tokens:
+                raise ValueError(f"x has {num_tokens} tokens but the handle was made for {handle.num_tokens}")
+            num_experts = 0
+        else:
+            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank",
+                                is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    raise ValueError(f"{name} is required when no handle is given (from get_dispatch_layout)")
+            check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(r,),
+                         device=self.device)
+            check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, r),
+                         device=self.device)
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, dim=1,
+                         device=self.device)
+            num_experts = num_tokens_per_expert.shape[0]
+            if num_experts == 0 or num_experts % r:
+                raise ValueError(f"num_tokens_per_expert has {num_experts} entries; expected a positive "
+                                 f"multiple of the group size {r}")
+            if num_tokens_per_rdma_rank is not None:
+                check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
+                             shape=(self.num_domains,), device=self.device)
+            if not torch.equal(is_token_in_rank.sum(0).to(torch.int32), num_tokens_per_rank):
+                raise ValueError("num_tokens_per_rank does not match is_token_in_rank.sum(0); pass both from "
+                                 "get_dispatch_layout")
+            if topk_idx is not None:
+                check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+            if topk_weights is not None:
+                if topk_idx is None:
+                    raise ValueError("topk_weights given without topk_idx")
+                check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
+                             device=self.device, contiguous=True)
+        self._check_nvl_bytes(hidden * max(data.element_size(), 2), config or self.get_dispatch_config(r))
+        return data, scales, num_experts
+
+    def _check_nvl_bytes(self, hidden_bytes: int, config: Config) -> None:
+        need = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_nvl_bytes < need:
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for hidden_bytes={hidden_bytes}: "
+                             f"Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) = {need}")
+
+    def _note_normal_use(self) -> None:
+        if self.low_latency_mode:
+            self._ll_needs_clean = True
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
+                bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Return each token's rows to its source rank and sum them there in fp32.
+
+        Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] f32 or None, event)``.
+        """
+        self._check_alive()
+        try:
+            biases = self._check_combine(x, handle, topk_weights, bias, config)
+        except _REFUSALS as error:
+            self._refuse(Op.COMBINE, error)
+        self._note_normal_use()
+
+        def run():
+            return ref_normal.combine(self._backend, x, handle, topk_weights, biases)
+
+        result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream,
+                                  (x, topk_weights, biases))
+        return (*result, event)
+
+    def _check_combine(self, x, handle, topk_weights, bias, config) -> tuple[torch.Tensor, ...]:
+        self._check_handle(handle, DispatchHandle)
+        rows = handle.num_recv_rows
+        check_tensor("x", x, dtype=torch.bfloat16, dim=2, device=self.device, contiguous=True)
+        if x.shape[0] != rows:
+            raise ValueError(f"x must have {rows} rows (the rows dispatch returned), got {x.shape[0]}")
+        if x.shape[1] * 2 % 16:
+            raise ValueError(f"x: hidden ({x.shape[1]}) * 2 bytes must be a multiple of 16")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtype=torch.float32, dim=2, device=self.device,
+                         contiguous=True)
+            if topk_weights.shape[0] != rows:
+                raise ValueError(f"topk_weights must have {rows} rows, got {topk_weights.shape[0]}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be an epcomm.Config, got {type(config).__name__}")
+        self._check_nvl_bytes(x.shape[1] * 2, config or self.get_combine_config(self.group_size))
+        biases: tuple = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+        if len(biases) > 2:
+            raise ValueError(f"bias must be a tensor or a tuple of at most two, got {len(biases)}")
+        for i, b in enumerate(biases):
+            check_tensor(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(handle.num_tokens, x.shape[1]),
+                         device=self.device, contiguous=True)
+        return biases
+
+    # ------------------------------------------------------------------ low-latency mode
+    def _check_ll_buffer(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError("low-latency calls need Buffer(..., low_latency_mode=True)")
+        need = low_latency_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small: "
+                             f"Buffer.get_low_latency_rdma_size_hint({num_max_tokens}, {hidden}, "
+                             f"{self.group_size}, {num_experts}) = {need}")
+        if self._ll_needs_clean:
+            raise RuntimeError("this Buffer was used in normal mode since its last low-latency call; call "
+                               "clean_low_latency_buffer(N, hidden, num_experts) first")
+
+    def _take_ll_slot(self, op: str) -> int:
+        slot = self._ll_counter % 2
+        if slot in self._ll_pending:
+            raise RuntimeError(f"epcomm {op}: low-latency slot {slot} still holds the receive of "
+                               f"{self._ll_pending[slot]} whose hook() was not called; at most two "
+                               "low-latency results may be pending at once")
+        self._ll_counter += 1
+        return slot
+
+    def _make_hook(self, slot: int, what: str, finish: Callable[[], None]) -> Callable[[], None]:
+        self._ll_pending[slot] = what
+        called = False
+
+        def hook() -> None:
+            nonlocal called
+            if called:
+                raise RuntimeError(f"the receive hook of {what} was already called")
+            called = True
+            try:
+                finish()
+            finally:
+                self._ll_pending.pop(slot, None)
+
+        return hook
+
+    def _masked_ranks(self) -> torch.Tensor | None:
+        if not self.enable_shrink:
+            return None
+        masked = self._mask.cpu() != 0
+        return masked if bool(masked.any()) else None
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each (token, expert) pair to the expert's rank, packed per expert for grouped GEMMs.
+
+        Returns ``(recv_x, recv_count [E_local] int32, handle, event, hook)``.
+        """
+        self._check_alive()
+        try:
+            self._check_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook)
+        except _REFUSALS as error:
+            self._refuse(Op.LL_DISPATCH, error)
+        slot = self._take_ll_slot("low_latency_dispatch")
+
+        def run():
+            recv_x, recv_count, handle, finish, wait_ns = ref_ll.dispatch(
+                self._backend, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                use_ue8m0, self._masked_ranks(), self.uid, defer_receive=return_recv_hook)
+            handle.backend_state["topk_idx"] = topk_idx.clone()
+
+            def complete():
+                finish()
+                if cumulative_local_expert_recv_stats is not None:
+                    cumulative_local_expert_recv_stats.add_(recv_count)
+                if dispatch_wait_recv_cost_stats is not None:
+                    dispatch_wait_recv_cost_stats.add_(wait_ns.to(dispatch_wait_recv_cost_stats.device))
+
+            return recv_x, recv_count, handle, complete
+
+        (recv_x, recv_count, handle, complete), event = self._run(run, None, async_finish, False, (x, topk_idx))
+        if return_recv_hook:
+            return recv_x, recv_count, handle, event, self._make_hook(slot, "low_latency_dispatch", complete)
+        complete()
+        return recv_x, recv_count, handle, event, None
+
+    def _check_ll_dispatch(self, x, topk_idx, num_max_tokens, num_experts, recv_stats, wait_stats, use_fp8,
+                           round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
+        check_tensor("x", x, dtype=torch.bfloat16, dim=2, device=self.device, contiguous=True)
+        num_tokens, hidden = x.shape
+        check_int("num_max_dispatch_tokens_per_rank", num_max_tokens, minimum=1)
+        check_int("num_experts", num_experts, minimum=1)
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
+                             f"({self.group_size})")
+        if num_tokens > num_max_tokens:
+            raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_tokens}")
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True requires round_scale=True (UE8M0 holds powers of two only)")
+        if use_fp8 and hidden % 128:
+            raise ValueError(f"x: hidden ({hidden}) must be a multiple of 128 for FP8 (one scale per 128)")
+        if use_ue8m0 and hidden % 512:
+            raise ValueError(f"x: hidden ({hidden}) must be a multiple of 512 with use_ue8m0 (4 scales per int)")
+        if hidden * 2 % 16:
+            raise ValueError(f"x: hidden ({hidden}) * 2 bytes must be a multiple of 16")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
+        e_local = num_experts // self.group_size
+        if recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32, shape=(e_local,),
+                         device=self.device)
+        if wait_stats is not None:
+            check_tensor("dispatch_wait_recv_cost_stats", wait_stats, dtype=torch.int64,
+                         shape=(self.group_size,), device=self.device)
+        self._check_ll_buffer(num_max_tokens, hidden, num_experts)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Return expert outputs to their tokens and sum them weighted by ``topk_weights`` (fp32).
+
+        Returns ``(combined_x [T, H] bf16, event, hook)``.
+        """
+        self._check_alive()
+        try:
+            self._check_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                   return_recv_hook, out, combine_wait_recv_cost_stats)
+        except _REFUSALS as error:
+            self._refuse(Op.LL_COMBINE, error)
+        slot = self._take_ll_slot("low_latency_combine")
+
+        def run():
+            combined, finish, wait_ns = ref_ll.combine(self._backend, x, topk_idx, topk_weights, handle, out,
+                                                       defer_receive=return_recv_hook)
+
+            def complete():
+                finish()
+                if combine_wait_recv_cost_stats is not None:
+                    combine_wait_recv_cost_stats.add_(wait_ns.to(combine_wait_recv_cost_stats.device))
+
+            return combined, complete
+
+        (combined, complete), event = self._run(run, None, async_finish, False, (x, topk_idx, topk_weights))
+        if return_recv_hook:
+            return combined, event, self._make_hook(slot, "low_latency_combine", complete)
+        complete()
+        return combined, event, None
+
+    def _check_ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                          return_recv_hook, out, wait_stats) -> None:
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt=True (LogFMT-compressed combine) is not implemented; "
+                                      "use the default BF16 combine")
+        self._check_handle(handle, LowLatencyHandle)
+        e_local = handle.num_experts // self.group_size
+        rows = handle.num_max_dispatch_tokens_per_rank * self.group_size
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(e_local, rows, handle.hidden), device=self.device,
+                     contiguous=True)
+        check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk),
+                     device=self.device)
+        if not torch.equal(topk_idx, handle.backend_state["topk_idx"]):
+            raise ValueError("topk_idx differs from the one passed to the low_latency_dispatch of this handle")
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32,
+                     shape=(handle.num_tokens, handle.num_topk), device=self.device)
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
+        if zero_copy:
+            expected = self._backend.ll_combine_buffers.get(self._ll_counter % 2)
+            if expected is None or x.data_ptr() != expected.data_ptr():
+                raise ValueError("zero_copy=True needs x to be get_next_low_latency_combine_buffer(handle)")
+        if out is not None:
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden),
+                         device=self.device, contiguous=True)
+        if wait_stats is not None:
+            check_tensor("combine_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(self.group_size,),
+                         device=self.device)
+        self._check_ll_buffer(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The [E_local, N*R, H] bf16 buffer the next low_latency_combine reads when ``zero_copy=True``."""
+        self._check_alive()
+        self._check_handle(handle, LowLatencyHandle)
+        slot = self._ll_counter % 2
+        e_local = handle.num_experts // self.group_size
+        shape = (e_local, handle.num_max_dispatch_tokens_per_rank * self.group_size, handle.hidden)
+        buf = self._backend.ll_combine_buffers.get(slot)
+        if buf is None or tuple(buf.shape) != shape:
+            buf = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+            self._backend.ll_combine_buffers[slot] = buf
+        return buf
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Reset the low-latency buffers (required after normal-mode use of a low-latency Buffer)."""
+        self._check_alive()
+        if not self.low_latency_mode:
+            raise RuntimeError("clean_low_latency_buffer needs Buffer(..., low_latency_mode=True)")
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_experts", num_experts)):
+            check_int(name, value, minimum=1)
+        if self._ll_pending:
+            raise RuntimeError("clean_low_latency_buffer: a low-latency receive is pending; call its hook() first")
+        self._backend.ll_combine_buffers.clear()
+        self._ll_needs_clean = False
+
+    # ------------------------------------------------------------------ failed-rank masking
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError("failed-rank masking needs Buffer(..., enable_shrink=True)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mark ``rank_to_mask`` as failed (mask=True) or alive; masked ranks are skipped."""
+        self._check_shrink()
+        check_int("rank_to_mask", rank_to_mask, minimum=0, maximum=self.group_size - 1)
+        self._mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask (1 = masked) into ``mask_status`` (int32 [R])."""
+        self._check_shrink()
+        check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,))
+        mask_status.copy_(self._mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self._check_shrink()
+        self._mask.zero_()
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, tuple | list):
+        for item in obj:
+            yield from _tensors(item)
+
+
+__all__ = ["Buffer", "same_device"]

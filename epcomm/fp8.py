@@ -1,0 +1,93 @@
+"""FP8 (e4m3) casts with one scale per 128 channels, bit-for-bit what the kernels compute.
+
+The rule, shared by every backend: per token and per group of 128 channels,
+``amax = max(max|x|, 1e-4)``, ``scale = amax / 448`` and ``q = e4m3(x * (448 / amax))``, all in
+fp32 with round-to-nearest-even. With ``round_scale`` the scale is rounded up to a power of two
+and the multiplier is its exact inverse. UE8M0 packing keeps only the exponent byte of such a
+power-of-two scale, four groups per int32 (group g in byte g % 4, little-endian).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+GROUP = 128
+
+
+def _grouped(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    num_groups = math.ceil(hidden / GROUP)
+    xf = x.float()
+    pad = num_groups * GROUP - hidden
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    return xf.view(num_tokens, num_groups, GROUP), hidden
+
+
+def round_scale_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= each (positive, normal) fp32 scale, by exponent arithmetic."""
+    bits = scale.view(torch.int32)
+    mantissa = bits & 0x7FFFFF
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + (mantissa != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def quantize_groups(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (e4m3 [T, H], fp32 scales [T, ceil(H/128)]) following the module rule."""
+    xg, hidden = _grouped(x)
+    amax = xg.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    if round_scale:
+        scale = round_scale_up_pow2(amax / FP8_MAX)
+        inv = 1.0 / scale  # exact: scale is a power of two
+    else:
+        scale = amax / FP8_MAX
+        inv = FP8_MAX / amax
+    q = (xg * inv.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    q = q.view(x.shape[0], -1)[:, :hidden].contiguous()
+    return q, scale
+
+
+def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Pack power-of-two fp32 scales [.., G] (G % 4 == 0) into int32 [.., G / 4] exponent bytes."""
+    if scale.shape[-1] % 4:
+        raise ValueError(f"UE8M0 packing needs a multiple of 4 scale groups, got {scale.shape[-1]}")
+    exp_bytes = ((scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return exp_bytes.view(torch.int32)  # little-endian: group g lands in byte g % 4
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_ue8m0``: int32 [.., G/4] -> fp32 powers of two [.., G]."""
+    exp_bytes = packed.contiguous().view(torch.uint8).to(torch.int32)
+    return (exp_bytes << 23).view(torch.float32)
+
+
+def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast bf16/fp32 ``x`` [T, H] to (e4m3 [T, H], fp32 scales [T, ceil(H/128)])."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating tensor, got dtype {x.dtype}")
+    return quantize_groups(x)
+
+
+def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dequantize (e4m3 [T, H], scales [T, ceil(H/128)] fp32, or UE8M0-packed int32) to bf16."""
+    if x_fp8.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
+    if scales.dtype == torch.int32:
+        scales = unpack_ue8m0(scales)
+    elif scales.dtype != torch.float32:
+        raise TypeError(f"scales must be float32 or UE8M0-packed int32, got {scales.dtype}")
+    xg, hidden = _grouped(x_fp8.float())
+    if scales.shape[-1] < xg.shape[1] or scales.shape[0] != x_fp8.shape[0]:
+        raise ValueError(f"scales shape {tuple(scales.shape)} does not cover x_fp8 {tuple(x_fp8.shape)} "
+                         f"({xg.shape[1]} groups of {GROUP})")
+    out = xg * scales[:, : xg.shape[1]].unsqueeze(-1)
+    return out.view(x_fp8.shape[0], -1)[:, :hidden].to(torch.bfloat16)

@@ -1,0 +1,133 @@
+"""Start local ranks the way users do (one process per rank, torch.distributed) and run work on them.
+
+``LocalCluster`` keeps its processes alive between calls, so a test suite pays the start-up cost
+(importing torch, creating the process group) once per rank count instead of once per test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, str], tasks, results) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)  # ranks share the host's cores
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                results.put((rank, True, fn(*args, **kwargs)))
+            except BaseException as error:  # report every failure to the parent, with its traceback
+                results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank to the formatted exception."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        self.errors = errors
+        first = min(errors)
+        super().__init__(f"{len(errors)} rank(s) failed {sorted(errors)}; rank {first}:\n{errors[first]}")
+
+
+class LocalCluster:
+    """``num_ranks`` processes on this host joined in one process group (gloo on CPU, NCCL on GPUs)."""
+
+    def __init__(self, num_ranks: int, backend: str | None = None, env: dict[str, str] | None = None) -> None:
+        self.num_ranks = num_ranks
+        self.backend = backend or default_backend()
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(num_ranks)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_worker, args=(r, num_ranks, port, self.backend, dict(env or {}),
+                                                          self._tasks[r], self._results), daemon=True)
+                       for r in range(num_ranks)]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 300, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        ``fn`` must be importable by name (a module-level function). If any rank raises, raises
+        RankFailure with every rank's traceback once all ranks have answered.
+        """
+        if self.broken:
+            raise RuntimeError("this LocalCluster is broken by an earlier failure; start a new one")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(results) + len(errors) < self.num_ranks:
+            try:
+                rank, ok, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.broken = True
+                    missing = sorted(set(range(self.num_ranks)) - set(results) - set(errors))
+                    self.close()
+                    why = f"rank process(es) {dead} died" if dead else f"no answer after {timeout_s} s"
+                    raise RankFailure({**errors, **{r: why for r in missing}}) from None
+                continue
+            (results if ok else errors)[rank] = value
+        if errors:
+            self.broken = True  # peers of a failed rank may hold unfinished collectives
+            self.close()
+            raise RankFailure(errors)
+        return [results[r] for r in range(self.num_ranks)]
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.broken = True
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
