@@ -50,7 +50,7 @@ def quantize_groups(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.T
         scale = amax / FP8_MAX
         inv = FP8_MAX / amax
     q = (xg * inv.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    q = q.view(x.shape[0], -1)[:, :hidden].contiguous()
+    q = q.reshape(x.shape[0], xg.shape[1] * GROUP)[:, :hidden].contiguous()
     return q, scale
 
 
@@ -90,4 +90,4 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tens
         raise ValueError(f"scales shape {tuple(scales.shape)} does not cover x_fp8 {tuple(x_fp8.shape)} "
                          f"({xg.shape[1]} groups of {GROUP})")
     out = xg * scales[:, : xg.shape[1]].unsqueeze(-1)
-    return out.view(x_fp8.shape[0], -1)[:, :hidden].to(torch.bfloat16)
+    return out.reshape(x_fp8.shape[0], xg.shape[1] * GROUP)[:, :hidden].to(torch.bfloat16)

@@ -10,7 +10,7 @@ from epcomm.utils.launch import LocalCluster  # noqa: E402
 _clusters: dict[int, LocalCluster] = {}
 
 # Ranks raise quickly in tests if a peer never arrives, instead of after 100 s.
-TEST_ENV = {"EPCOMM_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+TEST_ENV = {"EPCOMM_TIMEOUT_S": "30", "OMP_NUM_THREADS": "1"}
 
 
 def cluster(num_ranks: int) -> LocalCluster:

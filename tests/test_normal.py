@@ -139,8 +139,9 @@ CASES = [
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_dispatch_combine(case, fp8):
     ranks, tokens, hidden, experts, topk, routing = case
-    cluster(ranks).run(rank_dispatch_combine, tokens, hidden, experts, topk, routing, seed=CASES.index(case) + 100 * fp8,
-                       fp8=fp8, col_major_scales=False, alignment=1, num_worst_tokens=0, use_bias=False)
+    seed = CASES.index(case) + 100 * fp8
+    cluster(ranks).run(rank_dispatch_combine, tokens, hidden, experts, topk, routing, seed=seed, fp8=fp8,
+                       col_major_scales=False, alignment=1, num_worst_tokens=0, use_bias=False)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -56,8 +56,10 @@ class RankFailure(RuntimeError):
 
     def __init__(self, errors: dict[int, str]) -> None:
         self.errors = errors
-        first = min(errors)
-        super().__init__(f"{len(errors)} rank(s) failed {sorted(errors)}; rank {first}:\n{errors[first]}")
+        # Show the root cause: a rank whose error is not a timeout caused by a failed peer.
+        causes = [r for r in sorted(errors) if "PeerTimeoutError" not in errors[r]] or sorted(errors)
+        lines = "\n".join(f"  rank {r}: {errors[r].splitlines()[0][:300]}" for r in sorted(errors))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{lines}\nrank {causes[0]} in full:\n{errors[causes[0]]}")
 
 
 class LocalCluster:
@@ -66,6 +68,7 @@ class LocalCluster:
     def __init__(self, num_ranks: int, backend: str | None = None, env: dict[str, str] | None = None) -> None:
         self.num_ranks = num_ranks
         self.backend = backend or default_backend()
+        self.env = dict(env or {})
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(num_ranks)]
@@ -106,6 +109,10 @@ class LocalCluster:
                     raise RankFailure({**errors, **{r: why for r in missing}}) from None
                 continue
             (results if ok else errors)[rank] = value
+            if not ok:
+                # Peers of a failed rank raise within EPCOMM_TIMEOUT_S; do not wait longer than that.
+                grace = float(self.env.get("EPCOMM_TIMEOUT_S", "100")) + 15
+                deadline = min(deadline, time.monotonic() + grace)
         if errors:
             self.broken = True  # peers of a failed rank may hold unfinished collectives
             self.close()

@@ -134,9 +134,10 @@ def _op_name(code: int) -> str:
 
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
     """View a 2-D tensor's rows as raw bytes (contiguous copy if needed)."""
-    t = t.contiguous()
-    row_bytes = (t.numel() // t.shape[0] if t.shape[0] else _row_numel(t)) * t.element_size()
-    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
+    row_bytes = _row_numel(t) * t.element_size()
+    if t.numel() == 0:  # empty tensors may carry strides that forbid a dtype view
+        return torch.empty((t.shape[0], row_bytes), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -147,4 +148,6 @@ def _row_numel(t: torch.Tensor) -> int:
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    if b.numel() == 0:
+        return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
     return b.contiguous().view(dtype).reshape(b.shape[0], cols)

@@ -134,7 +134,7 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
             handle: LowLatencyHandle, out: torch.Tensor | None, defer_receive: bool
             ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
     """Returns (combined_x, finish, wait_ns); combined_x is valid once finish() ran."""
-    rank, num_ranks = be.rank, be.num_ranks
+    num_ranks = be.num_ranks
     st = handle.backend_state
     recv_counts, begins = st["recv_counts"], st["begins"]
     experts_per_rank = handle.num_experts // num_ranks

@@ -1,0 +1,17 @@
+# The two quick-start commands: `make bench` (the main job) and `make test`.
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: bench test lint
+
+bench:
+	bash scripts/setup_env.sh
+	$(PYTHON) -m epcomm.bench $(ARGS)
+
+test:
+	bash scripts/setup_env.sh
+	$(PYTHON) -m ruff check epcomm tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+
+lint:
+	$(PYTHON) -m ruff check epcomm tests

@@ -1,0 +1,97 @@
+"""The driver of ``python -m epcomm.bench``: spawn the ranks, run every case, report.
+
+The ranks are one ``LocalCluster`` (NCCL on all GPUs, or gloo CPU processes) kept alive for the
+whole run, so start-up is paid once. Each case is one ``cluster.run``, which lets the driver print
+a progress line per configuration as it finishes. NVLink multicast is disabled in the ranks
+always: it must stay off on the GPU machines (BENCHMARK.md) and is irrelevant elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..utils.launch import LocalCluster, RankFailure
+from . import report, runner
+from .options import Options, parse_args
+from .workloads import plan_cases
+
+RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+CASE_TIMEOUT_S = 1800.0  # one configuration; the ranks' own collectives time out sooner (EPCOMM_TIMEOUT_S)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _progress(i: int, n: int, case, record: dict, seconds: float) -> str:
+    status = "checked" if record["checked"] else "CHECK FAILED"
+    return (f"[{i}/{n}] {case.describe()}: dispatch {record['dispatch_us']:.1f} us "
+            f"{record['dispatch_gbps']:.2f} GB/s, combine {record['combine_us']:.1f} us "
+            f"{record['combine_gbps']:.2f} GB/s, {status} ({seconds:.1f} s)")
+
+
+def run(opts: Options) -> tuple[list[dict], list[str]]:
+    """Run every case; returns (records, errors). A rank error stops the run: its group may be wedged."""
+    cases = plan_cases(opts.modes, opts.tokens, opts.ll_tokens, opts.hidden, opts.topk, opts.experts,
+                       opts.ll_experts, opts.num_sms, opts.dtypes, opts.warmup, opts.iters, opts.seed,
+                       opts.backend)
+    _log(f"epcomm.bench: {opts.num_ranks} rank(s) on {opts.pg_backend}, {len(cases)} configuration(s), "
+         f"{opts.warmup} warm-up(s) + {opts.iters} timed call(s) each")
+    records: list[dict] = []
+    errors: list[str] = []
+    commit, date = report.git_commit(), report.today()
+    timer = "cuda-events" if opts.pg_backend == "nccl" else "perf_counter"
+    env = dict(RANK_ENV)
+    if "EPCOMM_TIMEOUT_S" in os.environ:  # the launcher sizes its own wait after a rank failure on it
+        env["EPCOMM_TIMEOUT_S"] = os.environ["EPCOMM_TIMEOUT_S"]
+    with LocalCluster(opts.num_ranks, opts.pg_backend, env=env) as cluster:
+        try:
+            info = cluster.run(runner.device_info)[0]
+        except RankFailure as failure:
+            return records, [f"the ranks failed to start: {failure}"]
+        device = report.device_string(info, opts.num_ranks)
+        for i, case in enumerate(cases, 1):
+            start = time.monotonic()
+            try:
+                per_rank = cluster.run(runner.run_case, case, timeout_s=CASE_TIMEOUT_S)
+            except RankFailure as failure:
+                errors.append(f"{case.describe()}: {failure}")
+                _log(f"[{i}/{len(cases)}] {case.describe()}: FAILED, stopping\n{failure}")
+                break
+            record = report.make_record(case, per_rank, device, commit, date, timer)
+            records.append(record)
+            _log(_progress(i, len(cases), case, record, time.monotonic() - start))
+            for failure_message in record.get("failures", [])[:5]:
+                _log(f"    {failure_message}")
+    return records, errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m epcomm.bench`` / ``epcomm-bench`` / ``epcomm bench``.
+
+    Returns 0 when every case ran and matched the reference, 1 otherwise (2 for bad options).
+    """
+    opts = parse_args(argv)
+    records, errors = run(opts)
+    if records:
+        first = records[0]
+        header = (f"epcomm bench: {first['device']}, commit {first['commit'][:12]}, backend={opts.backend}, "
+                  f"{opts.warmup} warm-up + {opts.iters} timed calls, times = slowest rank's median "
+                  f"({first['timer']})")
+        print(report.format_table(records, header), flush=True)
+    if opts.json:
+        report.write_json(records, opts.json)
+        _log(f"wrote {len(records)} record(s) to {opts.json}")
+    if opts.plot and records:
+        from .plot import write_plot
+
+        write_plot(records, opts.plot)
+        _log(f"wrote {opts.plot}")
+    failed = [r for r in records if not r["checked"]]
+    if failed:
+        _log(f"{len(failed)} configuration(s) did not match the reference")
+    for error in errors:
+        _log("error: " + "\n  ".join(error.splitlines()[:6]))
+    return 1 if failed or errors else 0

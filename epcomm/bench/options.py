@@ -1,0 +1,190 @@
+"""Command-line options of ``python -m epcomm.bench``.
+
+Defaults depend on the machine: with CUDA GPUs they are the settings of BENCHMARK.md (all GPUs,
+DeepSeek-V3 shapes, 20 warm-ups and 50 timed calls); without, 4 gloo processes on a problem small
+enough to finish in well under a minute on two cores, so the same command is a quick smoke test.
+Every error names the option at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MAX_TOPK
+from . import plot
+from .metrics import DTYPES
+from .workloads import LOW_LATENCY, MODES, NORMAL
+
+BACKENDS = ("auto", "reference", "cuda")
+
+# option -> (GPU default, CPU default)
+DEFAULTS = {
+    "tokens": ([4096], [256]),
+    "hidden": ([7168], [2048]),
+    "topk": (8, 8),
+    "experts": (256, 64),
+    "ll_tokens": ([128], [64]),
+    "ll_experts": (288, 64),
+    "num_sms": ([24], [24]),
+    "warmup": (20, 3),
+    "iters": (50, 10),
+}
+CPU_RANKS = 4
+
+
+@dataclass
+class Options:
+    num_ranks: int
+    pg_backend: str  # "nccl" or "gloo"
+    tokens: list[int]
+    hidden: list[int]
+    topk: int
+    experts: int
+    ll_tokens: list[int]
+    ll_experts: int
+    num_sms: list[int]
+    dtypes: list[str]
+    modes: list[str]
+    warmup: int
+    iters: int
+    backend: str
+    seed: int
+    json: str | None
+    plot: str | None
+
+
+def parse_int_list(text: str) -> list[int]:
+    """"128,256" or a doubling range "128..16384" (128, 256, ..., 16384), or a mix of both."""
+    values: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if ".." in item:
+            lo_text, hi_text = item.split("..", 1)
+            lo, hi = int(lo_text), int(hi_text)
+            if lo <= 0 or hi < lo:
+                raise argparse.ArgumentTypeError(f"range {item!r} needs 0 < start <= end")
+            v = lo
+            while v <= hi:
+                values.append(v)
+                v *= 2
+        elif item:
+            values.append(int(item))
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+    return values
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return parse_int_list(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like '128,256' or '128..4096', got {text!r}") \
+            from None
+
+
+def _choice_list(choices: tuple[str, ...], aliases: dict[str, str] | None = None):
+    def parse(text: str) -> list[str]:
+        out = []
+        for item in text.split(","):
+            item = (aliases or {}).get(item.strip(), item.strip())
+            if item not in choices:
+                raise argparse.ArgumentTypeError(f"{item!r} is not one of {', '.join(choices)}")
+            if item not in out:
+                out.append(item)
+        return out
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m epcomm.bench",
+        description="Benchmark epcomm dispatch/combine (normal and low-latency) on the local GPUs (NCCL) or, "
+                    "without GPUs, on CPU processes (gloo); every result is checked against a "
+                    "single-process reference and printed beside a plain all_to_all_single of the same "
+                    "routing. Times are the slowest rank's median.",
+        epilog="Lists take commas or doubling ranges: --tokens 128..16384. Defaults in brackets are "
+               "GPU / CPU.")
+    d = DEFAULTS
+    p.add_argument("--num-ranks", type=int, help=f"ranks to spawn [all GPUs / {CPU_RANKS}]")
+    p.add_argument("--tokens", type=_int_list, help=f"tokens per rank, normal mode (sweep) {d['tokens']}")
+    p.add_argument("--hidden", type=_int_list, help=f"hidden size (sweep) {d['hidden']}")
+    p.add_argument("--topk", type=int, help=f"experts per token {d['topk']}")
+    p.add_argument("--experts", type=int, help=f"experts, normal mode {d['experts']}")
+    p.add_argument("--ll-tokens", type=_int_list,
+                   help="tokens per rank = num_max_dispatch_tokens_per_rank, low-latency (sweep) "
+                        f"{d['ll_tokens']}")
+    p.add_argument("--ll-experts", type=int, help=f"experts, low-latency mode {d['ll_experts']}")
+    p.add_argument("--num-sms", type=_int_list,
+                   help=f"SM counts (even) passed via Buffer.set_num_sms and Config (sweep) {d['num_sms']}")
+    p.add_argument("--dtype", type=_choice_list(DTYPES), default=list(DTYPES),
+                   help="normal-mode dispatch dtypes [bf16,fp8]; low-latency dispatch is always FP8")
+    p.add_argument("--modes", type=_choice_list(MODES, {"low-latency": LOW_LATENCY, "ll": LOW_LATENCY}),
+                   default=list(MODES), help="modes to run [normal,low_latency]")
+    p.add_argument("--warmup", type=int, help=f"untimed calls before timing {d['warmup']}")
+    p.add_argument("--iters", type=int, help=f"timed calls; the median is reported {d['iters']}")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="epcomm Buffer backend [auto]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the routing [0]")
+    p.add_argument("--json", metavar="PATH", help="write the records (BENCHMARK.md format) to PATH")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of bandwidth against tokens (needs matplotlib)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    """Parse and validate; on a bad value, print usage and the option at fault and exit with status 2."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    pick = 0 if gpu else 1
+    for name, defaults in DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, defaults[pick])
+    num_gpus = torch.cuda.device_count() if gpu else 0
+    if a.num_ranks is None:
+        a.num_ranks = num_gpus if gpu else CPU_RANKS
+
+    def fail(message: str) -> None:
+        parser.error(message)  # exits with status 2
+
+    if a.num_ranks < 1:
+        fail(f"--num-ranks must be >= 1, got {a.num_ranks}")
+    if gpu and a.num_ranks > num_gpus:
+        fail(f"--num-ranks {a.num_ranks} exceeds the {num_gpus} visible GPU(s) (one rank per GPU)")
+    if a.backend == "cuda" and not gpu:
+        fail("--backend cuda needs CUDA GPUs; none is visible (use --backend reference or auto)")
+    for name in ("tokens", "ll_tokens", "hidden"):
+        bad = [v for v in getattr(a, name) if v < 1]
+        if bad:
+            fail(f"--{name.replace('_', '-')} values must be >= 1, got {bad}")
+    if not 1 <= a.topk <= MAX_TOPK:
+        fail(f"--topk must be in [1, {MAX_TOPK}], got {a.topk}")
+    needs_128 = "fp8" in a.dtype or LOW_LATENCY in a.modes
+    for h in a.hidden:
+        if needs_128 and h % 128:
+            fail(f"--hidden {h} must be a multiple of 128 for FP8 dispatch (one scale per 128 channels)")
+        if h % 8:
+            fail(f"--hidden {h} must be a multiple of 8 (rows of a multiple of 16 bytes in BF16)")
+    for mode, option, experts in ((NORMAL, "--experts", a.experts),
+                                  (LOW_LATENCY, "--ll-experts", a.ll_experts)):
+        if mode not in a.modes:
+            continue
+        if experts < 1 or experts % a.num_ranks:
+            fail(f"{option} ({experts}) must be a positive multiple of --num-ranks ({a.num_ranks})")
+        if a.topk > experts:
+            fail(f"--topk ({a.topk}) must be <= {option} ({experts})")
+    bad_sms = [s for s in a.num_sms if s < 2 or s % 2]
+    if bad_sms:
+        fail(f"--num-sms values must be even and >= 2 (two SMs per channel), got {bad_sms}")
+    if a.warmup < 0:
+        fail(f"--warmup must be >= 0, got {a.warmup}")
+    if a.iters < 1:
+        fail(f"--iters must be >= 1, got {a.iters}")
+    if a.plot and not plot.matplotlib_available():
+        fail(plot.MISSING_MATPLOTLIB)
+    return Options(num_ranks=a.num_ranks, pg_backend="nccl" if gpu else "gloo", tokens=a.tokens,
+                   hidden=a.hidden, topk=a.topk, experts=a.experts, ll_tokens=a.ll_tokens, ll_experts=a.ll_experts,
+                   num_sms=a.num_sms, dtypes=a.dtype, modes=a.modes, warmup=a.warmup, iters=a.iters,
+                   backend=a.backend, seed=a.seed, json=a.json, plot=a.plot)

@@ -1,0 +1,74 @@
+"""Per-rank timing of one collective call, the way BENCHMARK.md measures it.
+
+GPU: CUDA events around each call, with L2 flushed before every timed call (a 256 MB write), so a
+call never finds the previous call's data in cache. CPU: ``time.perf_counter`` around each call,
+with a barrier before every iteration so no rank starts its clock while a peer is still in the
+previous call (gloo has no device timeline to measure on). Either way the median is returned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+L2_FLUSH_BYTES = 256 * 1000 * 1000
+
+_flush_buffer: torch.Tensor | None = None
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """One 256 MB buffer per process, allocated on first use and reused (allocation is not timed)."""
+    global _flush_buffer
+    if _flush_buffer is None or _flush_buffer.device != device:
+        _flush_buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    return _flush_buffer
+
+
+def time_call(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device) -> tuple[float, Any]:
+    """Run ``fn`` ``warmup`` times untimed, then ``iters`` times timed; return (median seconds, last result).
+
+    Every rank must call this with the same counts: ``fn`` is collective.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    if device.type == "cuda":
+        return _time_cuda(fn, warmup, iters, device)
+    return _time_cpu(fn, warmup, iters)
+
+
+def _time_cpu(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, Any]:
+    result = None
+    for _ in range(warmup):
+        dist.barrier()
+        result = fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device) -> tuple[float, Any]:
+    flush = _l2_flush_buffer(device)
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        flush.zero_()
+        starts[i].record()
+        result = fn()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
+    return statistics.median(times), result

@@ -1,0 +1,105 @@
+"""What is measured: the configurations of a run and their inputs.
+
+Inputs are a pure function of (seed, rank, shape), so every rank can rebuild every other rank's
+inputs and check its own outputs against a single-process reference without any extra
+communication. This is a bench-local copy of the builder in tests/routing.py (the package must not
+import from tests/), restricted to the routing BENCHMARK.md prescribes: scores ~ U(0, 1), top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NORMAL, LOW_LATENCY = "normal", "low_latency"
+MODES = (NORMAL, LOW_LATENCY)
+EPCOMM, A2A = "epcomm", "a2a"  # what a case runs: the Buffer, or the plain all_to_all_single baseline
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration; sent to every rank, so it stays a plain picklable value."""
+
+    mode: str  # NORMAL or LOW_LATENCY
+    kind: str  # EPCOMM or A2A
+    num_tokens: int  # per rank (low-latency: also num_max_dispatch_tokens_per_rank)
+    hidden: int
+    num_topk: int
+    num_experts: int
+    num_sms: int | None  # Buffer.set_num_sms value; None for the baseline (NCCL picks its own)
+    dtype: str  # dispatch dtype: "bf16" or "fp8" (the baseline is always bf16)
+    warmup: int
+    iters: int
+    seed: int
+    backend: str  # Buffer(backend=...)
+
+    def describe(self) -> str:
+        who = "a2a-baseline" if self.kind == A2A else f"epcomm {self.dtype}"
+        sms = "" if self.num_sms is None else f" sms={self.num_sms}"
+        return (f"{self.mode} {who} T={self.num_tokens} H={self.hidden} K={self.num_topk} "
+                f"E={self.num_experts}{sms}")
+
+
+@dataclass
+class RankInputs:
+    x: torch.Tensor  # [T, H] bf16, random normal (never all zeros, so a dropped row shows)
+    topk_idx: torch.Tensor  # [T, K] int64
+    topk_weights: torch.Tensor  # [T, K] f32 in (0, 1)
+
+
+def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int) -> torch.Tensor:
+    """Random routing of BENCHMARK.md: per token, the top-k of U(0, 1) scores over all experts."""
+    scores = torch.rand((num_tokens, num_experts), generator=gen)
+    return scores.topk(num_topk, dim=1).indices.to(torch.int64)
+
+
+def make_rank_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int,
+                     num_topk: int) -> RankInputs:
+    """Inputs of ``rank``, identical on whichever process builds them (CPU generator, fixed order)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+    topk_idx = make_topk_idx(gen, num_tokens, num_experts, num_topk)
+    weights = torch.rand((num_tokens, num_topk), generator=gen).to(torch.float32)
+    return RankInputs(x, topk_idx, weights)
+
+
+_cache: dict[tuple, list[RankInputs]] = {}
+
+
+def all_rank_inputs(case: Case, num_ranks: int, device: torch.device) -> list[RankInputs]:
+    """Every rank's inputs on ``device``; the last set is cached because consecutive cases share it."""
+    key = (case.seed, case.mode, num_ranks, case.num_tokens, case.hidden, case.num_experts, case.num_topk,
+           str(device))
+    if key not in _cache:
+        _cache.clear()
+        # Low-latency inputs come from another seed stream than normal-mode ones of the same shape.
+        seed = case.seed + (7919 if case.mode == LOW_LATENCY else 0)
+        built = []
+        for r in range(num_ranks):
+            inp = make_rank_inputs(seed, r, case.num_tokens, case.hidden, case.num_experts, case.num_topk)
+            built.append(RankInputs(inp.x.to(device), inp.topk_idx.to(device), inp.topk_weights.to(device)))
+        _cache[key] = built
+    return _cache[key]
+
+
+def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hiddens: list[int], num_topk: int,
+               num_experts: int, ll_experts: int, num_sms: list[int], dtypes: list[str], warmup: int,
+               iters: int, seed: int, backend: str) -> list[Case]:
+    """Cases in run order: for each shape, the baseline first, then epcomm per SM count and dtype.
+
+    Low-latency dispatch is FP8 as BENCHMARK.md prescribes, whatever ``dtypes`` says.
+    """
+    cases = []
+    for mode in modes:
+        counts, experts = (tokens, num_experts) if mode == NORMAL else (ll_tokens, ll_experts)
+        mode_dtypes = dtypes if mode == NORMAL else ["fp8"]
+        for hidden in hiddens:
+            for t in counts:
+                common = dict(mode=mode, num_tokens=t, hidden=hidden, num_topk=num_topk, num_experts=experts,
+                              warmup=warmup, iters=iters, seed=seed, backend=backend)
+                cases.append(Case(kind=A2A, num_sms=None, dtype="bf16", **common))
+                for sms in num_sms:
+                    for dtype in mode_dtypes:
+                        cases.append(Case(kind=EPCOMM, num_sms=sms, dtype=dtype, **common))
+    return cases

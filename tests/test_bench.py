@@ -1,0 +1,171 @@
+"""The benchmark: its byte counts, its reference checks, its options, and one tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import epcomm
+from epcomm.bench import checks, metrics, report
+from epcomm.bench.__main__ import main
+from epcomm.bench.options import parse_int_list
+from epcomm.bench.workloads import make_rank_inputs
+from epcomm.cli import main as cli_main
+
+
+def test_byte_counts_by_hand():
+    # DeepSeek-V3 hidden: 7168 channels = 56 scale groups.
+    assert metrics.row_bytes(7168, "bf16") == 14336
+    assert metrics.row_bytes(7168, "fp8") == 7168 + 56 * 4
+    assert metrics.normal_dispatch_bytes(10, 7168, "bf16") == 143360
+    assert metrics.normal_dispatch_bytes(10, 7168, "fp8") == 73920
+    assert metrics.normal_combine_bytes(10, 7168) == 143360  # combine is BF16 whatever dispatch was
+    assert metrics.ll_dispatch_bytes(3, 7168) == 3 * (7168 + 224 + 16)
+    assert metrics.ll_dispatch_bytes(3, 7168, "bf16") == 3 * 14336
+    assert metrics.ll_combine_bytes(3, 7168) == 3 * 14336
+    assert metrics.row_bytes(200, "fp8") == 200 + 2 * 4  # a partial group still has a scale
+    with pytest.raises(ValueError, match="dtype"):
+        metrics.row_bytes(128, "fp16")
+
+
+def test_slowest_rank_reports_its_own_bytes():
+    us, gbps, rank = metrics.slowest_rank([1e-3, 2e-3, 1.5e-3], [10**6, 3 * 10**6, 10**9])
+    assert rank == 1
+    assert us == pytest.approx(2000.0)
+    assert gbps == pytest.approx(1.5)  # 3 MB / 2 ms
+    with pytest.raises(ValueError, match="one time and one byte count per rank"):
+        metrics.slowest_rank([1.0], [1, 2])
+
+
+def test_parse_int_list():
+    assert parse_int_list("128..1024") == [128, 256, 512, 1024]
+    assert parse_int_list("16,48, 64..128") == [16, 48, 64, 128]
+
+
+def _two_rank_inputs(tokens=24, hidden=256, experts=8, topk=4):
+    return [make_rank_inputs(3, r, tokens, hidden, experts, topk) for r in range(2)]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_normal_checks_catch_a_wrong_row(dtype):
+    inputs = _two_rank_inputs()
+    want = checks.Expected(inputs, 0, 8)
+    recv_x = want.x.clone() if dtype == "bf16" else epcomm.per_token_cast_to_fp8(want.x)
+    ok = checks.check_normal_dispatch("t", recv_x, want.topk_idx, want.topk_weights, want.expert_counts, want,
+                                      dtype)
+    assert ok == [], ok
+    data = recv_x if dtype == "bf16" else recv_x[0]
+    data.view(torch.uint8)[1, 3] ^= 1  # one flipped bit in one row
+    bad = checks.check_normal_dispatch("t", recv_x, want.topk_idx, want.topk_weights, None, want, dtype)
+    assert len(bad) == 1 and "recv_x" in bad[0], bad
+
+    # Combine: every token comes back once per destination rank.
+    mine = inputs[0]
+    base = mine.x if dtype == "bf16" else epcomm.per_token_cast_back(*epcomm.per_token_cast_to_fp8(mine.x))
+    combined = (base.double() * want.in_rank.sum(1, keepdim=True)).to(torch.bfloat16)
+    assert checks.check_normal_combine("t", combined, mine, want, dtype) == []
+    combined[5, 7] = combined[5, 7] * 1.1 + 0.1
+    assert checks.check_normal_combine("t", combined, mine, want, dtype), "a 10% error must fail"
+
+
+def test_low_latency_checks_catch_a_wrong_row():
+    inputs = _two_rank_inputs(tokens=16)
+    rank, num_ranks, experts, n = 0, 2, 8, 16
+    e_local, hidden = experts // num_ranks, inputs[0].x.shape[1]
+    data = torch.zeros((e_local, n * num_ranks, hidden), dtype=torch.float8_e4m3fn)
+    scales = torch.zeros((e_local, hidden // 128, n * num_ranks)).transpose(1, 2)
+    src_info = torch.full((e_local, n * num_ranks), -1, dtype=torch.int32)
+    layout = torch.zeros((e_local, num_ranks), dtype=torch.int64)
+    counts = torch.zeros(e_local, dtype=torch.int32)
+    for e in range(e_local):
+        begin = 0
+        for j in reversed(range(num_ranks)):  # blocks may come in any order
+            tokens = torch.nonzero((inputs[j].topk_idx == rank * e_local + e).any(1)).flatten().flip(0)
+            q, s = epcomm.per_token_cast_to_fp8(inputs[j].x[tokens])
+            c = tokens.numel()
+            data[e, begin:begin + c], scales[e, begin:begin + c] = q, s
+            src_info[e, begin:begin + c] = tokens.to(torch.int32)
+            layout[e, j] = (begin << 32) | c
+            begin += c
+        counts[e] = begin
+    handle = SimpleNamespace(layout_range=layout, src_info=src_info)
+    assert checks.check_ll_dispatch("t", (data, scales), counts, handle, inputs, rank, experts) == []
+    data.view(torch.uint8)[1, 0, 5] ^= 1
+    bad = checks.check_ll_dispatch("t", (data, scales), counts, handle, inputs, rank, experts)
+    assert len(bad) == 1 and "expert 1" in bad[0], bad
+
+    y = checks.ll_combine_input((data, scales), counts, n, num_ranks)
+    assert y.dtype == torch.bfloat16 and bool((y[:, int(counts.max()):] == 0).all())
+    mine = inputs[rank]
+    weight = mine.topk_weights.double().sum(1, keepdim=True)
+    base = epcomm.per_token_cast_back(*epcomm.per_token_cast_to_fp8(mine.x)).double()
+    combined = (base * weight).to(torch.bfloat16)
+    assert checks.check_ll_combine("t", combined, mine) == []
+    combined[0, 0] = -combined[0, 0] - 1
+    assert checks.check_ll_combine("t", combined, mine)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--num-ranks", "2", "--experts", "7"], "--experts"),
+    (["--num-ranks", "2", "--hidden", "200"], "--hidden"),
+    (["--num-sms", "3"], "--num-sms"),
+    (["--tokens", "abc"], "--tokens"),
+    (["--dtype", "fp16"], "--dtype"),
+    (["--iters", "0"], "--iters"),
+])
+def test_bad_options_name_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_cli_dispatches_and_rejects_unknown_commands(capsys):
+    assert cli_main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "--topk", "0"])
+    assert exit_info.value.code == 2
+    assert "--topk" in capsys.readouterr().err
+
+
+def test_tiny_run_end_to_end(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    png = tmp_path / "bw.png"
+    argv = ["--num-ranks", "2", "--tokens", "16,32", "--hidden", "256", "--topk", "4", "--experts", "8",
+            "--ll-tokens", "8", "--ll-experts", "8", "--num-sms", "8", "--warmup", "1", "--iters", "3",
+            "--backend", "reference", "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    records = json.loads(out.read_text())
+    # normal: 2 token counts x (baseline + bf16 + fp8); low-latency: baseline + fp8.
+    assert len(records) == 8, [(r["mode"], r["impl"], r["num_tokens"]) for r in records]
+    a2a = "gloo-a2a" if records[0]["device"] == "cpu-gloo-x2" else "nccl-a2a"
+    assert {(r["mode"], r["impl"], r["dispatch_dtype"]) for r in records} == {
+        ("normal", a2a, "bf16"), ("normal", "epcomm-reference", "bf16"), ("normal", "epcomm-reference", "fp8"),
+        ("low_latency", a2a, "bf16"), ("low_latency", "epcomm-reference", "fp8")}
+    for r in records:
+        tag = f"{r['mode']} {r['impl']} {r['dispatch_dtype']} T={r['num_tokens']}"
+        assert set(report.RECORD_KEYS) <= set(r), tag
+        assert r["checked"] is True, (tag, r.get("failures"))
+        for key in ("dispatch_us", "dispatch_gbps", "combine_us", "combine_gbps"):
+            assert r[key] > 0, (tag, key, r[key])
+        assert r["num_ranks"] == 2 and r["hidden"] == 256 and r["num_topk"] == 4, tag
+        assert r["num_sms"] == (None if r["baseline"] else 8), tag
+        assert r["buffer_bytes"] > 0 and r["inter_domain_gbps"] is None, tag
+        assert re.fullmatch(r"[0-9a-f]{40}|unknown", r["commit"]) and re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"])
+        assert len(r["dispatch_us_per_rank"]) == 2 and max(r["dispatch_us_per_rank"]) == r["dispatch_us"], tag
+    # One progress line per configuration on stderr; the table on stdout.
+    assert len(re.findall(r"^\[\d/8\] ", captured.err, flags=re.M)) == 8, captured.err
+    assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
