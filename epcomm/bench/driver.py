@@ -28,8 +28,8 @@ def _log(message: str) -> None:
 def _progress(i: int, n: int, case, record: dict, seconds: float) -> str:
     status = "checked" if record["checked"] else "CHECK FAILED"
     return (f"[{i}/{n}] {case.describe()}: dispatch {record['dispatch_us']:.1f} us "
-            f"{record['dispatch_gbps']:.2f} GB/s, combine {record['combine_us']:.1f} us "
-            f"{record['combine_gbps']:.2f} GB/s, {status} ({seconds:.1f} s)")
+            f"{report.fmt_gbps(record['dispatch_gbps'])} GB/s, combine {record['combine_us']:.1f} us "
+            f"{report.fmt_gbps(record['combine_gbps'])} GB/s, {status} ({seconds:.1f} s)")
 
 
 def run(opts: Options) -> tuple[list[dict], list[str]]:
@@ -41,7 +41,7 @@ def run(opts: Options) -> tuple[list[dict], list[str]]:
          f"{opts.warmup} warm-up(s) + {opts.iters} timed call(s) each")
     records: list[dict] = []
     errors: list[str] = []
-    commit, date = report.git_commit(), report.today()
+    commit, date = opts.commit or report.git_commit(), report.today()
     timer = "cuda-events" if opts.pg_backend == "nccl" else "perf_counter"
     env = dict(RANK_ENV)
     if "EPCOMM_TIMEOUT_S" in os.environ:  # the launcher sizes its own wait after a rank failure on it

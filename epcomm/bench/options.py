@@ -54,6 +54,7 @@ class Options:
     seed: int
     json: str | None
     plot: str | None
+    commit: str | None
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -107,27 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
                     "routing. Times are the slowest rank's median.",
         epilog="Lists take commas or doubling ranges: --tokens 128..16384. Defaults in brackets are "
                "GPU / CPU.")
-    d = DEFAULTS
+    def d(name: str) -> str:
+        gpu, cpu = (",".join(map(str, v)) if isinstance(v, list) else str(v) for v in DEFAULTS[name])
+        return f"[{gpu} / {cpu}]"
+
     p.add_argument("--num-ranks", type=int, help=f"ranks to spawn [all GPUs / {CPU_RANKS}]")
-    p.add_argument("--tokens", type=_int_list, help=f"tokens per rank, normal mode (sweep) {d['tokens']}")
-    p.add_argument("--hidden", type=_int_list, help=f"hidden size (sweep) {d['hidden']}")
-    p.add_argument("--topk", type=int, help=f"experts per token {d['topk']}")
-    p.add_argument("--experts", type=int, help=f"experts, normal mode {d['experts']}")
+    p.add_argument("--tokens", type=_int_list, help=f"tokens per rank, normal mode (sweep) {d('tokens')}")
+    p.add_argument("--hidden", type=_int_list, help=f"hidden size (sweep) {d('hidden')}")
+    p.add_argument("--topk", type=int, help=f"experts per token {d('topk')}")
+    p.add_argument("--experts", type=int, help=f"experts, normal mode {d('experts')}")
     p.add_argument("--ll-tokens", type=_int_list,
                    help="tokens per rank = num_max_dispatch_tokens_per_rank, low-latency (sweep) "
-                        f"{d['ll_tokens']}")
-    p.add_argument("--ll-experts", type=int, help=f"experts, low-latency mode {d['ll_experts']}")
+                        f"{d('ll_tokens')}")
+    p.add_argument("--ll-experts", type=int, help=f"experts, low-latency mode {d('ll_experts')}")
     p.add_argument("--num-sms", type=_int_list,
-                   help=f"SM counts (even) passed via Buffer.set_num_sms and Config (sweep) {d['num_sms']}")
+                   help=f"SM counts (even) passed via Buffer.set_num_sms and Config (sweep) {d('num_sms')}")
     p.add_argument("--dtype", type=_choice_list(DTYPES), default=list(DTYPES),
                    help="normal-mode dispatch dtypes [bf16,fp8]; low-latency dispatch is always FP8")
     p.add_argument("--modes", type=_choice_list(MODES, {"low-latency": LOW_LATENCY, "ll": LOW_LATENCY}),
                    default=list(MODES), help="modes to run [normal,low_latency]")
-    p.add_argument("--warmup", type=int, help=f"untimed calls before timing {d['warmup']}")
-    p.add_argument("--iters", type=int, help=f"timed calls; the median is reported {d['iters']}")
+    p.add_argument("--warmup", type=int, help=f"untimed calls before timing {d('warmup')}")
+    p.add_argument("--iters", type=int, help=f"timed calls; the median is reported {d('iters')}")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="epcomm Buffer backend [auto]")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the routing [0]")
     p.add_argument("--json", metavar="PATH", help="write the records (BENCHMARK.md format) to PATH")
+    p.add_argument("--commit", metavar="SHA",
+                   help="commit id to record [git rev-parse HEAD, or 'unknown' outside a checkout]; for runs "
+                        "made from a copy of the tree without .git")
     p.add_argument("--plot", metavar="PATH",
                    help="write a PNG of bandwidth against tokens (needs matplotlib)")
     return p
@@ -187,4 +194,4 @@ def parse_args(argv: list[str] | None) -> Options:
     return Options(num_ranks=a.num_ranks, pg_backend="nccl" if gpu else "gloo", tokens=a.tokens,
                    hidden=a.hidden, topk=a.topk, experts=a.experts, ll_tokens=a.ll_tokens, ll_experts=a.ll_experts,
                    num_sms=a.num_sms, dtypes=a.dtype, modes=a.modes, warmup=a.warmup, iters=a.iters,
-                   backend=a.backend, seed=a.seed, json=a.json, plot=a.plot)
+                   backend=a.backend, seed=a.seed, json=a.json, plot=a.plot, commit=a.commit)

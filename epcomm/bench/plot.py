@@ -10,6 +10,8 @@ import importlib.util
 from collections import defaultdict
 from typing import Any
 
+from .workloads import MODES
+
 MISSING_MATPLOTLIB = "--plot needs matplotlib, which is not installed (pip install 'epcomm[plot]')"
 
 
@@ -35,7 +37,7 @@ def write_plot(records: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    modes = sorted({r["mode"] for r in records})
+    modes = [m for m in MODES if any(r["mode"] == m for r in records)]
     if not modes:
         raise ValueError("--plot: no results to plot")
     hiddens = {r["hidden"] for r in records}

@@ -47,7 +47,7 @@ def _sig(value: float) -> float:
     return float(f"{value:.6g}")
 
 
-def _fmt_gbps(value: float) -> str:
+def fmt_gbps(value: float) -> str:
     return f"{value:.2f}" if value >= 1 else f"{value:.4f}"
 
 
@@ -109,10 +109,10 @@ _COLUMNS = (
     ("K/E", 7, lambda r: f"{r['num_topk']}/{r['num_experts']}"),
     ("SMs", 3, lambda r: "-" if r["num_sms"] is None else str(r["num_sms"])),
     ("disp us", 10, lambda r: f"{r['dispatch_us']:.1f}"),
-    ("GB/s", 7, lambda r: _fmt_gbps(r["dispatch_gbps"])),
+    ("GB/s", 7, lambda r: fmt_gbps(r["dispatch_gbps"])),
     ("cached us", 10, lambda r: f"{r['cached_dispatch_us']:.1f}" if "cached_dispatch_us" in r else "-"),
     ("comb us", 10, lambda r: f"{r['combine_us']:.1f}"),
-    ("GB/s", 7, lambda r: _fmt_gbps(r["combine_gbps"])),
+    ("GB/s", 7, lambda r: fmt_gbps(r["combine_gbps"])),
     ("a2a/disp", 8, lambda r: r.get("_vs_a2a", "")),
     ("checked", 7, lambda r: "yes" if r["checked"] else "FAILED"),
 )

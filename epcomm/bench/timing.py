@@ -61,7 +61,7 @@ def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.dev
     for _ in range(warmup):
         result = fn()
     torch.cuda.synchronize(device)
-    dist.barrier()
+    dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):

@@ -74,7 +74,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     token_idx = torch.arange(num_tokens, dtype=torch.int32, device=x.device).unsqueeze(1)
     payload.append(to_bytes(token_idx))
     packed = torch.cat(payload, dim=1)
-    send = packed[entries // num_topk]
+    send = packed.index_select(0, entries // num_topk)
 
     # Receive layout: expert e holds sources in rank order.
     begins = torch.cumsum(recv_counts, 0) - recv_counts  # [src, e]
@@ -106,20 +106,20 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
         arrived_ns.add_(wait_ns + (time.monotonic_ns() - start if defer_receive else 0))
         data_bytes = hidden if use_fp8 else hidden * 2
         scale_bytes = num_scale_cols * 4 if use_fp8 else 0
-        begin = 0
-        for src in range(num_ranks):
-            for e in range(experts_per_rank):
-                c = int(recv_counts[src, e])
-                if c == 0:
-                    continue
-                rows = recv[begin:begin + c]
-                dst = int(begins[src, e])
-                recv_data[e, dst:dst + c] = from_bytes(rows[:, :data_bytes], recv_data.dtype, hidden)
-                if recv_scales is not None:
-                    recv_scales[e, dst:dst + c] = from_bytes(rows[:, data_bytes:data_bytes + scale_bytes],
-                                                             recv_scales.dtype, num_scale_cols)
-                src_info[e, dst:dst + c] = from_bytes(rows[:, data_bytes + scale_bytes:], torch.int32, 1)[:, 0]
-                begin += c
+        if recv.shape[0] == 0:
+            return
+        # Received rows come per source, then per expert, then by token: place each in its block.
+        counts = recv_counts.flatten().to(torch.int64)  # [src * E_local + e]
+        block_begin = torch.repeat_interleave(begins.flatten().to(torch.int64), counts)
+        block_first_row = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        expert = torch.repeat_interleave(torch.arange(experts_per_rank).repeat(num_ranks), counts)
+        slot = block_begin + torch.arange(recv.shape[0]) - block_first_row
+        expert, slot = expert.to(dev), slot.to(dev)
+        recv_data[expert, slot] = from_bytes(recv[:, :data_bytes], recv_data.dtype, hidden)
+        if recv_scales is not None:
+            recv_scales[expert, slot] = from_bytes(recv[:, data_bytes:data_bytes + scale_bytes], recv_scales.dtype,
+                                                   num_scale_cols)
+        src_info[expert, slot] = from_bytes(recv[:, data_bytes + scale_bytes:], torch.int32, 1)[:, 0]
 
     handle = LowLatencyHandle(
         buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,

@@ -85,7 +85,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
         parts.append(to_bytes(topk_weights))
     packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     token_order = [torch.nonzero(is_token_in_rank[:, r]).flatten() for r in range(num_ranks)]
-    send = packed[torch.cat(token_order)] if num_tokens else packed
+    send = packed.index_select(0, torch.cat(token_order)) if num_tokens else packed
     recv = be.exchange_rows(send, send_counts, recv_counts, Op.DISPATCH, everyone_empty)
     num_recv_tokens = sum(recv_counts)
     if num_worst_tokens and num_recv_tokens > num_worst_tokens:

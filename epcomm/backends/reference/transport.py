@@ -75,41 +75,18 @@ class Transport:
         return self.start_all_to_all(send, send_rows, recv_rows).wait(op, seq, deadline)
 
     def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> PendingExchange:
-        """Issue the all-to-all; ``.wait()`` on the result completes it and returns the received rows.
-
-        gloo hangs on an all-to-all where a rank sends or receives nothing, so every block carries
-        one padding row that is dropped on arrival.
-        """
-        padded_send = _pad_blocks(send, send_rows)
-        recv = torch.empty((sum(recv_rows) + len(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(recv, padded_send, [c + 1 for c in recv_rows], [c + 1 for c in send_rows],
-                                      group=self.group, async_op=True)
-        return PendingExchange(self, work, recv, recv_rows, keep_alive=padded_send)
+        """Issue the all-to-all; ``.wait()`` on the result completes it and returns the received rows."""
+        recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group, async_op=True)
+        return PendingExchange(self, work, recv, keep_alive=send)
 
 
 class PendingExchange:
-    def __init__(self, transport: Transport, work: dist.Work, recv: torch.Tensor, recv_rows: list[int],
-                 keep_alive: torch.Tensor) -> None:
-        self.transport, self.work, self.recv, self.recv_rows = transport, work, recv, recv_rows
-        self._keep_alive = keep_alive
+    def __init__(self, transport: Transport, work: dist.Work, recv: torch.Tensor, keep_alive: torch.Tensor) -> None:
+        self.transport, self.work, self.recv = transport, work, recv
+        self._keep_alive = keep_alive  # the send buffer must outlive the asynchronous exchange
 
     def wait(self, op: str, seq: int, deadline: float) -> torch.Tensor:
         self.transport.wait(self.work, op, seq, deadline)
         self._keep_alive = None
-        return _unpad_blocks(self.recv, self.recv_rows)
-
-
-def _block_rows(rows: list[int]) -> torch.Tensor:
-    """Indices of the real rows inside blocks that each end with one padding row."""
-    starts = torch.tensor([0] + rows[:-1]).cumsum(0) + torch.arange(len(rows))
-    return torch.cat([torch.arange(c) + s for c, s in zip(rows, starts.tolist())]) if rows else torch.empty(0)
-
-
-def _pad_blocks(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    out = torch.zeros((t.shape[0] + len(rows), t.shape[1]), dtype=t.dtype, device=t.device)
-    out[_block_rows(rows).to(t.device, torch.int64)] = t
-    return out
-
-
-def _unpad_blocks(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    return t[_block_rows(rows).to(t.device, torch.int64)]
+        return self.recv
