@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 ROUTINGS = ("random", "one_expert", "imbalanced", "empty_rank", "all_dropped")
 
@@ -37,3 +38,10 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts:
     topk_idx = make_topk_idx(gen, num_tokens, num_experts, num_topk, num_ranks, routing)
     weights = torch.rand((num_tokens, num_topk), generator=gen).to(torch.float32)
     return x, topk_idx, weights
+
+
+def device() -> torch.device:
+    """The device of the group's tensors: the rank's GPU under NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from conftest import cluster
+from routing import device
 from torch import nn
 
 from epcomm import Buffer, Config
@@ -29,12 +30,13 @@ def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed):
         local.w_in.copy_(all_experts.w_in[rank * e_local:(rank + 1) * e_local])
         local.w_out.copy_(all_experts.w_out[rank * e_local:(rank + 1) * e_local])
     buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks), backend="reference")
-    layer = ExpertParallelMoE(buf, hidden, ffn, num_experts, num_topk, router, local)
+    dev = device()
+    layer = ExpertParallelMoE(buf, hidden, ffn, num_experts, num_topk, router, local).to(dev)
     xs = [torch.randn((t, hidden), generator=torch.Generator().manual_seed(seed + 1 + r)) for r, t in
           enumerate(tokens_per_rank)]
-    x = xs[rank].clone().requires_grad_(True)
+    x = xs[rank].clone().to(dev).requires_grad_(True)
     y = layer(x)
-    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 100 + rank))
+    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 100 + rank)).to(dev)
     (y * grad_out).sum().backward()
 
     # Dense oracle over every rank's tokens.
@@ -51,6 +53,7 @@ def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed):
     dist.all_reduce(router_grad)  # the router is replicated: its gradient is the sum over ranks
 
     def close(a, b, what, tol=3e-2):
+        a = a.detach().cpu()
         assert a.shape == b.shape, f"{tag}: {what} shape {tuple(a.shape)} != {tuple(b.shape)}"
         if b.numel() == 0:
             return

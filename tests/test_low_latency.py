@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import cluster
-from routing import make_inputs
+from routing import device, make_inputs
 
 from epcomm import Buffer
 from epcomm.fp8 import pack_ue8m0, quantize_groups
@@ -64,12 +64,13 @@ def rank_low_latency(tokens_per_rank, n, hidden, num_experts, num_topk, routing,
     all_inputs = [make_inputs(seed, r, tokens_per_rank[r], hidden, num_experts, num_topk, num_ranks, routing)
                   for r in range(num_ranks)]
     x, topk_idx, topk_weights = all_inputs[rank]
+    dev = device()
     buf = _ll_buffer(n, hidden, num_experts)
     e_local = num_experts // num_ranks
-    recv_stats = torch.zeros(e_local, dtype=torch.int32)
-    wait_stats = torch.zeros(num_ranks, dtype=torch.int64)
+    recv_stats = torch.zeros(e_local, dtype=torch.int32, device=dev)
+    wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
     recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
-        x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats=recv_stats,
+        x.to(dev), topk_idx.to(dev), n, num_experts, cumulative_local_expert_recv_stats=recv_stats,
         dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
         return_recv_hook=use_hook)
     if use_hook:
@@ -77,25 +78,33 @@ def rank_low_latency(tokens_per_rank, n, hidden, num_experts, num_topk, routing,
         hook()
     else:
         assert hook is None, tag
-    rows = _check_dispatch(recv_x, recv_count, handle, all_inputs, rank, num_ranks, num_experts, use_fp8,
+    recv_x = (recv_x[0].cpu(), recv_x[1].cpu()) if use_fp8 else recv_x.cpu()
+    recv_count, recv_stats, wait_stats = recv_count.cpu(), recv_stats.cpu(), wait_stats.cpu()
+    handle_cpu = type("H", (), {"layout_range": handle.layout_range.cpu(), "src_info": handle.src_info.cpu(),
+                                "num_max_dispatch_tokens_per_rank": handle.num_max_dispatch_tokens_per_rank})
+    rows = _check_dispatch(recv_x, recv_count, handle_cpu, all_inputs, rank, num_ranks, num_experts, use_fp8,
                            round_scale, use_ue8m0, tag)
     assert torch.equal(recv_stats, recv_count), tag
     assert bool((wait_stats >= 0).all()), tag
 
     # Expert "compute": each row becomes its source token's x times (global expert + 1) / 2.
-    y = buf.get_next_low_latency_combine_buffer(handle) if zero_copy else \
-        torch.empty((e_local, n * num_ranks, hidden), dtype=torch.bfloat16)
-    y.fill_(float("nan"))  # rows past recv_count must never be read
-    for e, src, begin, cnt, tokens in rows:
+    y_host = torch.full((e_local, n * num_ranks, hidden), float("nan"), dtype=torch.bfloat16)
+    for e, src, begin, cnt, tokens in rows:  # rows past recv_count stay NaN: they must never be read
         g = rank * e_local + e
-        y[e, begin:begin + cnt] = (all_inputs[src][0][tokens].float() * (g + 1) / 2).to(torch.bfloat16)
-    out = torch.full((x.shape[0], hidden), float("nan"), dtype=torch.bfloat16) if use_out else None
-    combined, _, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle, zero_copy=zero_copy,
-                                                return_recv_hook=use_hook, out=out)
+        y_host[e, begin:begin + cnt] = (all_inputs[src][0][tokens].float() * (g + 1) / 2).to(torch.bfloat16)
+    if zero_copy:
+        y = buf.get_next_low_latency_combine_buffer(handle)
+        y.copy_(y_host)
+    else:
+        y = y_host.to(dev)
+    out = torch.full((x.shape[0], hidden), float("nan"), dtype=torch.bfloat16, device=dev) if use_out else None
+    combined, _, hook = buf.low_latency_combine(y, topk_idx.to(dev), topk_weights.to(dev), handle,
+                                                zero_copy=zero_copy, return_recv_hook=use_hook, out=out)
     if use_hook:
         hook()
     if use_out:
         assert combined.data_ptr() == out.data_ptr(), tag
+    combined = combined.cpu()
     ref = torch.zeros((x.shape[0], hidden), dtype=torch.float64)
     for k in range(num_topk):
         g = topk_idx[:, k]
@@ -139,7 +148,9 @@ def rank_double_buffering(n, hidden, num_experts):
     """Two micro-batches in flight (hooks pending) is allowed; each result stays intact."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     buf = _ll_buffer(n, hidden, num_experts)
-    batches = [make_inputs(70 + b, rank, n, hidden, num_experts, 2, num_ranks, "random") for b in range(2)]
+    dev = device()
+    batches = [tuple(t.to(dev) for t in make_inputs(70 + b, rank, n, hidden, num_experts, 2, num_ranks, "random"))
+               for b in range(2)]
     results = []
     for x, idx, _ in batches:
         results.append(buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False, return_recv_hook=True))
@@ -171,12 +182,13 @@ def test_double_buffering_and_clean():
 def rank_mask(n, hidden, num_experts):
     """Masked ranks are skipped: outputs equal the reference restricted to live ranks."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = device()
     buf = _ll_buffer(n, hidden, num_experts, enable_shrink=True)
     buf.low_latency_update_mask_buffer(num_ranks - 1, True)
-    status = torch.zeros(num_ranks, dtype=torch.int32)
+    status = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
     buf.low_latency_query_mask_buffer(status)
     assert status.tolist() == [0] * (num_ranks - 1) + [1]
-    x, idx, w = make_inputs(90, rank, n, hidden, num_experts, 3, num_ranks, "random")
+    x, idx, w = (t.to(dev) for t in make_inputs(90, rank, n, hidden, num_experts, 3, num_ranks, "random"))
     recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
     if rank == num_ranks - 1:
         assert int(recv_count.sum()) == 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import cluster
-from routing import make_inputs
+from routing import device, make_inputs
 
 import epcomm
 from epcomm import Buffer, Config
@@ -40,10 +40,12 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     all_inputs = [make_inputs(seed, r, tokens_per_rank[r], hidden, num_experts, num_topk, num_ranks, routing)
                   for r in range(num_ranks)]
     x, topk_idx, topk_weights = all_inputs[rank]
+    dev = device()
     buf = _buffer(hidden * 2)
 
     # Layout.
-    per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+    layout = buf.get_dispatch_layout(topk_idx.to(dev), num_experts)
+    per_rank, per_domain, per_expert, in_rank = (t.cpu() if t is not None else None for t in layout[:4])
     e_local = num_experts // num_ranks
     owner = torch.where(topk_idx >= 0, topk_idx // e_local, -1)
     want_in_rank = torch.stack([(owner == r).any(1) for r in range(num_ranks)], 1) if len(x) else \
@@ -59,13 +61,16 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
         data, scales = epcomm.per_token_cast_to_fp8(x)
         if col_major_scales:
             scales = scales.t().contiguous().t()
-        x_in = (data, scales)
+        x_in = (data.to(dev), scales.to(dev) if not col_major_scales else scales.t().to(dev).t())
     else:
-        x_in = x
+        x_in = x.to(dev)
     recv_x, recv_idx, recv_w, expert_list, handle, _ = buf.dispatch(
-        x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment,
+        x_in, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx.to(dev), topk_weights=topk_weights.to(dev), expert_alignment=alignment,
         num_worst_tokens=num_worst_tokens)
+    recv_x = (recv_x[0].cpu(), recv_x[1].cpu() if recv_x[1].stride(1) == 1 else recv_x[1].t().cpu().t()) \
+        if fp8 else recv_x.cpu()
+    recv_idx, recv_w = recv_idx.cpu(), recv_w.cpu()
     want_x, want_idx, want_w, want_src = _expected_dispatch(all_inputs, rank, num_ranks, num_experts)
     n = want_x.shape[0]
     if fp8:
@@ -91,7 +96,7 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     # Cached dispatch reproduces the rows.
     cached_x, *rest = buf.dispatch(x_in, handle=handle)
     assert rest[:3] == [None, None, None], tag
-    got = cached_x[0] if fp8 else cached_x
+    got = (cached_x[0] if fp8 else cached_x).cpu()
     first = recv_x[0] if fp8 else recv_x
     assert torch.equal(got[:n].view(torch.uint8), first[:n].view(torch.uint8)), tag
 
@@ -105,7 +110,9 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     if use_bias:
         gen = torch.Generator().manual_seed(seed + 7 + rank)
         biases = tuple(torch.randn((x.shape[0], hidden), generator=gen).to(torch.bfloat16) for _ in range(2))
-    combined, combined_w, _ = buf.combine(y, handle, topk_weights=w_back, bias=biases)
+    combined, combined_w, _ = buf.combine(y.to(dev), handle, topk_weights=w_back.to(dev),
+                                          bias=tuple(b.to(dev) for b in biases) if biases else None)
+    combined, combined_w = combined.cpu(), combined_w.cpu()
     ref = torch.zeros((x.shape[0], hidden), dtype=torch.float64)
     ref_w = torch.zeros((x.shape[0], num_topk), dtype=torch.float64)
     for r in range(num_ranks):
