@@ -9,7 +9,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 status=0
-EPCOMM_TEST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests-nccl.log" \
+EPCOMM_TEST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/tests-nccl.log" \
   || status=1
 python3 -m epcomm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status
