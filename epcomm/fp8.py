@@ -1,8 +1,10 @@
 """FP8 (e4m3) casts with one scale per 128 channels, bit-for-bit what the kernels compute.
 
 The rule, shared by every backend: per token and per group of 128 channels,
-``amax = max(max|x|, 1e-4)``, ``scale = amax / 448`` and ``q = e4m3(x * (448 / amax))``, all in
-fp32 with round-to-nearest-even. With ``round_scale`` the scale is rounded up to a power of two
+``amax = max(max|x|, 1e-4)``, ``scale = amax * fp32(1/448)`` and ``q = e4m3(x * (448 / amax))``,
+all in fp32 with round-to-nearest-even (the division correctly rounded). The scale is a product
+rather than a quotient because PyTorch's CUDA kernels turn division by a scalar into a product with
+its reciprocal: written this way the rule gives the same bits on every device. With ``round_scale`` the scale is rounded up to a power of two
 and the multiplier is its exact inverse. UE8M0 packing keeps only the exponent byte of such a
 power-of-two scale, four groups per int32 (group g in byte g % 4, little-endian).
 """
@@ -43,12 +45,12 @@ def quantize_groups(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.T
     """Returns (e4m3 [T, H], fp32 scales [T, ceil(H/128)]) following the module rule."""
     xg, hidden = _grouped(x)
     amax = xg.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
+    scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
     if round_scale:
-        scale = round_scale_up_pow2(amax / FP8_MAX)
-        inv = 1.0 / scale  # exact: scale is a power of two
+        scale = round_scale_up_pow2(scale)
+        inv = torch.ones_like(scale) / scale  # exact: scale is a power of two
     else:
-        scale = amax / FP8_MAX
-        inv = FP8_MAX / amax
+        inv = torch.full_like(amax, FP8_MAX) / amax  # tensor / tensor: a true division on every device
     q = (xg * inv.unsqueeze(-1)).to(torch.float8_e4m3fn)
     q = q.reshape(x.shape[0], xg.shape[1] * GROUP)[:, :hidden].contiguous()
     return q, scale
