@@ -1,0 +1,97 @@
+"""API details beyond the main paths: dispatch without top-k, one bias, async arguments, FP8 casts, stats."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from conftest import cluster
+from routing import device, make_inputs
+
+import epcomm
+from epcomm import Buffer, Config, EventOverlap
+from epcomm.fp8 import pack_ue8m0, quantize_groups, unpack_ue8m0
+
+
+def rank_no_topk_one_bias_async(num_tokens, hidden, num_experts):
+    """Dispatch without top-k arguments, combine with one bias, through the async arguments."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = device()
+    x, topk_idx, _ = (t.to(dev) for t in make_inputs(21, rank, num_tokens, hidden, num_experts, 2, num_ranks,
+                                                     "random"))
+    buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks), backend="reference")
+    before = Buffer.capture()
+    assert isinstance(before, EventOverlap)
+    per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(topk_idx, num_experts, previous_event=before,
+                                                                      async_finish=True, allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+    with event:  # waits on exit
+        pass
+    assert recv_idx is None and recv_w is None
+    e_local = num_experts // num_ranks
+    assert len(counts) == e_local
+    bias = torch.randn((num_tokens, hidden), device=dev).to(torch.bfloat16)
+    combined, combined_w, event = buf.combine(recv_x, handle, bias=bias, async_finish=True)
+    event.current_stream_wait()
+    assert combined_w is None
+    reach = in_rank.sum(1, keepdim=True).double()
+    ref = x.double() * reach + bias.double()
+    err = (combined.double() - ref).abs()
+    assert bool((err <= ref.abs() * 2 ** -7 + 1e-5).all()), f"rank {rank}: max err {err.max()}"
+    return True
+
+
+def test_dispatch_without_topk_one_bias_async_arguments():
+    cluster(2).run(rank_no_topk_one_bias_async, 40, 256, 8)
+
+
+def rank_wait_stats_name_the_straggler(straggler, delay_s):
+    """A late rank shows up in the others' wait-cost statistics."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = device()
+    n, hidden, num_experts = 4, 256, 2 * num_ranks
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                 low_latency_mode=True, backend="reference")
+    x, idx, w = (t.to(dev) for t in make_inputs(31, rank, n, hidden, num_experts, 2, num_ranks, "random"))
+    stats = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
+    dist.barrier()
+    if rank == straggler:
+        time.sleep(delay_s)
+    buf.low_latency_dispatch(x, idx, n, num_experts, dispatch_wait_recv_cost_stats=stats)
+    return stats.cpu().tolist()
+
+
+def test_wait_stats_name_the_straggler():
+    stats = cluster(4).run(rank_wait_stats_name_the_straggler, 2, 0.5)
+    for rank, row in enumerate(stats):
+        if rank == 2:
+            continue
+        assert row[2] >= 0.3e9, f"rank {rank} waited {row[2]} ns for the straggler (expected >= 0.3 s): {row}"
+        others = [v for j, v in enumerate(row) if j != 2]
+        assert max(others) < row[2], f"rank {rank}: the straggler is not the largest wait: {row}"
+
+
+def test_fp8_cast_rule():
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn((7, 300), generator=gen) * 5).to(torch.bfloat16)
+    x[3] = 0  # an all-zero token: amax clamps to 1e-4
+    q, s = epcomm.per_token_cast_to_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (7, 300) and s.shape == (7, 3)
+    xf = torch.nn.functional.pad(x.float(), (0, 84)).view(7, 3, 128)
+    amax = xf.abs().amax(-1).clamp(min=1e-4)
+    assert torch.equal(s, amax * torch.tensor(1 / 448, dtype=torch.float32))
+    assert float(q.float().abs().max()) <= 448
+    back = epcomm.per_token_cast_back(q, s)
+    rel = ((back.float() - x.float()).abs() / x.float().abs().clamp(min=1e-2)).max()
+    assert rel < 0.13, f"e4m3 round trip relative error {rel}"
+    # Power-of-two scales and UE8M0 packing round-trip exactly.
+    q2, s2 = quantize_groups(torch.randn((5, 1024), generator=gen), round_scale=True)
+    assert torch.equal(torch.log2(s2), torch.log2(s2).round())
+    packed = pack_ue8m0(s2)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 2)
+    assert torch.equal(unpack_ue8m0(packed), s2)
+    assert torch.equal(epcomm.per_token_cast_back(q2, packed), epcomm.per_token_cast_back(q2, s2))
