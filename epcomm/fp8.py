@@ -4,9 +4,10 @@ The rule, shared by every backend: per token and per group of 128 channels,
 ``amax = max(max|x|, 1e-4)``, ``scale = amax * fp32(1/448)`` and ``q = e4m3(x * (448 / amax))``,
 all in fp32 with round-to-nearest-even (the division correctly rounded). The scale is a product
 rather than a quotient because PyTorch's CUDA kernels turn division by a scalar into a product with
-its reciprocal: written this way the rule gives the same bits on every device. With ``round_scale`` the scale is rounded up to a power of two
-and the multiplier is its exact inverse. UE8M0 packing keeps only the exponent byte of such a
-power-of-two scale, four groups per int32 (group g in byte g % 4, little-endian).
+its reciprocal: written this way the rule gives the same bits on every device. With ``round_scale``
+the scale is rounded up to a power of two and the multiplier is its exact inverse. UE8M0 packing
+keeps only the exponent byte of such a power-of-two scale, four groups per int32 (group g in byte
+g % 4, little-endian).
 """
 
 from __future__ import annotations
