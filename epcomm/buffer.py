@@ -7,8 +7,10 @@ waiting for a call that never comes.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,32 +53,37 @@ class Buffer:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
-        self.num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
-        self.num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
-        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-        self.low_latency_mode = bool(low_latency_mode)
-        self.num_qps_per_rank = num_qps_per_rank
-        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
-        self.allow_mnnvl = allow_mnnvl
-        self.use_fabric = use_fabric
-        self.explicitly_destroy = explicitly_destroy
-        self.enable_shrink = enable_shrink
-        self.comm = comm
-        backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-        if backend == "cuda":
-            raise RuntimeError("backend='cuda': the CUDA kernels are not available in this build of epcomm; "
-                               "use backend='reference' (or 'auto')")
-        self.backend_name = "reference"
         pg_backend = dist.get_backend(self.group)
         if "nccl" in str(pg_backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
         self.uid = f"{next(_buffer_counter)}"
-        self.ranks_per_domain = self._ranks_per_domain()
         self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
+        error: Exception | None = None
+        try:
+            self.num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+            self.num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+            self.num_qps_per_rank = check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+            backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
+            if backend not in _BACKENDS:
+                raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+            if backend == "cuda":
+                raise RuntimeError("backend='cuda': the CUDA kernels are not available in this build of epcomm; "
+                                   "use backend='reference' (or 'auto')")
+            ranks_per_domain_env = self._ranks_per_domain_from_env()
+        except _REFUSALS as e:
+            error = e
+        # Every rank learns whether a peer refused its arguments (and each rank's host), within the timeout.
+        self.ranks_per_domain = self._agree_on_construction(error, ranks_per_domain_env if error is None else 0)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.comm = comm
+        self.backend_name = "reference"
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._local_nvl: torch.Tensor | None = None
         self._local_rdma: torch.Tensor | None = None
@@ -166,17 +173,37 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("this epcomm Buffer was destroyed")
 
-    def _ranks_per_domain(self) -> int:
+    def _ranks_per_domain_from_env(self) -> int:
+        """EPCOMM_RANKS_PER_DOMAIN, or 0 for the default (one domain per host)."""
         raw = _env.env_str("EPCOMM_RANKS_PER_DOMAIN")
-        if raw:
+        if not raw:
+            return 0
+        try:
             value = int(raw)
-            if value <= 0 or self.group_size % value:
-                raise ValueError(f"EPCOMM_RANKS_PER_DOMAIN={raw} must divide the group size {self.group_size}")
-            return value
-        # One domain per host: count the ranks that share this rank's host name.
-        names: list[str | None] = [None] * self.group_size
-        dist.all_gather_object(names, socket.gethostname(), group=self.group)
-        per_host = names.count(names[self.rank])
+        except ValueError:
+            value = 0
+        if value <= 0 or self.group_size % value:
+            raise ValueError(f"EPCOMM_RANKS_PER_DOMAIN={raw} must be a positive divisor of the group size "
+                             f"{self.group_size}")
+        return value
+
+    def _agree_on_construction(self, error: Exception | None, ranks_per_domain: int) -> int:
+        """Exchange (refused?, host) with every rank; raise on all ranks if any refused; return ranks per domain."""
+        host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+        mine = torch.tensor([1 if error else 0, host], dtype=torch.int64, device=self.device)
+        deadline = time.monotonic() + self._backend.transport.timeout_s
+        self._backend.transport.announce(0)
+        rows = torch.stack(self._backend.transport.all_gather(mine, "Buffer()", 0, deadline)).cpu()
+        if error is not None:
+            raise error
+        refused = [r for r, flag in enumerate(rows[:, 0].tolist()) if flag]
+        if refused:
+            raise ValueError(f"epcomm Buffer(): rank(s) {refused} refused their arguments (see the error on those "
+                             "ranks)")
+        if ranks_per_domain:
+            return ranks_per_domain
+        hosts = rows[:, 1].tolist()
+        per_host = hosts.count(hosts[self.rank])
         return per_host if self.group_size % per_host == 0 else self.group_size
 
     @property
@@ -192,14 +219,17 @@ class Buffer:
             pass  # a peer timeout while refusing: the argument error is still the one to report
         raise error
 
-    def _run(self, fn: Callable[[], Any], previous_event: EventOverlap | None, async_finish: bool,
-             allocate_on_comm_stream: bool, keep_alive: tuple) -> tuple[Any, EventOverlap]:
-        """Run ``fn`` on the communication stream with DeepEP's event semantics."""
+    @staticmethod
+    def _check_async_args(previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream=True requires previous_event and async_finish=True "
                              "(DeepEP's rule)")
+
+    def _run(self, fn: Callable[[], Any], previous_event: EventOverlap | None, async_finish: bool,
+             allocate_on_comm_stream: bool, keep_alive: tuple) -> tuple[Any, EventOverlap]:
+        """Run ``fn`` on the communication stream with DeepEP's event semantics."""
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self.device)
@@ -241,6 +271,7 @@ class Buffer:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
                              f"({self.group_size})")
         check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
+        self._check_async_args(previous_event, async_finish, allocate_on_comm_stream)
 
         def run():
             return ref_normal.dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_domain)
@@ -263,6 +294,7 @@ class Buffer:
         """
         self._check_alive()
         try:
+            self._check_async_args(previous_event, async_finish, allocate_on_comm_stream)
             args = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                         num_worst_tokens, config)
@@ -292,6 +324,11 @@ class Buffer:
             check_tensor("x[1] (scales)", scales, device=self.device)
             if scales.shape[0] != num_tokens:
                 raise ValueError(f"x[1] (scales) must have {num_tokens} rows, got {scales.shape[0]}")
+            want_cols = -(-hidden // (128 if scales.dtype == torch.float32 else 512))
+            if scales.shape[1] != want_cols:
+                raise ValueError(f"x[1] (scales) must have {want_cols} columns for hidden {hidden} (one "
+                                 f"{'fp32 scale per 128' if scales.dtype == torch.float32 else 'UE8M0 int per 512'}"
+                                 f" channels), got {scales.shape[1]}")
             if not (scales.stride(1) == 1 or scales.stride(0) == 1):
                 raise ValueError(f"x[1] (scales) must be row- or column-major, got strides {scales.stride()}")
         check_int("expert_alignment", expert_alignment, minimum=1)
@@ -360,6 +397,7 @@ class Buffer:
         """
         self._check_alive()
         try:
+            self._check_async_args(previous_event, async_finish, allocate_on_comm_stream)
             biases = self._check_combine(x, handle, topk_weights, bias, config)
         except _REFUSALS as error:
             self._refuse(Op.COMBINE, error)
@@ -409,12 +447,15 @@ class Buffer:
             raise RuntimeError("this Buffer was used in normal mode since its last low-latency call; call "
                                "clean_low_latency_buffer(N, hidden, num_experts) first")
 
-    def _take_ll_slot(self, op: str) -> int:
+    def _check_ll_slot_free(self, op: str) -> None:
         slot = self._ll_counter % 2
         if slot in self._ll_pending:
             raise RuntimeError(f"epcomm {op}: low-latency slot {slot} still holds the receive of "
                                f"{self._ll_pending[slot]} whose hook() was not called; at most two "
                                "low-latency results may be pending at once")
+
+    def _take_ll_slot(self) -> int:
+        slot = self._ll_counter % 2
         self._ll_counter += 1
         return slot
 
@@ -451,12 +492,13 @@ class Buffer:
         """
         self._check_alive()
         try:
+            self._check_ll_slot_free("low_latency_dispatch")
             self._check_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                                     round_scale, use_ue8m0, async_finish, return_recv_hook)
         except _REFUSALS as error:
             self._refuse(Op.LL_DISPATCH, error)
-        slot = self._take_ll_slot("low_latency_dispatch")
+        slot = self._take_ll_slot()
 
         def run():
             recv_x, recv_count, handle, finish, wait_ns = ref_ll.dispatch(
@@ -522,11 +564,12 @@ class Buffer:
         """
         self._check_alive()
         try:
+            self._check_ll_slot_free("low_latency_combine")
             self._check_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                    return_recv_hook, out, combine_wait_recv_cost_stats)
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
-        slot = self._take_ll_slot("low_latency_combine")
+        slot = self._take_ll_slot()
 
         def run():
             combined, finish, wait_ns = ref_ll.combine(self._backend, x, topk_idx, topk_weights, handle, out,

@@ -82,6 +82,11 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Dequantize (e4m3 [T, H], scales [T, ceil(H/128)] fp32, or UE8M0-packed int32) to bf16."""
+    for name, t in (("x_fp8", x_fp8), ("scales", scales)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
     if x_fp8.dtype != torch.float8_e4m3fn:
         raise TypeError(f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
     if scales.dtype == torch.int32:

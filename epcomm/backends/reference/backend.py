@@ -150,4 +150,6 @@ def _row_numel(t: torch.Tensor) -> int:
 def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     if b.numel() == 0:
         return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    if b.stride() != (b.shape[1], 1):  # a column slice (even of one row) needs dense rows to change dtype
+        b = torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b)
+    return b.view(dtype).reshape(b.shape[0], cols)

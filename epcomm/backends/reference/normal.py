@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...handle import DispatchHandle
+from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
 from .backend import F, Op, ReferenceBackend, from_bytes, to_bytes
 
 X_BF16, X_FP8 = 0, 1
@@ -75,54 +76,15 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
             a = expert_alignment
             num_recv_tokens_per_expert_list = [(c + a - 1) // a * a for c in totals]
 
-    # Pack each row as bytes: data | scales | topk ids | topk weights.
-    parts = [to_bytes(x)]
-    if scales is not None:
-        parts.append(to_bytes(scales))
-    if topk_idx is not None:
-        parts.append(to_bytes(topk_idx))
-    if topk_weights is not None:
-        parts.append(to_bytes(topk_weights))
-    packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    packed = pack_token_rows(x, scales, topk_idx, topk_weights)
     token_order = [torch.nonzero(is_token_in_rank[:, r]).flatten() for r in range(num_ranks)]
     send = packed.index_select(0, torch.cat(token_order)) if num_tokens else packed
     recv = be.exchange_rows(send, send_counts, recv_counts, Op.DISPATCH, everyone_empty)
     num_recv_tokens = sum(recv_counts)
-    if num_worst_tokens and num_recv_tokens > num_worst_tokens:
-        raise RuntimeError(f"epcomm dispatch: rank {rank} received {num_recv_tokens} tokens but "
-                           f"num_worst_tokens={num_worst_tokens}; pass at least num_tokens * num_ranks")
-    num_rows = num_worst_tokens or num_recv_tokens
-
-    # Unpack.
-    col = 0
-
-    def take(nbytes: int, dtype: torch.dtype, cols: int, fill: float | int) -> torch.Tensor:
-        nonlocal col
-        out = torch.full((num_rows, cols), fill, dtype=dtype, device=x.device) if num_rows > num_recv_tokens \
-            else torch.empty((num_rows, cols), dtype=dtype, device=x.device)
-        if num_recv_tokens:
-            out[:num_recv_tokens] = from_bytes(recv[:, col:col + nbytes], dtype, cols)
-        col += nbytes
-        return out
-
-    recv_x = take(hidden * x.element_size(), x.dtype, hidden, 0)
-    recv_scales = None
-    if scales is not None:
-        recv_scales = take(scale_cols * 4, scales.dtype, scale_cols, 0)
-        if scales.stride(0) == 1 and scale_cols > 1:  # column-major in, column-major out
-            recv_scales = recv_scales.t().contiguous().t()
-    recv_topk_idx = recv_topk_weights = None
-    if topk_idx is not None:
-        k = topk_idx.shape[1]
-        global_idx = take(k * 8, torch.int64, k, -1)
-        lo = rank * (num_experts // num_ranks)
-        hi = lo + num_experts // num_ranks
-        mine = (global_idx >= lo) & (global_idx < hi)
-        recv_topk_idx = torch.where(mine, global_idx - lo, torch.full_like(global_idx, -1))
-        if topk_weights is not None:
-            weights = take(k * 4, torch.float32, k, 0)
-            recv_topk_weights = torch.where(mine, weights, torch.zeros_like(weights))
-    recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
+    check_worst_tokens(rank, num_recv_tokens, num_worst_tokens)
+    recv_x_out, recv_topk_idx, recv_topk_weights = unpack_token_rows(
+        recv, num_recv_tokens, num_worst_tokens or num_recv_tokens, x, scales, topk_idx, topk_weights, rank,
+        num_experts, num_ranks)
 
     if cached:
         return recv_x_out, None, None, None, handle

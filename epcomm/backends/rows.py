@@ -1,0 +1,70 @@
+"""Token rows as bytes: how every backend packs a token (data | scales | top-k ids | top-k weights)
+into one row before it moves, and unpacks the received rows into the API's tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference.backend import from_bytes, to_bytes
+
+
+def pack_token_rows(x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                    topk_weights: torch.Tensor | None, align: int = 1) -> torch.Tensor:
+    """[T, row_bytes] uint8; zero padding at the end of each row up to a multiple of ``align`` bytes."""
+    parts = [to_bytes(t) for t in (x, scales, topk_idx, topk_weights) if t is not None]
+    row_bytes = sum(p.shape[1] for p in parts)
+    pad = -row_bytes % align
+    if pad:
+        parts.append(torch.zeros((x.shape[0], pad), dtype=torch.uint8, device=x.device))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def check_worst_tokens(rank: int, num_recv_tokens: int, num_worst_tokens: int) -> None:
+    if num_worst_tokens and num_recv_tokens > num_worst_tokens:
+        raise RuntimeError(f"epcomm dispatch: rank {rank} received {num_recv_tokens} tokens but "
+                           f"num_worst_tokens={num_worst_tokens}; pass at least num_tokens * num_ranks")
+
+
+def unpack_token_rows(recv: torch.Tensor, num_recv: int, num_rows: int, x: torch.Tensor,
+                      scales: torch.Tensor | None, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                      rank: int, num_experts: int, num_ranks: int):
+    """Split received rows into (recv_x or (data, scales), recv_topk_idx, recv_topk_weights).
+
+    ``x``, ``scales``, ``topk_idx`` and ``topk_weights`` are the sender-side tensors of this rank (for
+    dtypes, widths and the scale layout). Rows past ``num_recv`` (num_worst_tokens) get x = 0,
+    top-k ids = -1 and weights = 0. Top-k ids become local expert ids; other ranks' entries -1.
+    """
+    col = 0
+
+    def take(nbytes: int, dtype: torch.dtype, cols: int, fill: float | int) -> torch.Tensor:
+        nonlocal col
+        if num_rows > num_recv:
+            out = torch.full((num_rows, cols), fill, dtype=dtype, device=recv.device)
+        else:
+            out = torch.empty((num_rows, cols), dtype=dtype, device=recv.device)
+        if num_recv:
+            out[:num_recv] = from_bytes(recv[:num_recv, col:col + nbytes], dtype, cols)
+        col += nbytes
+        return out
+
+    hidden = x.shape[1]
+    recv_x = take(hidden * x.element_size(), x.dtype, hidden, 0)
+    recv_scales = None
+    if scales is not None:
+        scale_cols = scales.shape[1]
+        recv_scales = take(scale_cols * 4, scales.dtype, scale_cols, 0)
+        if scales.stride(0) == 1 and scale_cols > 1:  # column-major in, column-major out
+            recv_scales = recv_scales.t().contiguous().t()
+    recv_topk_idx = recv_topk_weights = None
+    if topk_idx is not None:
+        k = topk_idx.shape[1]
+        global_idx = take(k * 8, torch.int64, k, -1)
+        lo = rank * (num_experts // num_ranks)
+        hi = lo + num_experts // num_ranks
+        mine = (global_idx >= lo) & (global_idx < hi)
+        recv_topk_idx = torch.where(mine, global_idx - lo, torch.full_like(global_idx, -1))
+        if topk_weights is not None:
+            weights = take(k * 4, torch.float32, k, 0)
+            recv_topk_weights = torch.where(mine, weights, torch.zeros_like(weights))
+    recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
+    return recv_x_out, recv_topk_idx, recv_topk_weights
