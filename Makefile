@@ -11,6 +11,7 @@ bench:
 test:
 	bash scripts/setup_env.sh
 	$(PYTHON) -m ruff check epcomm tests
+	bash scripts/compile_kernels.sh
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
 lint:
