@@ -25,6 +25,17 @@ from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
 from .build import load_library
 
 _ROW_ALIGN = 16
+# Mirrors kRowsOffset in csrc/kernels/intranode.cu (checked against the library when it loads).
+ROWS_OFFSET = 128 + 8 * 256 * 4
+
+
+def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks: int, num_topk: int = 0,
+                        num_scales: int = 0) -> int:
+    """num_nvl_bytes the v0 kernels need: one block of ``num_tokens`` rows per source rank."""
+    row = hidden * element_size + num_scales * 4 + num_topk * 12
+    row = (row + _ROW_ALIGN - 1) // _ROW_ALIGN * _ROW_ALIGN
+    combine_row = (hidden * 2 + num_topk * 4 + _ROW_ALIGN - 1) // _ROW_ALIGN * _ROW_ALIGN
+    return ROWS_OFFSET + num_ranks * max(num_tokens, 1) * max(row, combine_row)
 
 
 class CudaIntranode:
@@ -36,6 +47,8 @@ class CudaIntranode:
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
         self.rows_offset = self.lib.epcomm_rows_offset()
+        if self.rows_offset != ROWS_OFFSET:
+            raise RuntimeError(f"epcomm: kernel library rows offset {self.rows_offset} != ROWS_OFFSET {ROWS_OFFSET}")
         self.max_experts_per_rank = self.lib.epcomm_max_experts_per_rank()
         if num_nvl_bytes <= self.rows_offset:
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} leaves no room for token rows (the metadata takes "
