@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import _env
 from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
 from .backends.reference import ReferenceBackend
+from .backends.reference import allgather as ref_allgather
 from .backends.reference import low_latency as ref_ll
 from .backends.reference import normal as ref_normal
 from .backends.reference.backend import Op
@@ -29,6 +30,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 
 _buffer_counter = itertools.count()
 _BACKENDS = ("auto", "cuda", "reference")
+_STRATEGIES = ("alltoall", "allgather")  # [ext] normal-mode algorithm of the reference backend
 # Errors of argument checking: the refusing rank tells its peers before raising.
 _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
 
@@ -47,7 +49,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Any = None, *, backend: str | None = None) -> None:
+                 comm: Any = None, *, backend: str | None = None, strategy: str = "alltoall") -> None:
         if not dist.is_initialized():
             raise RuntimeError("epcomm.Buffer needs torch.distributed initialized (dist.init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -68,9 +70,14 @@ class Buffer:
             backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
             if backend not in _BACKENDS:
                 raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-            if backend == "cuda":
-                raise RuntimeError("backend='cuda': the CUDA kernels are not available in this build of epcomm; "
-                                   "use backend='reference' (or 'auto')")
+            if backend == "cuda" and self.device.type != "cuda":
+                raise ValueError("backend='cuda' needs a process group on CUDA devices (NCCL), got "
+                                 f"{pg_backend}")
+            if strategy not in _STRATEGIES:
+                raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+            if strategy == "allgather" and backend == "cuda":
+                raise ValueError("strategy='allgather' is implemented by the reference backend only; use "
+                                 "backend='reference'")
             ranks_per_domain_env = self._ranks_per_domain_from_env()
         except _REFUSALS as e:
             error = e
@@ -83,7 +90,15 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.comm = comm
-        self.backend_name = "reference"
+        self.strategy = strategy
+        self._normal = ref_allgather if strategy == "allgather" else ref_normal
+        # 'auto' stays on the reference backend until the CUDA kernels are complete (README "Status").
+        self.backend_name = "cuda" if backend == "cuda" else "reference"
+        self._cuda = None
+        if self.backend_name == "cuda":
+            from .backends.cuda.intranode import CudaIntranode
+
+            self._cuda = CudaIntranode(self.group, self.device, self.num_nvl_bytes, _env.timeout_s())
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._local_nvl: torch.Tensor | None = None
         self._local_rdma: torch.Tensor | None = None
@@ -165,6 +180,10 @@ class Buffer:
                                "still pending; call their hook() first")
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
+        if self._cuda is not None:
+            self._cuda.barrier("destroy")  # no peer may still write into a buffer being unmapped
+            self._cuda.close()
+            self._cuda = None
         self._local_nvl = self._local_rdma = None
         self._backend.ll_combine_buffers.clear()
         self._destroyed = True
@@ -213,6 +232,8 @@ class Buffer:
     # ------------------------------------------------------------------ helpers
     def _refuse(self, op: Op, error: Exception) -> None:
         """Tell the peers this rank refused its arguments (so they raise too), then raise."""
+        if self._cuda is not None and op in (Op.DISPATCH, Op.COMBINE):
+            raise error  # no handshake on the kernel path: peers time out at its barrier, naming this rank
         try:
             self._backend.handshake(op, {}, refused=True)
         except RuntimeError:
@@ -304,9 +325,14 @@ class Buffer:
         data, scales, num_experts = args
 
         def run():
-            return ref_normal.dispatch(self._backend, data, scales, handle, num_tokens_per_rank, is_token_in_rank,
-                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                       num_worst_tokens, num_experts, self.uid)
+            if self._cuda is not None:
+                return self._cuda.dispatch(data, scales, handle, num_tokens_per_rank, is_token_in_rank,
+                                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                           num_worst_tokens, num_experts, self.uid,
+                                           (config or self.get_dispatch_config(self.group_size)).num_sms)
+            return self._normal.dispatch(self._backend, data, scales, handle, num_tokens_per_rank, is_token_in_rank,
+                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                         num_worst_tokens, num_experts, self.uid)
 
         keep = (x, topk_idx, topk_weights, is_token_in_rank)
         result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream, keep)
@@ -404,7 +430,10 @@ class Buffer:
         self._note_normal_use()
 
         def run():
-            return ref_normal.combine(self._backend, x, handle, topk_weights, biases)
+            if self._cuda is not None:
+                return self._cuda.combine(x, handle, topk_weights, biases,
+                                          (config or self.get_combine_config(self.group_size)).num_sms)
+            return self._normal.combine(self._backend, x, handle, topk_weights, biases)
 
         result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream,
                                   (x, topk_weights, biases))

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..utils.launch import LocalCluster, RankFailure
-from . import report, runner
+from . import diagnose, report, runner
 from .options import Options, parse_args
 from .workloads import plan_cases
 
@@ -32,11 +32,28 @@ def _progress(i: int, n: int, case, record: dict, seconds: float) -> str:
             f"{report.fmt_gbps(record['combine_gbps'])} GB/s, {status} ({seconds:.1f} s)")
 
 
-def run(opts: Options) -> tuple[list[dict], list[str]]:
-    """Run every case; returns (records, errors). A rank error stops the run: its group may be wedged."""
+def _merge_probes(per_rank: list[dict]) -> dict:
+    """The bottleneck over ranks: the lowest rates and the largest fixed costs (the slowest rank rules)."""
+    if not per_rank or not per_rank[0]:
+        return {}
+    merged = dict(per_rank[0])
+    merged["link_gbps"] = min(p["link_gbps"] for p in per_rank)
+    merged["link_fixed_us"] = max(p["link_fixed_us"] for p in per_rank)
+    for key, pick in (("collective_gbps", min), ("collective_fixed_us", max)):
+        merged[key] = {name: pick(p[key][name] for p in per_rank) for name in per_rank[0][key]}
+    return merged
+
+
+def run(opts: Options, probe: dict | None = None) -> tuple[list[dict], list[str]]:
+    """Run every case; returns (records, errors). A rank error stops the run: its group may be wedged.
+
+    With ``opts.diagnose`` on GPUs the link probe (``runner.probe_ceilings``) runs first and its
+    merged result is stored into ``probe`` (a dict the caller passes in).
+    """
     cases = plan_cases(opts.modes, opts.tokens, opts.ll_tokens, opts.hidden, opts.topk, opts.experts,
                        opts.ll_experts, opts.num_sms, opts.dtypes, opts.warmup, opts.iters, opts.seed,
-                       opts.backend)
+                       opts.backend, strategies=opts.strategies, diagnose=opts.diagnose,
+                       straggler=opts.straggler, straggler_delay_us=opts.straggler_delay_us)
     _log(f"epcomm.bench: {opts.num_ranks} rank(s) on {opts.pg_backend}, {len(cases)} configuration(s), "
          f"{opts.warmup} warm-up(s) + {opts.iters} timed call(s) each")
     records: list[dict] = []
@@ -52,6 +69,14 @@ def run(opts: Options) -> tuple[list[dict], list[str]]:
         except RankFailure as failure:
             return records, [f"the ranks failed to start: {failure}"]
         device = report.device_string(info, opts.num_ranks)
+        if opts.diagnose and opts.pg_backend == "nccl" and probe is not None:
+            try:
+                probe.update(_merge_probes(cluster.run(runner.probe_ceilings, timeout_s=CASE_TIMEOUT_S)))
+                _log(f"probe: link {probe['link_gbps']:.1f} GB/s per direction + {probe['link_fixed_us']:.1f} us; "
+                     + ", ".join(f"{k} {probe['collective_gbps'][k]:.1f} GB/s + {v:.1f} us"
+                                 for k, v in probe["collective_fixed_us"].items()))
+            except RankFailure as failure:
+                return records, [f"the link probe failed: {failure}"]
         for i, case in enumerate(cases, 1):
             start = time.monotonic()
             try:
@@ -74,21 +99,34 @@ def main(argv: list[str] | None = None) -> int:
     Returns 0 when every case ran and matched the reference, 1 otherwise (2 for bad options).
     """
     opts = parse_args(argv)
-    records, errors = run(opts)
+    probe: dict = {}
+    records, errors = run(opts, probe)
+    if opts.straggler is not None:
+        _log(f"injected straggler: rank {opts.straggler} sleeps {opts.straggler_delay_us:g} us before every call")
     if records:
         first = records[0]
         header = (f"epcomm bench: {first['device']}, commit {first['commit'][:12]}, backend={opts.backend}, "
                   f"{opts.warmup} warm-up + {opts.iters} timed calls, times = slowest rank's median "
                   f"({first['timer']})")
         print(report.format_table(records, header), flush=True)
+        if opts.diagnose:
+            diagnose.annotate(records)
+            rows = diagnose.compare_with_planner(records, probe) if opts.pg_backend == "nccl" else []
+            for r in records:
+                if probe:
+                    r["ceilings"] = probe
+                if opts.straggler is not None:
+                    r["injected_straggler"] = {"rank": opts.straggler, "delay_us": opts.straggler_delay_us}
+            print("\n" + diagnose.format_report(records, rows, probe, opts.pg_backend), flush=True)
     if opts.json:
         report.write_json(records, opts.json)
         _log(f"wrote {len(records)} record(s) to {opts.json}")
     if opts.plot and records:
-        from .plot import write_plot
+        from .plot import latency_plot_path, write_latency_plot, write_plot
 
         write_plot(records, opts.plot)
-        _log(f"wrote {opts.plot}")
+        write_latency_plot(records, latency_plot_path(opts.plot))
+        _log(f"wrote {opts.plot} and {latency_plot_path(opts.plot)}")
     failed = [r for r in records if not r["checked"]]
     if failed:
         _log(f"{len(failed)} configuration(s) did not match the reference")

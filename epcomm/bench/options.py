@@ -9,6 +9,7 @@ Every error names the option at fault.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from ..config import MAX_TOPK
 from . import plot
 from .metrics import DTYPES
-from .workloads import LOW_LATENCY, MODES, NORMAL
+from .workloads import ALLGATHER, LOW_LATENCY, MODES, NORMAL, STRATEGIES
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -55,6 +56,10 @@ class Options:
     json: str | None
     plot: str | None
     commit: str | None
+    strategies: list[str] = dataclasses.field(default_factory=lambda: ["alltoall"])
+    diagnose: bool = False
+    straggler: int | None = None
+    straggler_delay_us: float = 0.0
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -136,7 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="commit id to record [git rev-parse HEAD, or 'unknown' outside a checkout]; for runs "
                         "made from a copy of the tree without .git")
     p.add_argument("--plot", metavar="PATH",
-                   help="write a PNG of bandwidth against tokens (needs matplotlib)")
+                   help="write a PNG of bandwidth against tokens, and one of the latency histogram per rank "
+                        "next to it (PATH with '-latency' before the suffix); needs matplotlib")
+    p.add_argument("--strategies", type=_choice_list(STRATEGIES), default=["alltoall"],
+                   help="normal-mode Buffer(strategy=...) to measure, with the NCCL collective that moves the "
+                        "same data as baseline (allgather: all_gather_into_tensor + reduce_scatter_tensor) "
+                        "[alltoall]")
+    p.add_argument("--diagnose", action="store_true",
+                   help="also report per-rank latency distributions (p50/p99/max, jitter), per-source waits "
+                        "from the low-latency wait-cost statistics (naming straggler ranks), and measured vs "
+                        "the planner's predicted times (GPU: calibrated by a short probe of the links)")
+    p.add_argument("--straggler", type=int, metavar="RANK",
+                   help="inject a straggler: RANK sleeps before every call (to demonstrate --diagnose)")
+    p.add_argument("--straggler-delay-us", type=float, metavar="US",
+                   help="how long the --straggler rank sleeps before each call [1000]")
     return p
 
 
@@ -191,7 +209,20 @@ def parse_args(argv: list[str] | None) -> Options:
         fail(f"--iters must be >= 1, got {a.iters}")
     if a.plot and not plot.matplotlib_available():
         fail(plot.MISSING_MATPLOTLIB)
+    if ALLGATHER in a.strategies and a.backend == "cuda":
+        fail("--strategies allgather runs on the reference backend only; use --backend reference or auto")
+    if a.straggler_delay_us is not None and a.straggler is None:
+        fail("--straggler-delay-us needs --straggler RANK")
+    if a.straggler is not None:
+        if not 0 <= a.straggler < a.num_ranks:
+            fail(f"--straggler must be a rank in [0, {a.num_ranks}), got {a.straggler}")
+        if a.straggler_delay_us is None:
+            a.straggler_delay_us = 1000.0
+        if not a.straggler_delay_us > 0:
+            fail(f"--straggler-delay-us must be > 0, got {a.straggler_delay_us}")
     return Options(num_ranks=a.num_ranks, pg_backend="nccl" if gpu else "gloo", tokens=a.tokens,
                    hidden=a.hidden, topk=a.topk, experts=a.experts, ll_tokens=a.ll_tokens, ll_experts=a.ll_experts,
                    num_sms=a.num_sms, dtypes=a.dtype, modes=a.modes, warmup=a.warmup, iters=a.iters,
-                   backend=a.backend, seed=a.seed, json=a.json, plot=a.plot, commit=a.commit)
+                   backend=a.backend, seed=a.seed, json=a.json, plot=a.plot, commit=a.commit,
+                   strategies=a.strategies, diagnose=a.diagnose, straggler=a.straggler,
+                   straggler_delay_us=a.straggler_delay_us or 0.0)

@@ -14,7 +14,7 @@ import subprocess
 from typing import Any
 
 from . import metrics
-from .workloads import A2A, Case
+from .workloads import Case
 
 # The keys BENCHMARK.md requires, in its order; records carry extra keys after them.
 RECORD_KEYS = ("mode", "impl", "num_ranks", "num_domains", "num_tokens", "hidden", "num_topk", "num_experts",
@@ -75,13 +75,22 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
         record["cached_dispatch_us"] = _sig(cd_us)
         record["cached_dispatch_gbps"] = _sig(cd_gbps)
     record.update({
-        "baseline": case.kind == A2A, "backend": case.backend, "timer": timer,
+        "baseline": case.baseline, "backend": case.backend, "timer": timer,
         "warmup": case.warmup, "iters": case.iters, "seed": case.seed,
         "slowest_dispatch_rank": d_rank, "slowest_combine_rank": c_rank,
         "dispatch_us_per_rank": [_sig(r["dispatch_s"] * 1e6) for r in per_rank],
         "combine_us_per_rank": [_sig(r["combine_s"] * 1e6) for r in per_rank],
         "dispatch_bytes_per_rank": [r["dispatch_bytes"] for r in per_rank],
     })
+    if "strategy" in per_rank[0]:
+        record["strategy"] = per_rank[0]["strategy"]
+    # In memory only (keys starting with "_" are not written): every timed call, and the
+    # low-latency waits as each rank observed them; --diagnose turns them into reported keys.
+    record["_samples_us"] = {op: [[t * 1e6 for t in r["samples_s"][op]] for r in per_rank]
+                             for op in per_rank[0].get("samples_s", {})}
+    if "dispatch_wait_us_per_source" in per_rank[0]:
+        record["_wait_us_observed"] = {op: [r[f"{op}_wait_us_per_source"] for r in per_rank]
+                                       for op in ("dispatch", "combine")}
     if failures:
         record["failures"] = failures[:20]
     return record
@@ -94,15 +103,16 @@ def today() -> str:
 def write_json(records: list[dict[str, Any]], path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in records]
     with open(path, "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump(public, f, indent=1)
         f.write("\n")
 
 
 _COLUMNS = (
     # header, width, how to render a record
     ("mode", 11, lambda r: r["mode"]),
-    ("impl", 17, lambda r: r["impl"]),
+    ("impl", 26, lambda r: r["impl"]),
     ("dtype", 5, lambda r: r["dispatch_dtype"]),
     ("tokens", 6, lambda r: str(r["num_tokens"])),
     ("hidden", 6, lambda r: str(r["hidden"])),
@@ -119,17 +129,17 @@ _COLUMNS = (
 
 
 def format_table(records: list[dict[str, Any]], header: str) -> str:
-    """The run as a text table, each epcomm row after the a2a baseline of the same routing.
+    """The run as a text table, each epcomm row after the baselines of the same routing.
 
-    "a2a/disp" is the baseline's dispatch time over epcomm's: above 1 means epcomm is faster than
-    one plain all_to_all_single of the same rows.
+    "a2a/disp" is the all_to_all_single baseline's dispatch time over the row's: above 1 means the
+    row is faster than one plain all_to_all_single of the same rows.
     """
     rows = []
     baseline: dict[tuple, dict[str, Any]] = {}
     for r in records:
         key = (r["mode"], r["num_tokens"], r["hidden"], r["num_topk"], r["num_experts"])
         shown = dict(r)
-        if r.get("baseline"):
+        if r.get("baseline") and r["impl"].endswith("-a2a"):
             baseline[key] = r
         elif key in baseline and r["dispatch_us"] > 0:
             shown["_vs_a2a"] = f"{baseline[key]['dispatch_us'] / r['dispatch_us']:.2f}x"

@@ -8,6 +8,9 @@ collective calls whatever its checks find, so a failed check is reported, never 
 from __future__ import annotations
 
 import os
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,8 +18,12 @@ import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
 from . import checks, metrics
-from .timing import time_call
-from .workloads import A2A, NORMAL, Case, RankInputs, all_rank_inputs
+from .timing import time_samples
+from .workloads import A2A, AG, ALLGATHER, NORMAL, Case, RankInputs, all_rank_inputs
+
+# The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def rank_device() -> torch.device:
@@ -42,6 +49,8 @@ def run_case(case: Case) -> dict[str, Any]:
     tag = f"rank {rank}: {case.describe()}"
     if case.kind == A2A:
         return _run_a2a(case, inputs, rank, device, tag)
+    if case.kind == AG:
+        return _run_allgather_baseline(case, inputs, rank, device, tag)
     if case.mode == NORMAL:
         return _run_normal(case, inputs, rank, tag)
     return _run_low_latency(case, inputs, rank, tag)
@@ -55,6 +64,39 @@ def _guarded(failures: list[str], tag: str, check, *args) -> None:
         failures.append(f"{tag}: {check.__name__} raised {type(error).__name__}: {error}")
 
 
+def _straggle(case: Case, rank: int, device: torch.device) -> Callable[[], None] | None:
+    """The ``--straggler`` injection, run before every call outside the timed span.
+
+    Every rank first lines up with the others (the CPU timing loop already barriers; on GPUs a
+    device sync and a barrier here), then the straggler sleeps, so the injected delay is the only
+    skew between the ranks' arrivals. Without the line-up the reference transport's polling
+    back-off (sleeps of up to 1 ms while waiting) lets an early rank leave a collective late and
+    arrive late at the next one, which would blur the demonstration.
+    """
+    if case.straggler is None or case.straggler_delay_us <= 0:
+        return None
+    delay_s = case.straggler_delay_us if case.straggler == rank else 0.0
+    delay_s *= 1e-6
+
+    def before() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+            torch.cuda.synchronize(device)
+        if delay_s:
+            time.sleep(delay_s)
+
+    return before
+
+
+def _timed(fn: Callable[[], Any], case: Case, device: torch.device, before, samples: dict[str, list[float]],
+           name: str, on_start: Callable[[], None] | None = None) -> tuple[float, Any]:
+    """Median seconds of ``fn`` and its last result; every timed call's seconds go to ``samples[name]``."""
+    times, last = time_samples(fn, case.warmup, case.iters, device, before, on_start)
+    samples[name] = times
+    return statistics.median(times), last
+
+
 def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> dict[str, Any]:
     num_ranks = len(inputs)
     Buffer.set_num_sms(case.num_sms)
@@ -65,7 +107,7 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     configs = (dispatch_config, combine_config)
     num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
     num_rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend)
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend, strategy=case.strategy)
     mine = inputs[rank]
     want = checks.Expected(inputs, rank, case.num_experts)
     failures: list[str] = []
@@ -92,16 +134,19 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     _guarded(failures, f"{tag} (first combine)", checks.check_normal_combine, combine()[0], mine, want,
              case.dtype)
 
-    dispatch_s, last = time_call(dispatch, case.warmup, case.iters, buf.device)
+    before, samples = _straggle(case, rank, buf.device), {}
+    dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch")
     _guarded(failures, f"{tag} (timed dispatch)", checks.check_normal_dispatch, *last[:4], want, case.dtype)
-    cached_s, last = time_call(cached_dispatch, case.warmup, case.iters, buf.device)
+    cached_s, last = _timed(cached_dispatch, case, buf.device, before, samples, "cached_dispatch")
     _guarded(failures, f"{tag} (timed cached dispatch)", checks.check_normal_dispatch, last[0], None, None,
              None, want, case.dtype)
-    combine_s, last = time_call(combine, case.warmup, case.iters, buf.device)
+    combine_s, last = _timed(combine, case, buf.device, before, samples, "combine")
     _guarded(failures, f"{tag} (timed combine)", checks.check_normal_combine, last[0], mine, want, case.dtype)
 
+    suffix = "-allgather" if case.strategy == ALLGATHER else ""
     result = {
-        "impl": f"epcomm-{buf.backend_name}", "num_domains": buf.num_domains,
+        "impl": f"epcomm-{buf.backend_name}{suffix}", "strategy": case.strategy, "samples_s": samples,
+        "num_domains": buf.num_domains,
         "buffer_bytes": buf.num_nvl_bytes + buf.num_rdma_bytes,
         "dispatch_s": dispatch_s, "cached_dispatch_s": cached_s, "combine_s": combine_s,
         "dispatch_bytes": metrics.normal_dispatch_bytes(want.num_rows, case.hidden, case.dtype),
@@ -121,15 +166,30 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
                  num_qps_per_rank=max(1, num_experts // num_ranks), backend=case.backend)
     mine = inputs[rank]
     failures: list[str] = []
+    # Wait-cost statistics (ns per source rank, accumulated by every call) and the calls they cover;
+    # reset when the timed calls start, so they describe the timed calls only.
+    wait_stats = {name: torch.zeros(num_ranks, dtype=torch.int64, device=buf.device) if case.diagnose else None
+                  for name in ("dispatch", "combine")}
+    calls = {"dispatch": 0, "combine": 0}
+
+    def reset(name: str) -> Callable[[], None]:
+        def start() -> None:
+            calls[name] = 0
+            if wait_stats[name] is not None:
+                wait_stats[name].zero_()
+        return start
 
     def dispatch():
-        return buf.low_latency_dispatch(mine.x, mine.topk_idx, n, num_experts, use_fp8=True)
+        calls["dispatch"] += 1
+        return buf.low_latency_dispatch(mine.x, mine.topk_idx, n, num_experts, use_fp8=True,
+                                        dispatch_wait_recv_cost_stats=wait_stats["dispatch"])
 
     recv_x, recv_count, handle, _, _ = dispatch()
     _guarded(failures, f"{tag} (first dispatch)", checks.check_ll_dispatch, recv_x, recv_count, handle,
              inputs, rank, num_experts)
 
-    dispatch_s, last = time_call(dispatch, case.warmup, case.iters, buf.device)
+    before, samples = _straggle(case, rank, buf.device), {}
+    dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch", reset("dispatch"))
     recv_x, recv_count, handle = last[:3]
     _guarded(failures, f"{tag} (timed dispatch)", checks.check_ll_dispatch, recv_x, recv_count, handle,
              inputs, rank, num_experts)
@@ -137,21 +197,27 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     y = checks.ll_combine_input(recv_x, recv_count, n, num_ranks)
 
     def combine():
-        return buf.low_latency_combine(y, mine.topk_idx, mine.topk_weights, handle)
+        calls["combine"] += 1
+        return buf.low_latency_combine(y, mine.topk_idx, mine.topk_weights, handle,
+                                       combine_wait_recv_cost_stats=wait_stats["combine"])
 
     _guarded(failures, f"{tag} (first combine)", checks.check_ll_combine, combine()[0], mine)
-    combine_s, last = time_call(combine, case.warmup, case.iters, buf.device)
+    combine_s, last = _timed(combine, case, buf.device, before, samples, "combine", reset("combine"))
     _guarded(failures, f"{tag} (timed combine)", checks.check_ll_combine, last[0], mine)
 
     num_selections = int((mine.topk_idx >= 0).sum())
     result = {
-        "impl": f"epcomm-{buf.backend_name}", "num_domains": buf.num_domains,
+        "impl": f"epcomm-{buf.backend_name}", "samples_s": samples, "num_domains": buf.num_domains,
         "buffer_bytes": buf.num_rdma_bytes,
         "dispatch_s": dispatch_s, "combine_s": combine_s,
         "dispatch_bytes": metrics.ll_dispatch_bytes(num_selections, hidden, "fp8"),
         "combine_bytes": metrics.ll_combine_bytes(num_selections, hidden),
         "failures": failures,
     }
+    if case.diagnose:
+        # Mean wait per call for each source rank, as this rank saw it (us).
+        for name, stats in wait_stats.items():
+            result[f"{name}_wait_us_per_source"] = [v / 1e3 / calls[name] for v in stats.cpu().tolist()]
     buf.destroy()
     return result
 
@@ -188,14 +254,153 @@ def _run_a2a(case: Case, inputs: list[RankInputs], rank: int, device: torch.devi
     # Poison the outputs so the check after timing sees what the timed calls wrote.
     recv.fill_(float("nan"))
     back.fill_(float("nan"))
-    dispatch_s, _ = time_call(forward, case.warmup, case.iters, device)
-    combine_s, _ = time_call(backward, case.warmup, case.iters, device)
+    before, samples = _straggle(case, rank, device), {}
+    dispatch_s, _ = _timed(forward, case, device, before, samples, "dispatch")
+    combine_s, _ = _timed(backward, case, device, before, samples, "combine")
     _guarded(failures, f"{tag} (timed exchange)", checks.check_a2a, recv, want, back, send)
     backend = str(dist.get_backend())
     num_bytes = want.num_rows * case.hidden * 2  # recv bytes, this rank's own rows included
     return {
-        "impl": f"{backend}-a2a", "num_domains": 1, "buffer_bytes": send.nbytes + recv.nbytes,
+        "impl": f"{backend}-a2a", "strategy": case.strategy, "samples_s": samples, "num_domains": 1,
+        "buffer_bytes": send.nbytes + recv.nbytes,
         "dispatch_s": dispatch_s, "combine_s": combine_s,
         "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
         "failures": failures,
+    }
+
+
+def _run_allgather_baseline(case: Case, inputs: list[RankInputs], rank: int, device: torch.device,
+                            tag: str) -> dict[str, Any]:
+    """The allgather strategy's data movement alone: ``all_gather_into_tensor`` of every rank's BF16 rows
+    ("dispatch") and ``reduce_scatter_tensor`` (sum) of an ``[R T, H]`` BF16 buffer ("combine").
+
+    What the planner's allgather strategy prices as link traffic (no local permute, no packing, no
+    handshake), so its times are what the planner's prediction is compared with. Bytes are the
+    useful rows (as for every record), so GB/s compare with the all-to-all's. Without NCCL the
+    combine is an all-to-all of the blocks plus a local sum (older gloo has no reduce-scatter).
+    """
+    num_ranks = len(inputs)
+    want = checks.Expected(inputs, rank, case.num_experts)
+    mine = inputs[rank]
+    num_tokens = mine.x.shape[0]
+    gathered = torch.empty((num_ranks * num_tokens, case.hidden), dtype=torch.bfloat16, device=device)
+    reduced = torch.empty_like(mine.x)
+    nccl = "nccl" in str(dist.get_backend())
+    failures: list[str] = []
+
+    def forward():
+        if nccl:
+            _all_gather_into(gathered, mine.x)
+        else:
+            dist.all_gather(list(gathered.chunk(num_ranks)), mine.x)
+        return gathered
+
+    def backward():
+        if nccl:
+            _reduce_scatter(reduced, gathered)
+        else:
+            blocks = torch.empty_like(gathered)
+            dist.all_to_all_single(blocks, gathered)
+            torch.sum(blocks.view(num_ranks, num_tokens, case.hidden), 0, out=reduced)
+        return reduced
+
+    def check() -> list[str]:
+        out = []
+        if not checks.same_bits(gathered, torch.cat([src.x for src in inputs])):
+            out.append(f"{tag}: all_gather rows differ from the inputs")
+        # Every rank reduces the same gathered rows, so block `rank` sums to R x this rank's rows
+        # (up to one bf16 rounding per addition).
+        err = (reduced.double() - mine.x.double() * num_ranks).abs()
+        if not bool((err <= mine.x.double().abs() * num_ranks * 2.0 ** -8 * num_ranks + 1e-6).all()):
+            out.append(f"{tag}: reduce_scatter sum is off (max abs error {float(err.max()):.3g})")
+        return out
+
+    forward()
+    backward()
+    failures.extend(check())
+    gathered.fill_(float("nan"))
+    reduced.fill_(float("nan"))
+    before, samples = _straggle(case, rank, device), {}
+    dispatch_s, _ = _timed(forward, case, device, before, samples, "dispatch")
+    combine_s, _ = _timed(backward, case, device, before, samples, "combine")
+    failures.extend(check())
+    num_bytes = want.num_rows * case.hidden * 2  # useful recv bytes, as the all-to-all baseline counts
+    return {
+        "impl": f"{dist.get_backend()}-allgather", "strategy": ALLGATHER, "samples_s": samples,
+        "num_domains": 1, "buffer_bytes": gathered.nbytes + reduced.nbytes,
+        "dispatch_s": dispatch_s, "combine_s": combine_s,
+        "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
+        "failures": failures,
+    }
+
+
+def _alpha_beta(sizes: tuple[int, int], seconds: tuple[float, float]) -> tuple[float, float]:
+    """(fixed cost in us, GB/s) of the line through two (bytes, seconds) points; the cost is clamped at 0."""
+    gbps = (sizes[1] - sizes[0]) / (seconds[1] - seconds[0]) / 1e9 if seconds[1] > seconds[0] else \
+        sizes[1] / seconds[1] / 1e9
+    return max(0.0, (seconds[0] - sizes[0] / (gbps * 1e9)) * 1e6), gbps
+
+
+def probe_ceilings(block_bytes: tuple[int, int] = (4 * 2**20, 256 * 2**20), iters: int = 20) -> dict[str, Any]:
+    """Measured link properties the planner is calibrated with (GPU/NCCL only), BENCHMARK.md style.
+
+    Each primitive is timed (median, CUDA events, as the benchmark times everything) with blocks of
+    two sizes that bracket every size the benchmark compares (it moves 7 to 117 MB per rank at
+    H=7168, T=512..8192; the blocks are 4 MiB and 256 MiB), and the line through the two points
+    gives its rate (GB/s per GPU per direction: each rank's bytes that cross links, over the time)
+    and its fixed per-call cost (the intercept):
+
+    * ``link``: a point-to-point exchange, every rank sending a block to its ring successor while
+      receiving one from its predecessor (with two GPUs: both directions of the one pair at once):
+      the per-peer NVLink rate and per-transfer cost as NCCL drives them.
+    * ``collective``: each collective the baselines use (``all_to_all_single``,
+      ``all_gather_into_tensor``, ``reduce_scatter_tensor``) with blocks of those sizes.
+
+    None of these is one of the compared measurements (different sizes, and for ``link`` a different
+    primitive). NCCL's time is not affine in the size over wide ranges (its rate keeps rising past
+    128 MiB), so the fit is only meant for sizes between the two blocks.
+    """
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    if device.type != "cuda" or num_ranks < 2:
+        return {}
+    nxt, prv = (rank + 1) % num_ranks, (rank - 1) % num_ranks
+
+    def median_s(fn, warmup: int = 3, n: int = iters) -> float:
+        return statistics.median(time_samples(fn, warmup, n, device)[0])
+
+    def collectives_s(size: int) -> dict[str, float]:
+        whole = torch.empty(num_ranks * size // 2, dtype=torch.bfloat16, device=device)
+        whole_out = torch.empty_like(whole)
+        part = torch.empty(size // 2, dtype=torch.bfloat16, device=device)
+        return {"all_to_all_single": median_s(lambda: dist.all_to_all_single(whole_out, whole)),
+                "all_gather_into_tensor": median_s(lambda: _all_gather_into(whole_out, part)),
+                "reduce_scatter_tensor": median_s(lambda: _reduce_scatter(part, whole))}
+
+    def exchange_s(size: int) -> float:
+        send = torch.empty(size, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+
+        def exchange():
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)])
+            for w in works:
+                w.wait()
+
+        return median_s(exchange)
+
+    link_s = [exchange_s(size) for size in block_bytes]
+    per_size = [collectives_s(size) for size in block_bytes]
+    coll_s = {name: [t[name] for t in per_size] for name in per_size[0]}
+    crossing = tuple((num_ranks - 1) * b for b in block_bytes)
+    link_us, link_gbps = _alpha_beta(block_bytes, tuple(link_s))
+    fits = {name: _alpha_beta(crossing, tuple(t)) for name, t in coll_s.items()}
+
+    return {
+        "link_gbps": link_gbps, "link_fixed_us": link_us,
+        "collective_gbps": {name: fit[1] for name, fit in fits.items()},
+        "collective_fixed_us": {name: fit[0] for name, fit in fits.items()},
+        "block_bytes": list(block_bytes), "iters": iters, "link_median_us": [t * 1e6 for t in link_s],
+        "collective_median_us": {name: [t * 1e6 for t in times] for name, times in coll_s.items()},
+        "method": "two-point fits at 4 and 256 MiB blocks: NCCL ring send/recv (both directions at once) "
+                  "for the link, each collective for its own",
     }

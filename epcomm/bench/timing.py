@@ -3,7 +3,8 @@
 GPU: CUDA events around each call, with L2 flushed before every timed call (a 256 MB write), so a
 call never finds the previous call's data in cache. CPU: ``time.perf_counter`` around each call,
 with a barrier before every iteration so no rank starts its clock while a peer is still in the
-previous call (gloo has no device timeline to measure on). Either way the median is returned.
+previous call (gloo has no device timeline to measure on). ``time_call`` returns the median,
+``time_samples`` every timed call (the diagnosis reads their distribution).
 """
 
 from __future__ import annotations
@@ -29,46 +30,74 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _flush_buffer
 
 
-def time_call(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device) -> tuple[float, Any]:
+def time_call(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device,
+              before: Callable[[], None] | None = None) -> tuple[float, Any]:
     """Run ``fn`` ``warmup`` times untimed, then ``iters`` times timed; return (median seconds, last result).
 
     Every rank must call this with the same counts: ``fn`` is collective.
     """
+    samples, result = time_samples(fn, warmup, iters, device, before)
+    return statistics.median(samples), result
+
+
+def time_samples(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device,
+                 before: Callable[[], None] | None = None,
+                 on_start: Callable[[], None] | None = None) -> tuple[list[float], Any]:
+    """As :func:`time_call`, but return every timed call's seconds (for distributions and jitter).
+
+    ``before`` runs ahead of every call, outside the timed span: the benchmark's straggler
+    injection (``--straggler``) sleeps there, so the late rank's own clock excludes its delay
+    while its peers' clocks include the wait for it. ``on_start`` runs once, after the warm-ups,
+    right before the timed calls (to reset statistics that should cover the timed calls only).
+    """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if device.type == "cuda":
-        return _time_cuda(fn, warmup, iters, device)
-    return _time_cpu(fn, warmup, iters)
+        return _time_cuda(fn, warmup, iters, device, before, on_start)
+    return _time_cpu(fn, warmup, iters, before, on_start)
 
 
-def _time_cpu(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, Any]:
+def _time_cpu(fn: Callable[[], Any], warmup: int, iters: int, before: Callable[[], None] | None,
+              on_start: Callable[[], None] | None) -> tuple[list[float], Any]:
     result = None
     for _ in range(warmup):
         dist.barrier()
+        if before is not None:
+            before()
         result = fn()
+    if on_start is not None:
+        on_start()
     times = []
     for _ in range(iters):
         dist.barrier()
+        if before is not None:
+            before()
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+    return times, result
 
 
-def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device) -> tuple[float, Any]:
+def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device,
+               before: Callable[[], None] | None, on_start: Callable[[], None] | None) -> tuple[list[float], Any]:
     flush = _l2_flush_buffer(device)
     result = None
     for _ in range(warmup):
+        if before is not None:
+            before()
         result = fn()
     torch.cuda.synchronize(device)
     dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+    if on_start is not None:
+        on_start()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
         flush.zero_()
+        if before is not None:
+            before()
         starts[i].record()
         result = fn()
         ends[i].record()
     torch.cuda.synchronize(device)
-    times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
-    return statistics.median(times), result
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], result

@@ -14,7 +14,12 @@ import torch
 
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 MODES = (NORMAL, LOW_LATENCY)
-EPCOMM, A2A = "epcomm", "a2a"  # what a case runs: the Buffer, or the plain all_to_all_single baseline
+# What a case runs: the Buffer, the plain all_to_all_single baseline, or the allgather baseline
+# (all_gather_into_tensor for dispatch, reduce_scatter_tensor for combine).
+EPCOMM, A2A, AG = "epcomm", "a2a", "allgather"
+BASELINES = (A2A, AG)
+ALLTOALL, ALLGATHER = "alltoall", "allgather"
+STRATEGIES = (ALLTOALL, ALLGATHER)  # Buffer(strategy=...) of the normal-mode epcomm cases
 
 
 @dataclass(frozen=True)
@@ -33,9 +38,22 @@ class Case:
     iters: int
     seed: int
     backend: str  # Buffer(backend=...)
+    strategy: str = ALLTOALL  # Buffer(strategy=...); the baseline's data movement for A2A/AG
+    diagnose: bool = False  # also measure the low-latency wait-cost statistics
+    straggler: int | None = None  # rank that sleeps before every call (--straggler)
+    straggler_delay_us: float = 0.0
+
+    @property
+    def baseline(self) -> bool:
+        return self.kind in BASELINES
 
     def describe(self) -> str:
-        who = "a2a-baseline" if self.kind == A2A else f"epcomm {self.dtype}"
+        if self.kind == A2A:
+            who = "a2a-baseline"
+        elif self.kind == AG:
+            who = "allgather-baseline"
+        else:
+            who = f"epcomm {self.dtype}" + (f" {self.strategy}" if self.strategy != ALLTOALL else "")
         sms = "" if self.num_sms is None else f" sms={self.num_sms}"
         return (f"{self.mode} {who} T={self.num_tokens} H={self.hidden} K={self.num_topk} "
                 f"E={self.num_experts}{sms}")
@@ -85,21 +103,31 @@ def all_rank_inputs(case: Case, num_ranks: int, device: torch.device) -> list[Ra
 
 def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hiddens: list[int], num_topk: int,
                num_experts: int, ll_experts: int, num_sms: list[int], dtypes: list[str], warmup: int,
-               iters: int, seed: int, backend: str) -> list[Case]:
-    """Cases in run order: for each shape, the baseline first, then epcomm per SM count and dtype.
+               iters: int, seed: int, backend: str, strategies: list[str] | tuple[str, ...] = (ALLTOALL,),
+               diagnose: bool = False, straggler: int | None = None, straggler_delay_us: float = 0.0) -> list[Case]:
+    """Cases in run order: for each shape, the baselines first, then epcomm per SM count, dtype and strategy.
 
-    Low-latency dispatch is FP8 as BENCHMARK.md prescribes, whatever ``dtypes`` says.
+    Low-latency dispatch is FP8 as BENCHMARK.md prescribes, whatever ``dtypes`` says; strategies
+    apply to normal mode only (the allgather baseline runs when ``allgather`` is among them).
     """
+    for strategy in strategies:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategies must be drawn from {STRATEGIES}, got {strategy!r}")
     cases = []
     for mode in modes:
         counts, experts = (tokens, num_experts) if mode == NORMAL else (ll_tokens, ll_experts)
         mode_dtypes = dtypes if mode == NORMAL else ["fp8"]
+        mode_strategies = list(strategies) if mode == NORMAL else [ALLTOALL]
         for hidden in hiddens:
             for t in counts:
                 common = dict(mode=mode, num_tokens=t, hidden=hidden, num_topk=num_topk, num_experts=experts,
-                              warmup=warmup, iters=iters, seed=seed, backend=backend)
+                              warmup=warmup, iters=iters, seed=seed, backend=backend, diagnose=diagnose,
+                              straggler=straggler, straggler_delay_us=straggler_delay_us)
                 cases.append(Case(kind=A2A, num_sms=None, dtype="bf16", **common))
+                if ALLGATHER in mode_strategies:
+                    cases.append(Case(kind=AG, num_sms=None, dtype="bf16", strategy=ALLGATHER, **common))
                 for sms in num_sms:
                     for dtype in mode_dtypes:
-                        cases.append(Case(kind=EPCOMM, num_sms=sms, dtype=dtype, **common))
+                        for strategy in mode_strategies:
+                            cases.append(Case(kind=EPCOMM, num_sms=sms, dtype=dtype, strategy=strategy, **common))
     return cases

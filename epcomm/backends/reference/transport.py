@@ -69,6 +69,43 @@ class Transport:
         self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline)
         return out
 
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+        """Gather ``t`` [n, ...] of every rank into ``out`` [R * n, ...], rank j's rows in block j.
+
+        NCCL gathers into ``out`` directly; other backends use the list form into views of ``out``,
+        which every gloo version supports (the single-tensor form is recent there).
+        """
+        if self._is_nccl():
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = gather(out, t, group=self.group, async_op=True)
+        else:
+            work = dist.all_gather(list(out.chunk(self.num_ranks)), t, group=self.group, async_op=True)
+        self.wait(work, op, seq, deadline)
+        return out
+
+    def reduce_scatter(self, send: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+        """Sum ``send`` [R * n, W] over the ranks and return block ``rank`` of the sum, [n, W].
+
+        NCCL: ``reduce_scatter_tensor`` (its summation order is NCCL's own). Other backends (gloo has
+        no reduce-scatter before recent PyTorch): an all-to-all of the blocks, then a local sum in
+        ascending source-rank order, which is deterministic and is the order of the all-to-all
+        strategy's combine, so on gloo both strategies agree bit for bit.
+        """
+        n = send.shape[0] // self.num_ranks
+        if self._is_nccl():
+            out = send.new_empty((n, *send.shape[1:]))
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            self.wait(scatter(out, send, group=self.group, async_op=True), op, seq, deadline)
+            return out
+        blocks = self.all_to_all(send, [n] * self.num_ranks, [n] * self.num_ranks, op, seq, deadline)
+        out = torch.zeros((n, *send.shape[1:]), dtype=send.dtype, device=send.device)
+        for src in range(self.num_ranks):
+            out += blocks[src * n:(src + 1) * n]
+        return out
+
+    def _is_nccl(self) -> bool:
+        return "nccl" in str(dist.get_backend(self.group))
+
     def all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int], op: str, seq: int,
                    deadline: float) -> torch.Tensor:
         """Variable-size all-to-all of the rows of a 2-D byte tensor; rows of rank j land in block j."""
