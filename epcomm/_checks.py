@@ -53,12 +53,13 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
 
 
 def check_topk_idx(name: str, topk_idx: object, num_experts: int, device: torch.device,
-                   num_tokens: int | None = None) -> torch.Tensor:
-    """topk_idx must be int64 [T, K] with every value in [-1, num_experts)."""
+                   num_tokens: int | None = None, values: bool = True) -> torch.Tensor:
+    """topk_idx must be int64 [T, K] with every value in [-1, num_experts) (checked when ``values``:
+    it reads the tensor on the host)."""
     t = check_tensor(name, topk_idx, dtype=topk_idx_t, dim=2, device=device, contiguous=True)
     if num_tokens is not None and t.shape[0] != num_tokens:
         raise ValueError(f"{name} must have {num_tokens} rows (one per token of x), got {t.shape[0]}")
-    if t.numel():
+    if values and t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"{name} values must lie in [-1, {num_experts}) (num_experts={num_experts}), "

@@ -181,9 +181,11 @@ class Buffer:
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
         if self._cuda is not None:
-            self._cuda.barrier("destroy")  # no peer may still write into a buffer being unmapped
-            self._cuda.close()
-            self._cuda = None
+            cuda, self._cuda = self._cuda, None
+            try:
+                cuda.barrier("destroy")  # no peer may still write into a buffer being unmapped
+            finally:
+                cuda.close()
         self._local_nvl = self._local_rdma = None
         self._backend.ll_combine_buffers.clear()
         self._destroyed = True
@@ -291,10 +293,15 @@ class Buffer:
         if num_experts % self.group_size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
                              f"({self.group_size})")
-        check_topk_idx("topk_idx", topk_idx, num_experts, self.device)
+        # Reading the values syncs with the host, which a CUDA graph capture cannot do (the CUDA
+        # layout kernel skips out-of-range ids, and dispatch refuses them on the device).
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, values=not capturing)
         self._check_async_args(previous_event, async_finish, allocate_on_comm_stream)
 
         def run():
+            if self._cuda is not None:
+                return self._cuda.get_dispatch_layout(topk_idx, num_experts, self.ranks_per_domain)
             return ref_normal.dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_domain)
 
         result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
@@ -390,11 +397,14 @@ class Buffer:
             if num_tokens_per_rdma_rank is not None:
                 check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
                              shape=(self.num_domains,), device=self.device)
-            if not torch.equal(is_token_in_rank.sum(0).to(torch.int32), num_tokens_per_rank):
+            # Checks of values need the data on the host; the CUDA kernels make them on the device
+            # (no host sync, CUDA-graph capturable) and every rank raises the same ValueError.
+            on_host = self._cuda is None
+            if on_host and not torch.equal(is_token_in_rank.sum(0).to(torch.int32), num_tokens_per_rank):
                 raise ValueError("num_tokens_per_rank does not match is_token_in_rank.sum(0); pass both from "
                                  "get_dispatch_layout")
             if topk_idx is not None:
-                check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+                check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens, values=on_host)
             if topk_weights is not None:
                 if topk_idx is None:
                     raise ValueError("topk_weights given without topk_idx")

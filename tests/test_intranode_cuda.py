@@ -1,10 +1,13 @@
 """The CUDA intranode kernels against the reference backend, on GPUs (skipped without them).
 
 Copies must be bitwise equal. The combine sums in the same order as the reference (fp32, ascending
-source rank, then the biases), so it must be bitwise equal too.
+rank, then the biases), so it must be bitwise equal too. Outputs are allocated from memory that
+was filled with garbage first, so a row the kernels forget to write cannot pass by luck.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,14 +21,34 @@ from epcomm import Buffer
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
 NVL_BYTES = 512 << 20
+RANKS = [2, 4, 8]
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, tuple):
-        return all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if a is None or b is None:
         return a is None and b is None
+    if not isinstance(a, torch.Tensor):
+        return a == b
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _poison_allocator(dev: torch.device) -> None:
+    """Fill (then free) a large block, so the next allocations start out as garbage, not zeros."""
+    junk = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    junk.fill_(0x7F)
+    del junk
+
+
+def _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_topk, routing, fp8, col_major, dev):
+    num_tokens = tokens_per_rank[rank % len(tokens_per_rank)]
+    x, topk_idx, topk_weights = (t.to(dev) for t in make_inputs(seed, rank, num_tokens, hidden, num_experts,
+                                                                 num_topk, num_ranks, routing))
+    if fp8:
+        data, scales = epcomm.per_token_cast_to_fp8(x)
+        return x, (data, scales.t().contiguous().t() if col_major else scales), topk_idx, topk_weights
+    return x, x, topk_idx, topk_weights
 
 
 def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routing, seed, fp8, col_major,
@@ -34,64 +57,182 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
     tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} H={hidden} E={num_experts} K={num_topk} {routing} "
            f"fp8={fp8} col_major={col_major} worst={num_worst_tokens} bias={use_bias} sms={num_sms}")
     dev = torch.device("cuda", torch.cuda.current_device())
-    x, topk_idx, topk_weights = (t.to(dev) for t in make_inputs(seed, rank, tokens_per_rank[rank], hidden,
-                                                                 num_experts, num_topk, num_ranks, routing))
-    if fp8:
-        data, scales = epcomm.per_token_cast_to_fp8(x)
-        x_in = (data, scales.t().contiguous().t() if col_major else scales)
-    else:
-        x_in = x
+    x, x_in, topk_idx, topk_weights = _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_topk,
+                                              routing, fp8, col_major, dev)
     config = epcomm.Config(num_sms=num_sms)
     outs = {}
     for backend in ("reference", "cuda"):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend=backend)
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+        _poison_allocator(dev)
+        layout = buf.get_dispatch_layout(topk_idx, num_experts)[:4]
+        per_rank, _, per_expert, in_rank = layout
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
             x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst_tokens, config=config)
+        _poison_allocator(dev)
         cached_x, *_ = buf.dispatch(x_in, handle=handle, config=config)
         rows = (recv_x[0] if fp8 else recv_x).shape[0]
         gen = torch.Generator().manual_seed(seed + 1000 + rank)
         y = torch.randn((rows, hidden), generator=gen).to(torch.bfloat16).to(dev)
         biases = tuple(torch.randn((x.shape[0], hidden), generator=gen).to(torch.bfloat16).to(dev)
                        for _ in range(2)) if use_bias else None
+        _poison_allocator(dev)
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=biases, config=config)
         torch.cuda.synchronize()
-        n = handle.num_recv_tokens
-        outs[backend] = dict(recv_x=tuple(t[:n] for t in recv_x) if fp8 else recv_x[:n], recv_idx=recv_idx,
-                             recv_w=recv_w, counts=counts, cached=tuple(t[:n] for t in cached_x) if fp8
-                             else cached_x[:n], combined=combined, combined_w=combined_w, n=n)
+        outs[backend] = dict(layout=layout, recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts,
+                             cached=cached_x, combined=combined, combined_w=combined_w)
         buf.destroy()
     ref, got = outs["reference"], outs["cuda"]
-    assert got["n"] == ref["n"], tag
-    assert got["counts"] == ref["counts"], tag
-    for key in ("recv_x", "recv_idx", "recv_w", "cached", "combined", "combined_w"):
+    for key in ref:
         assert _same(got[key], ref[key]), f"{tag}: {key} differs from the reference backend"
-    return ref["n"]
+    if fp8:  # the scale layout (row- or column-major) follows the input's
+        assert got["recv_x"][1].stride() == ref["recv_x"][1].stride(), tag
+    return (ref["recv_x"][0] if fp8 else ref["recv_x"]).shape[0]
 
 
 CASES = [
-    # (tokens per rank, hidden, experts, topk, routing)
+    # (tokens per rank (cycled over ranks), hidden, experts, topk, routing)
     ([256, 200], 7168, 256, 8, "random"),
     ([64, 0], 2048, 16, 4, "random"),
     ([96, 96], 4096, 32, 8, "imbalanced"),
     ([80, 80], 1024, 32, 4, "empty_rank"),
     ([50, 31], 512, 8, 2, "one_expert"),
+    ([40, 40], 256, 16, 4, "all_dropped"),
     ([1, 1], 256, 8, 4, "random"),
     ([0, 0], 256, 8, 4, "random"),
 ]
 
 
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{sum(c[0])}-H{c[1]}-{c[4]}")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_cuda_matches_reference(case, fp8):
+def test_cuda_matches_reference(ranks, case, fp8):
     tokens, hidden, experts, topk, routing = case
-    ranks = 2
+    experts = max(experts, ranks)
     cluster(ranks).run(rank_cuda_vs_reference, tokens, hidden, experts, topk, routing, seed=CASES.index(case),
-                       fp8=fp8, col_major=fp8, num_worst_tokens=0, use_bias=True, num_sms=24)
+                       fp8=fp8, col_major=fp8 and CASES.index(case) % 2 == 0, num_worst_tokens=0, use_bias=True,
+                       num_sms=24)
 
 
-@pytest.mark.parametrize("num_sms", [2, 8])
-def test_cuda_num_worst_tokens_and_sm_counts(num_sms):
-    cluster(2).run(rank_cuda_vs_reference, [128, 77], 2048, 16, 4, "random", seed=7, fp8=False, col_major=False,
-                   num_worst_tokens=2 * 128, use_bias=False, num_sms=num_sms)
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("num_sms", [2, 8, 32])
+def test_cuda_num_worst_tokens_and_sm_counts(ranks, num_sms):
+    cluster(ranks).run(rank_cuda_vs_reference, [128, 77], 2048, 16, 4, "random", seed=7, fp8=num_sms == 8,
+                       col_major=False, num_worst_tokens=ranks * 128, use_bias=num_sms != 2, num_sms=num_sms)
+
+
+def rank_graph_replay(num_tokens, hidden, num_experts, num_topk, num_worst_tokens):
+    """Capture layout + dispatch + combine (num_worst_tokens: no CPU sync) once, replay with new data."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    ref = Buffer(dist.group.WORLD, NVL_BYTES, backend="reference")
+    x_static = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=dev)
+    idx_static = torch.empty((num_tokens, num_topk), dtype=torch.int64, device=dev)
+    w_static = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=dev)
+
+    def step(b, x, idx, w):
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(idx, num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = b.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=num_worst_tokens)
+        expert_out = (recv_x.float() * 1.5).to(torch.bfloat16)  # stands in for the experts
+        combined, combined_w, _ = b.combine(expert_out, handle, topk_weights=recv_w)
+        return recv_x, recv_idx, recv_w, combined, combined_w
+
+    def load(seed):
+        x, idx, w = make_inputs(seed, rank, num_tokens, hidden, num_experts, num_topk, num_ranks, "random")
+        x_static.copy_(x)
+        idx_static.copy_(idx)
+        w_static.copy_(w)
+
+    load(100)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (compiles and loads the kernels)
+        step(buf, x_static, idx_static, w_static)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step(buf, x_static, idx_static, w_static)
+    for seed in (200, 300, 400):
+        load(seed)
+        _poison_outputs(outputs)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step(ref, x_static.clone(), idx_static.clone(), w_static.clone())
+        for name, got, exp in zip(("recv_x", "recv_idx", "recv_w", "combined", "combined_w"), outputs, want):
+            assert _same(got, exp), f"rank {rank} replay seed {seed}: {name} differs from the reference backend"
+    buf.destroy()
+    ref.destroy()
+
+
+def _poison_outputs(outputs) -> None:
+    for t in outputs:
+        t.view(torch.uint8).fill_(0x7F)
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_cuda_graph_replay_with_new_inputs(ranks):
+    cluster(ranks).run(rank_graph_replay, 96, 1024, 32, 4, num_worst_tokens=96 * ranks)
+
+
+def rank_refusal(hidden, num_experts):
+    """A rank passing out-of-range top-k ids makes every rank raise ValueError naming it; the Buffer
+    stays usable."""
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    x, topk_idx, w = (t.to(dev) for t in make_inputs(5, rank, 32, hidden, num_experts, 4, dist.get_world_size(),
+                                                     "random"))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+    bad = topk_idx.clone()
+    if rank == 1:
+        bad[3, 2] = num_experts + 5
+    with pytest.raises(ValueError, match="rank 1: topk_idx values outside"):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=bad, topk_weights=w)
+    recv_x, *_ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=w)
+    assert recv_x.shape[0] > 0
+    buf.destroy()
+
+
+def test_cuda_refused_input_raises_on_every_rank():
+    cluster(2).run(rank_refusal, 512, 16)
+
+
+def rank_timeout(timeout_s):
+    """Rank 1 never calls dispatch: rank 0 raises within the timeout, naming rank 1."""
+    import time
+
+    os.environ["EPCOMM_TIMEOUT_S"] = str(timeout_s)
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    try:
+        buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    finally:
+        os.environ["EPCOMM_TIMEOUT_S"] = "30"
+    x, topk_idx, w = (t.to(dev) for t in make_inputs(6, rank, 16, 256, 8, 2, dist.get_world_size(), "random"))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 8)
+    elapsed = None
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"timed out waiting for rank\(s\) \[1\]"):
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                         topk_idx=topk_idx, topk_weights=w)
+        elapsed = time.monotonic() - start
+        assert elapsed < 2 * timeout_s + 5, elapsed
+    torch.cuda.synchronize()
+    dist.barrier()
+    # The call counters now disagree: unmap without the epcomm barrier (what a user does is destroy
+    # the Buffer and the process group; here the group is shared with the next tests).
+    buf._cuda.close()
+    buf._cuda = None
+    buf.destroy()
+    return elapsed
+
+
+def test_cuda_timeout_names_the_missing_rank():
+    cluster(2).run(rank_timeout, 3)

@@ -107,6 +107,8 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     configs = (dispatch_config, combine_config)
     num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
     num_rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
+    if case.backend == "cuda":  # the CUDA kernels hold every row of a call: size for this routing
+        num_nvl_bytes = max(num_nvl_bytes, _cuda_nvl_bytes(case, inputs))
     buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend, strategy=case.strategy)
     mine = inputs[rank]
     want = checks.Expected(inputs, rank, case.num_experts)
@@ -155,6 +157,26 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     }
     buf.destroy()
     return result
+
+
+def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs]) -> int:
+    """Bytes the CUDA intranode kernels need for these inputs: the most rows any rank receives in
+    dispatch or gets back in combine, times the larger row slot (BF16 with top-k ids and weights)."""
+    from ..backends.cuda import intranode
+
+    num_ranks = len(inputs)
+    experts_per_rank = case.num_experts // num_ranks
+    matrix = torch.zeros((num_ranks, num_ranks), dtype=torch.int64)
+    for src, mine in enumerate(inputs):
+        idx = mine.topk_idx.cpu()
+        dest = torch.where(idx >= 0, idx // experts_per_rank, torch.full_like(idx, num_ranks))
+        hit = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool).scatter_(1, dest, True)[:, :num_ranks]
+        matrix[src] = hit.sum(0)
+    rows = int(max(matrix.sum(0).max(), matrix.sum(1).max(), 1))
+    k = case.num_topk
+    row = max(intranode.dispatch_row_bytes(case.hidden, 2, k, -(-case.hidden // 128)),
+              intranode.combine_row_bytes(case.hidden, k))
+    return intranode.ROWS_OFFSET + rows * row
 
 
 def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> dict[str, Any]:

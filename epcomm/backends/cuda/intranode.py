@@ -1,16 +1,21 @@
 """Normal mode inside one NVLink domain with the CUDA kernels (csrc/kernels/intranode.cu).
 
-Each rank's communication buffer is shared with the other ranks through CUDA IPC (PyTorch's own
-handle export), so senders write token rows straight into the receivers' buffers. One call:
-  1. notify: every rank writes its per-rank and per-expert counts into each peer, then all meet at a
-     system-scope barrier (bounded; a rank that never arrives is named in the error);
-  2. the CPU reads the counts to size the outputs (the one host sync, as in DeepEP);
-  3. push: each token row goes to the block of its source rank in each destination, at its slot;
-  4. barrier, then each rank compacts the blocks (in source-rank order) into its outputs.
-Combine runs the same steps backwards and sums in fp32 in ascending rank order.
+Each rank's communication buffer is shared with the other ranks through CUDA IPC, so senders store
+token rows straight into the receivers' buffers. A dispatch is two kernels on the stream:
+  1. notify: counts exchanged, inputs validated, bounded barrier, layout derived on the device;
+  2. the CPU reads the receive counts to size the outputs (the one host sync, as in DeepEP), which
+     ``num_worst_tokens`` removes (outputs of a fixed size; CUDA-graph capturable);
+  3. dispatch: half of the SMs send (one warp per token, x read once for all its destinations),
+     half receive (one warp per row, copied out of the buffer as soon as its flag lands).
+Combine is a barrier and one kernel: rows return to their sources, which sum them in fp32 in
+ascending rank order (the reference backend's order, so results are bitwise equal).
 
-Work in progress (see README "Status"): single round of fixed capacity (num_nvl_bytes must hold
-R * T rows), no FP8-specific path (rows are packed bytes), and no overlap of the stages yet.
+The buffer holds every row of one call (no chunked rounds yet): ``buffer_bytes_needed`` gives the
+size, and a call that would not fit raises ValueError on every rank before any row moves. Errors
+found by the kernels (a peer that did not arrive within EPCOMM_TIMEOUT_S, ranks calling different
+operations, refused inputs) are raised by the call that synchronizes with them: a dispatch without
+``num_worst_tokens`` synchronizes at its counts, so it reports its own and earlier calls' errors;
+``CudaIntranode.check_errors`` (``Buffer.destroy`` calls it) reports the rest.
 """
 
 from __future__ import annotations
@@ -21,42 +26,79 @@ import torch
 import torch.distributed as dist
 
 from ...handle import DispatchHandle
-from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
 from .build import load_library
 
 _ROW_ALIGN = 16
-# Mirrors kRowsOffset in csrc/kernels/intranode.cu (checked against the library when it loads).
-ROWS_OFFSET = 128 + 8 * 256 * 4
+ROWS_OFFSET = 66560  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
+ROW_TRAILER_BYTES = 16
+LAYOUT_INTS = 48
+_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
+           2: "ranks called different operations: {mismatch}",
+           3: "the communication buffer is too small for the rows of this call",
+           4: "received more tokens than num_worst_tokens"}
+_REFUSED = 5
+_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "destroy"}
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def dispatch_row_bytes(hidden: int, element_size: int, num_topk: int = 0, num_scales: int = 0) -> int:
+    """Bytes of one dispatch row slot: x, top-k ids and weights, scales, then the 16-byte flag trailer."""
+    return _round_up(hidden * element_size + num_topk * 12 + num_scales * 4, _ROW_ALIGN) + ROW_TRAILER_BYTES
+
+
+def combine_row_bytes(hidden: int, num_topk: int = 0) -> int:
+    return _round_up(hidden * 2 + num_topk * 4, _ROW_ALIGN) + ROW_TRAILER_BYTES
 
 
 def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks: int, num_topk: int = 0,
                         num_scales: int = 0) -> int:
-    """num_nvl_bytes the v0 kernels need: one block of ``num_tokens`` rows per source rank."""
-    row = hidden * element_size + num_scales * 4 + num_topk * 12
-    row = (row + _ROW_ALIGN - 1) // _ROW_ALIGN * _ROW_ALIGN
-    combine_row = (hidden * 2 + num_topk * 4 + _ROW_ALIGN - 1) // _ROW_ALIGN * _ROW_ALIGN
-    return ROWS_OFFSET + num_ranks * max(num_tokens, 1) * max(row, combine_row)
+    """num_nvl_bytes the kernels need when every rank sends ``num_tokens`` tokens to every rank.
+
+    The worst case: a rank receives at most ``num_ranks * num_tokens`` rows in dispatch and gets
+    back at most as many in combine. Random routing needs less (a dispatch checks the exact need).
+    """
+    rows = num_ranks * max(num_tokens, 1)
+    row = max(dispatch_row_bytes(hidden, element_size, num_topk, num_scales), combine_row_bytes(hidden, num_topk))
+    return ROWS_OFFSET + rows * row
+
+
+def _check_aligned(name: str, t: torch.Tensor) -> None:
+    """The kernels move rows in 16-byte words."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (a view with an odd storage offset "
+                         "is not); pass a fresh or .clone()d tensor")
 
 
 class CudaIntranode:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        if self.num_ranks > 8:
-            raise RuntimeError(f"the CUDA intranode kernels support up to 8 ranks, the group has {self.num_ranks}")
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
-        self.rows_offset = self.lib.epcomm_rows_offset()
-        if self.rows_offset != ROWS_OFFSET:
-            raise RuntimeError(f"epcomm: kernel library rows offset {self.rows_offset} != ROWS_OFFSET {ROWS_OFFSET}")
-        self.max_experts_per_rank = self.lib.epcomm_max_experts_per_rank()
-        if num_nvl_bytes <= self.rows_offset:
+        self.c = {name: self.lib.epcomm_constant(name.encode()) for name in (
+            "rows_offset", "row_trailer_bytes", "max_ranks", "max_experts_per_rank", "info_ints", "layout_ints",
+            "info_error", "info_error_op", "info_error_ranks", "info_num_recv", "info_recv_counts", "info_matrix",
+            "info_refusal", "info_experts", "op_dispatch", "op_cached_dispatch", "op_combine", "op_barrier")}
+        if (self.c["rows_offset"], self.c["row_trailer_bytes"], self.c["layout_ints"]) != \
+                (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
+            raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
+        if self.num_ranks > self.c["max_ranks"]:
+            raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
+                               f"has {self.num_ranks}")
+        if num_nvl_bytes <= ROWS_OFFSET:
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} leaves no room for token rows (the metadata takes "
-                             f"{self.rows_offset} bytes)")
+                             f"{ROWS_OFFSET} bytes); see epcomm.backends.cuda.intranode.buffer_bytes_needed")
+        sizes: list = [None] * self.num_ranks
+        dist.all_gather_object(sizes, num_nvl_bytes, group=group)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"num_nvl_bytes must be the same on every rank (senders write into the peers' "
+                             f"buffers), got {sizes}")
         self.num_bytes = num_nvl_bytes
-        # Zeroed once: the barrier counters start at 0 and only grow.
+        # Zeroed once: barrier signals, call counters and row flags start at 0 and only grow.
         self.buffer = torch.zeros(num_nvl_bytes, dtype=torch.uint8, device=device)
-        # CUDA IPC: export this rank's buffer, map every peer's onto this rank's GPU.
         handle = ctypes.create_string_buffer(64)
         offset = ctypes.c_int64(0)
         self._check(self.lib.epcomm_ipc_export(device.index, ctypes.c_void_p(self.buffer.data_ptr()), handle,
@@ -76,9 +118,10 @@ class CudaIntranode:
             self._peer_bases.append(base)
             ptrs.append(ptr.value)
         self.ptrs = (ctypes.c_uint64 * self.num_ranks)(*ptrs)
-        self.seq = 0
-        # Host memory the barrier flags timeouts into (pinned, so the GPU writes it directly).
-        self.timed_out = torch.zeros(self.num_ranks, dtype=torch.int32, pin_memory=True)
+        # Host words the kernels write (pinned and mapped): counts for the CPU, and errors.
+        self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
+        self.info_np = self.info.numpy()
+        self._info_ptr = ctypes.c_void_p(self.info.data_ptr())
         dist.barrier(group=group)
 
     def close(self) -> None:
@@ -90,148 +133,211 @@ class CudaIntranode:
             self.lib.epcomm_ipc_close(base)
         self._peer_bases = []
 
-    # ------------------------------------------------------------------ primitives
+    # ------------------------------------------------------------------ helpers
     def _stream(self) -> ctypes.c_void_p:
         return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def _check(self, code: int, what: str) -> None:
+    @staticmethod
+    def _check(code: int, what: str) -> None:
         if code != 0:
-            raise RuntimeError(f"epcomm {what}: CUDA launch failed with error {code}")
+            raise RuntimeError(f"epcomm {what}: CUDA call failed with error {code}")
 
-    def barrier(self, op: str, send_counts: torch.Tensor | None = None, expert_counts: torch.Tensor | None = None,
-                experts_per_rank: int = 0) -> None:
-        self.seq += 1
-        code = self.lib.epcomm_notify(
-            self.ptrs, self.rank, self.num_ranks,
-            ctypes.c_void_p(send_counts.data_ptr() if send_counts is not None else 0),
-            ctypes.c_void_p(expert_counts.data_ptr() if expert_counts is not None else 0),
-            experts_per_rank, ctypes.c_int64(self.seq), ctypes.c_uint64(self.timeout_ns),
-            ctypes.c_void_p(self.timed_out.data_ptr()), self._stream())
+    @staticmethod
+    def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+        return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+    def cap_rows(self, row_bytes: int) -> int:
+        return (self.num_bytes - ROWS_OFFSET) // row_bytes
+
+    def check_errors(self, op: str) -> None:
+        """Raise what the kernels reported since the last check (call after a sync that covers them).
+
+        Refused inputs raise ValueError (every rank gets the same list of refusing ranks); timeouts,
+        mismatched calls and capacity overruns raise RuntimeError.
+        """
+        info, c = self.info_np, self.c
+        code = int(info[c["info_error"]])
+        if code == 0:
+            return
+        flags = [int(v) for v in info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks]]
+        failed_op = _OPS.get(int(info[c["info_error_op"]]), "call")
+        info[c["info_error"]] = 0
+        info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks] = 0
+        if code == _REFUSED:
+            self._raise_refusals()
+        ranks = [r for r in range(self.num_ranks) if flags[r]]
+        mismatch = ", ".join(f"rank {r}: {_OPS.get(flags[r], '?')}" for r in ranks)
+        message = _ERRORS.get(code, f"error {code}").format(ranks=ranks, mismatch=mismatch)
+        raise RuntimeError(f"epcomm {failed_op} (reported by {op}) on rank {self.rank}: {message}. Destroy the Buffer "
+                           "and the process group.")
+
+    def _sync_and_check(self, op: str) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        event.synchronize()
+        self.check_errors(op)
+
+    def _notify_barrier(self, op_code: int, op: str) -> None:
+        """The notify kernel without a count exchange: advance the call counter and meet every peer."""
+        code = self.lib.epcomm_notify(self.ptrs, self.rank, self.num_ranks, op_code, 0, None, None, None, 0, None, 0,
+                                      1, 0, 0, None, None, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+                                      self._stream())
         self._check(code, op)
 
-    def raise_if_timed_out(self, op: str) -> None:
-        """Call after a host sync that covers the barrier."""
-        missing = torch.nonzero(self.timed_out).flatten().tolist()
-        if missing:
-            self.timed_out.zero_()
-            raise RuntimeError(f"epcomm {op}: rank {self.rank} timed out waiting for rank(s) {missing} at the "
-                               "NVLink barrier (EPCOMM_TIMEOUT_S). Destroy the Buffer and the process group.")
+    def barrier(self, op: str) -> None:
+        self._notify_barrier(self.c["op_barrier"], op)
+        self._sync_and_check(op)
 
-    def capacity(self, row_bytes: int) -> int:
-        return (self.num_bytes - self.rows_offset) // (self.num_ranks * row_bytes)
-
-    def bytes_needed(self, num_tokens: int, row_bytes: int) -> int:
-        return self.rows_offset + self.num_ranks * num_tokens * row_bytes
-
-    def push(self, rows: torch.Tensor, in_rank: torch.Tensor, slot: torch.Tensor, capacity: int, num_sms: int,
-             op: str) -> None:
-        code = self.lib.epcomm_push_rows(
-            self.ptrs, self.rank, self.num_ranks, ctypes.c_void_p(rows.data_ptr()), rows.shape[0], rows.shape[1],
-            ctypes.c_void_p(in_rank.data_ptr()), ctypes.c_void_p(slot.data_ptr()), ctypes.c_int64(capacity),
-            num_sms, self._stream())
-        self._check(code, op)
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_domain: int):
+        num_tokens, num_topk = topk_idx.shape
+        num_ranks = self.num_ranks
+        if num_experts + num_ranks + num_ranks // ranks_per_domain > 12 * 1024:
+            raise ValueError(f"num_experts={num_experts}: the CUDA layout kernel counts up to 12K experts")
+        num_domains = num_ranks // ranks_per_domain
+        per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=self.device)
+        per_domain = torch.zeros(num_domains, dtype=torch.int32, device=self.device) if num_domains > 1 else None
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=self.device)
+        code = self.lib.epcomm_get_dispatch_layout(
+            self._ptr(topk_idx), num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, self._ptr(per_rank),
+            self._ptr(per_domain), self._ptr(per_expert), self._ptr(in_rank), self._stream())
+        self._check(code, "get_dispatch_layout")
+        return per_rank, per_domain, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                  topk_weights, expert_alignment, num_worst_tokens, num_experts, buffer_uid, num_sms):
-        rank, num_ranks = self.rank, self.num_ranks
-        num_tokens = x.shape[0]
+        rank, num_ranks, c = self.rank, self.num_ranks, self.c
+        num_tokens, hidden = x.shape
         cached = handle is not None
-        packed = pack_token_rows(x, scales, topk_idx, topk_weights, align=_ROW_ALIGN)
-        row_bytes = packed.shape[1]
-        self._check_capacity(num_tokens, row_bytes, "dispatch")
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        num_scales = scales.shape[1] if scales is not None else 0
+        if num_topk > 32:
+            raise ValueError(f"topk_idx: the CUDA kernels support up to 32 experts per token, got {num_topk}")
+        _check_aligned("x", x)
+        row_bytes = dispatch_row_bytes(hidden, x.element_size(), num_topk, num_scales)
+        cap_rows = self.cap_rows(row_bytes)
         if cached:
-            is_token_in_rank = handle.is_token_in_rank
-            send_counts_dev = handle.backend_state["send_counts_dev"]
+            st = handle.backend_state
+            in_rank, slot, layout = st["in_rank"], st["slot"], st["layout"]
             num_worst_tokens = handle.num_worst_tokens
-            experts_per_rank, expert_counts = 0, None
+            experts_per_rank = st["experts_per_rank"]
+            self._notify_barrier(c["op_cached_dispatch"], "dispatch")
+            num_recv = handle.num_recv_tokens
+            if not num_worst_tokens and st["max_recv"] > cap_rows:
+                self._raise_capacity("dispatch", st["max_recv"], row_bytes, cap_rows)
         else:
-            send_counts_dev = num_tokens_per_rank.to(torch.int32).contiguous()
             experts_per_rank = num_experts // num_ranks
-            if experts_per_rank > self.max_experts_per_rank:
-                raise ValueError(f"the CUDA kernels support up to {self.max_experts_per_rank} experts per rank, "
-                                 f"got {experts_per_rank}")
-            expert_counts = num_tokens_per_expert.to(torch.int32).contiguous()
-        in_rank = is_token_in_rank.contiguous()
-        as_int = in_rank.to(torch.int32)
-        slot = (torch.cumsum(as_int, 0, dtype=torch.int32) - as_int).contiguous()
-
-        self.barrier("dispatch", send_counts_dev, expert_counts, experts_per_rank)
-        meta = self.buffer[:self.rows_offset]
-        counts_host = meta[64:64 + 4 * num_ranks].view(torch.int32).cpu()  # host sync: sizes the outputs
-        self.raise_if_timed_out("dispatch")
-        recv_counts = counts_host.tolist()
-        expert_list: list[int] = []
-        if not cached and num_worst_tokens == 0:
-            per_src = meta[128:128 + 4 * num_ranks * self.max_experts_per_rank].view(torch.int32)
-            totals = per_src.view(num_ranks, self.max_experts_per_rank)[:, :experts_per_rank].sum(0).tolist()
-            a = expert_alignment
-            expert_list = [(c + a - 1) // a * a for c in totals]
-        if cached and recv_counts != handle.recv_counts:
-            raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
-                               f"but peers now send {recv_counts}")
-        num_recv = sum(recv_counts)
-        check_worst_tokens(rank, num_recv, num_worst_tokens)
-        capacity = self.capacity(row_bytes)
-        self.push(packed, in_rank, slot, capacity, num_sms, "dispatch")
-        self.barrier("dispatch")
-        recv = torch.empty((num_recv, row_bytes), dtype=torch.uint8, device=self.device)
-        begin = torch.tensor([0] + list(torch.tensor(recv_counts).cumsum(0)[:-1].tolist()), dtype=torch.int32,
-                             device=self.device)
-        code = self.lib.epcomm_gather_rows(
-            ctypes.c_uint64(self.buffer.data_ptr()), num_ranks, ctypes.c_void_p(begin.data_ptr()), None, row_bytes,
-            ctypes.c_int64(capacity), ctypes.c_void_p(recv.data_ptr()), num_recv, num_sms, self._stream())
+            if experts_per_rank > c["max_experts_per_rank"]:
+                raise ValueError(f"the CUDA kernels support up to {c['max_experts_per_rank']} experts per rank, got "
+                                 f"{experts_per_rank}")
+            if num_worst_tokens > cap_rows:
+                self._raise_capacity("dispatch", num_worst_tokens, row_bytes, cap_rows)
+            in_rank = is_token_in_rank.contiguous()
+            slot = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=self.device)
+            layout = torch.empty(LAYOUT_INTS, dtype=torch.int32, device=self.device)
+            code = self.lib.epcomm_notify(
+                self.ptrs, rank, num_ranks, c["op_dispatch"], num_tokens, self._ptr(in_rank),
+                self._ptr(num_tokens_per_rank.contiguous()), self._ptr(num_tokens_per_expert.contiguous()),
+                experts_per_rank,
+                self._ptr(topk_idx), num_topk, expert_alignment, num_worst_tokens, row_bytes, self._ptr(slot),
+                self._ptr(layout), self._info_ptr,
+                ctypes.c_uint64(self.timeout_ns), self._stream())
+            self._check(code, "dispatch")
+            num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
+            if not num_worst_tokens:
+                self._sync_and_check("dispatch")
+                matrix = self.info_np[c["info_matrix"]:c["info_matrix"] + num_ranks * num_ranks].reshape(
+                    num_ranks, num_ranks)
+                num_recv = int(self.info_np[c["info_num_recv"]])
+                max_recv = int(matrix.sum(0).max()) if num_ranks else 0
+                if max_recv > cap_rows:
+                    self._raise_capacity("dispatch", max_recv, row_bytes, cap_rows)
+                recv_counts = [int(v) for v in matrix[:, rank]]
+                send_counts = [int(v) for v in matrix[rank]]
+                expert_list = [int(v) for v in self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank]]
+                max_send = int(matrix.sum(1).max())
+        num_out = num_worst_tokens or num_recv
+        recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
+        recv_scales = None
+        if scales is not None:
+            col_major = scales.stride(0) == 1 and num_scales > 1
+            recv_scales = (torch.empty((num_scales, num_out), dtype=scales.dtype, device=self.device).t() if col_major
+                           else torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device))
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
+            if topk_weights is not None:
+                recv_topk_weights = torch.empty((num_out, num_topk), dtype=torch.float32, device=self.device)
+        code = self.lib.epcomm_dispatch(
+            self.ptrs, rank, num_ranks, num_tokens, self._ptr(x), hidden * x.element_size(), self._ptr(scales),
+            num_scales, ctypes.c_int64(scales.stride(0) if scales is not None else 0),
+            ctypes.c_int64(scales.stride(1) if scales is not None else 0), self._ptr(topk_idx),
+            self._ptr(topk_weights), num_topk, experts_per_rank, self._ptr(in_rank), self._ptr(slot),
+            self._ptr(layout), row_bytes, ctypes.c_int64(cap_rows), self._ptr(recv_x), self._ptr(recv_scales),
+            ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
+            ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), self._ptr(recv_topk_idx),
+            self._ptr(recv_topk_weights), num_out, num_sms,
+            c["op_cached_dispatch"] if cached else c["op_dispatch"], self._info_ptr,
+            ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "dispatch")
-        recv_x, recv_topk_idx, recv_topk_weights = unpack_token_rows(
-            recv, num_recv, num_worst_tokens or num_recv, x, scales, topk_idx, topk_weights, rank, num_experts,
-            num_ranks)
+        recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
-            return recv_x, None, None, None, handle
+            return recv_x_out, None, None, None, handle
+        if num_worst_tokens:
+            recv_counts, send_counts, expert_list, max_recv, max_send = [], [], [], -1, -1
         new_handle = DispatchHandle(
-            buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=x.shape[1], num_recv_tokens=num_recv,
-            num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts_dev.tolist(),
+            buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
+            num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
-            backend_state={"send_counts_dev": send_counts_dev, "slot": slot, "in_rank": in_rank,
-                           "recv_src": torch.repeat_interleave(torch.arange(num_ranks, device=self.device),
-                                                               torch.tensor(recv_counts, device=self.device)),
-                           "recv_begin": begin})
-        return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+            backend_state={"in_rank": in_rank, "slot": slot, "layout": layout, "experts_per_rank": experts_per_rank,
+                           "max_recv": max_recv, "max_send": max_send})
+        return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
-        num_recv = handle.num_recv_tokens
-        hidden = x.shape[1]
+        num_tokens, hidden = handle.num_tokens, x.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-        packed = pack_token_rows(x[:num_recv], None, None,
-                                 topk_weights[:num_recv] if topk_weights is not None else None, align=_ROW_ALIGN)
-        row_bytes = packed.shape[1]
-        self._check_capacity(max(handle.num_tokens, max(handle.recv_counts, default=0)), row_bytes, "combine")
-        capacity = self.capacity(row_bytes)
-        # Each received row returns to its source rank, at the slot it came from.
-        src = st["recv_src"]
-        back_in_rank = torch.nn.functional.one_hot(src, self.num_ranks).to(torch.bool).contiguous()
-        back_slot = (torch.arange(num_recv, device=self.device, dtype=torch.int32)
-                     - st["recv_begin"][src]).unsqueeze(1).expand(num_recv, self.num_ranks).contiguous()
-        self.barrier("combine")
-        self.push(packed, back_in_rank, back_slot, capacity, num_sms, "combine")
-        self.barrier("combine")
-        out = torch.empty((handle.num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
-        out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device) \
-            if num_topk else None
+        if num_topk > 32:
+            raise ValueError(f"topk_weights: the CUDA kernels support up to 32 columns, got {num_topk}")
+        _check_aligned("x", x)
+        for i, b in enumerate(biases):
+            _check_aligned(f"bias[{i}]", b)
+        row_bytes = combine_row_bytes(hidden, num_topk)
+        cap_rows = self.cap_rows(row_bytes)
+        if st["max_send"] > cap_rows:
+            self._raise_capacity("combine", st["max_send"], row_bytes, cap_rows)
+        self._notify_barrier(self.c["op_combine"], "combine")
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
         bias0 = biases[0] if len(biases) > 0 else None
         bias1 = biases[1] if len(biases) > 1 else None
-        code = self.lib.epcomm_reduce_rows(
-            ctypes.c_uint64(self.buffer.data_ptr()), self.num_ranks, handle.num_tokens, hidden, num_topk, row_bytes,
-            ctypes.c_int64(capacity), ctypes.c_void_p(st["in_rank"].data_ptr()), ctypes.c_void_p(st["slot"].data_ptr()),
-            ctypes.c_void_p(bias0.data_ptr() if bias0 is not None else 0),
-            ctypes.c_void_p(bias1.data_ptr() if bias1 is not None else 0), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(out_w.data_ptr() if out_w is not None else 0), num_sms, self._stream())
+        code = self.lib.epcomm_combine(
+            self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, self._ptr(x), self._ptr(topk_weights),
+            self._ptr(st["in_rank"]), self._ptr(st["slot"]), self._ptr(st["layout"]), row_bytes,
+            ctypes.c_int64(cap_rows), self._ptr(bias0), self._ptr(bias1), self._ptr(out), self._ptr(out_w), num_sms,
+            self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "combine")
         return out, out_w
 
-    def _check_capacity(self, num_rows: int, row_bytes: int, op: str) -> None:
-        if num_rows > self.capacity(row_bytes):
-            raise ValueError(f"epcomm {op}: num_nvl_bytes={self.num_bytes} holds {self.capacity(row_bytes)} rows of "
-                             f"{row_bytes} bytes per source rank, {num_rows} needed: the CUDA backend needs "
-                             f"num_nvl_bytes >= {self.bytes_needed(num_rows, row_bytes)}")
+    # ------------------------------------------------------------------ errors raised on every rank alike
+    def _raise_refusals(self) -> None:
+        c = self.c
+        refusals = [int(v) for v in self.info_np[c["info_refusal"]:c["info_refusal"] + self.num_ranks]]
+        reasons = {1: "topk_idx values outside [-1, num_experts)",
+                   2: "num_tokens_per_rank does not match is_token_in_rank.sum(0) (pass both from get_dispatch_layout)",
+                   4: "ranks disagree on the row shape (hidden size, dtype, top-k, scales) or num_worst_tokens",
+                   8: "it receives more tokens than its num_worst_tokens"}
+        parts = []
+        for r, code in enumerate(refusals):
+            if code:
+                why = "; ".join(text for bit, text in reasons.items() if code & bit)
+                parts.append(f"rank {r}: {why}")
+        raise ValueError("epcomm dispatch refused its inputs, nothing was sent: " + " | ".join(parts))
 
+    def _raise_capacity(self, op: str, rows: int, row_bytes: int, cap_rows: int) -> None:
+        need = ROWS_OFFSET + rows * row_bytes
+        raise ValueError(f"epcomm {op}: num_nvl_bytes={self.num_bytes} holds {cap_rows} rows of {row_bytes} bytes, "
+                         f"this call needs {rows} on some rank: the CUDA backend needs num_nvl_bytes >= {need} "
+                         "(epcomm.backends.cuda.intranode.buffer_bytes_needed gives the worst case)")

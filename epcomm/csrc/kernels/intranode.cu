@@ -1,9 +1,27 @@
-// Normal-mode kernels inside one NVLink domain. Every rank's communication buffer is mapped into
-// every other rank's address space (CUDA IPC), so a sender writes token rows straight into the
-// receiver's buffer. Layout of each rank's buffer:
-//   [signals int64[kMaxRanks] | counts int32[kMaxRanks] | expert counts int32[kMaxRanks][kMaxExpertsPerRank]
-//    | error words | rows: kMaxRanks blocks of `capacity` rows of `row_bytes`]
-// Block s of the rows region holds what source rank s sent (dispatch) or returned (combine).
+// Normal-mode kernels inside one NVLink domain.
+//
+// Every rank's communication buffer is mapped into every other rank's address space (CUDA IPC), so
+// a sender stores token rows straight into the receiver's buffer over NVLink. A call is two
+// kernels on the caller's stream, with no host round trip between them except where the API asks
+// for one (the receive counts of a dispatch without num_worst_tokens):
+//   notify:  advance the call counter, exchange the rank-by-rank row counts and per-expert counts,
+//            validate the inputs, meet every peer at a bounded system-scope barrier, and derive
+//            where every row goes (the "layout");
+//   main:    half of the blocks send (each warp one token or one row), the other half receive,
+//            row by row, as soon as each row's flag shows it has landed, so the copy out of the
+//            buffer overlaps the NVLink transfer.
+// A row's flag is the last 16 bytes of its slot and holds `call counter ^ kFlagMagic` once the
+// row is complete; counters only grow, so flags never need resetting (CUDA-graph replays too).
+//
+// Layout of each rank's buffer (bytes):
+//   [0, 64)        barrier signals, int64 per source rank: call counter * 16 + op code
+//   [64, 128)      local state: call counter, abort word
+//   [128, 640)     row-count matrix int32 [2 parities][src][dst]
+//   [640, 896)     header of each source int32 [2][src][4]: refusal bits, num_worst_tokens, row bytes
+//   [1024, ...)    per-expert counts int32 [2][src][kMaxExpertsPerRank]
+//   [kRowsOffset,) row slots: dispatch rows in output order; combine rows per (dst, slot)
+// Count regions alternate by call parity: a fast rank can be at most one barrier ahead of a slow
+// one, so it never overwrites counts the slow one still reads.
 #include "../../include/epcomm/common.cuh"
 
 #include <cuda.h>
@@ -13,128 +31,646 @@
 
 namespace epcomm {
 
+constexpr int kSignalOffset = 0;
+constexpr int kSeqOffset = 64;
+constexpr int kAbortOffset = 72;
+constexpr int kMatrixOffset = 128;
+constexpr int kHeaderOffset = 640;
+constexpr int kHeaderInts = 4;  // refusal bits, num_worst_tokens, dispatch row bytes, unused
+constexpr int kExpertCountOffset = 1024;
+constexpr int kMaxExpertsPerRank = 1024;
+constexpr int kRowsOffset = kExpertCountOffset + 2 * kMaxRanks * kMaxExpertsPerRank * 4;  // 66560
+constexpr int kRowTrailerBytes = 16;  // flag (int64) + padding, at the end of every row slot
+constexpr int64_t kFlagMagic = 0x5e9c0a11f1a90000LL;
+
+// Op codes carried by the barrier signals: ranks that disagree on the call are told so.
+constexpr int kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpBarrier = 4;
+
+// Pinned host words written by the kernels and read by the CPU at its sync points.
+constexpr int kInfoError = 0;        // 0, or an ErrorCode
+constexpr int kInfoErrorOp = 1;      // op code of the call that failed
+constexpr int kInfoErrorRanks = 2;   // [kMaxRanks]: ranks involved (waited for; mismatched op code)
+constexpr int kInfoNumRecv = 16;
+constexpr int kInfoRecvCounts = 17;  // [kMaxRanks]
+constexpr int kInfoMatrix = 32;      // [kMaxRanks * kMaxRanks]
+constexpr int kInfoRefusal = 96;     // [kMaxRanks]
+constexpr int kInfoExperts = 128;    // [kMaxExpertsPerRank]
+constexpr int kInfoInts = kInfoExperts + kMaxExpertsPerRank;
+enum ErrorCode { kErrTimeout = 1, kErrMismatch = 2, kErrCapacity = 3, kErrWorstTokens = 4, kErrRefused = 5 };
+// Refusal bits (input validation on the device, so no host sync is needed for it).
+constexpr int kRefuseTopkRange = 1, kRefuseRankCounts = 2, kRefuseShapes = 4, kRefuseWorstTokens = 8;
+
+// Device layout of one dispatch (int32), kept in the handle for cached dispatch and combine.
+constexpr int kLayDstBase = 0;    // [R]: where this rank's rows start in each destination's output
+constexpr int kLayRecvOff = 8;    // [R + 1]: where each source's rows start in this rank's output
+constexpr int kLayCombBase = 24;  // [R]: where the rows destination d returns start in this buffer
+constexpr int kLayRetBase = 32;   // [R]: where this rank's returned rows start in source s's buffer
+constexpr int kLayMaxRecv = 40;   // most rows any rank receives in dispatch
+constexpr int kLayMaxSend = 41;   // most rows any rank sends (= receives back in combine)
+constexpr int kLayAbort = 42;     // nonzero: some rank refused its inputs, nothing moves
+constexpr int kLayoutInts = 48;
+
 struct PeerTable {
     uint8_t* bufs[kMaxRanks];  // base of each rank's buffer in this process's address space
 };
 
-constexpr int kSignalOffset = 0;
-constexpr int kCountOffset = 64;
-constexpr int kExpertCountOffset = 128;
-constexpr int kMaxExpertsPerRank = 256;
-constexpr int kRowsOffset = 128 + kMaxRanks * kMaxExpertsPerRank * 4;  // 8320, a multiple of 128
+__device__ __forceinline__ int64_t* seq_word(uint8_t* buf) { return reinterpret_cast<int64_t*>(buf + kSeqOffset); }
+__device__ __forceinline__ int64_t* abort_word(uint8_t* buf) {
+    return reinterpret_cast<int64_t*>(buf + kAbortOffset);
+}
 
-// Publish this rank's send counts into each peer, then meet every rank at `seq`.
-// Waits are bounded: on timeout the ranks that did not arrive are flagged in `timed_out` (host memory).
-__global__ void notify_and_barrier(PeerTable peers, int rank, int num_ranks, const int* send_counts,
-                                   const int* expert_counts, int experts_per_rank, int64_t seq, uint64_t timeout_ns,
-                                   int* timed_out) {
-    const int tid = threadIdx.x;
-    if (expert_counts != nullptr) {
-        for (int i = tid; i < num_ranks * experts_per_rank; i += blockDim.x) {
-            const int dst = i / experts_per_rank, e = i % experts_per_rank;
-            auto* counts = reinterpret_cast<int*>(peers.bufs[dst] + kExpertCountOffset);
-            counts[rank * kMaxExpertsPerRank + e] = expert_counts[i];
+__device__ void report_error(int* info, int code, int op, int rank_involved) {
+    info[kInfoError] = code;
+    info[kInfoErrorOp] = op;
+    if (rank_involved >= 0) info[kInfoErrorRanks + rank_involved] = 1;
+}
+
+// Wait until a row's flag shows `want`. Bounded: gives up when the abort word shows this call
+// (another warp timed out) or after `timeout_ns`, then records who was waited for and aborts.
+__device__ __forceinline__ bool wait_row_flag(const int64_t* flag, int64_t want, uint8_t* my_buf, int64_t seq,
+                                              uint64_t timeout_ns, int* info, int op, int src) {
+    if (ld_acquire_sys(flag) == want) return true;
+    const uint64_t start = global_timer_ns();
+    for (int spin = 0;; ++spin) {
+        if (ld_acquire_sys(flag) == want) return true;
+        if ((spin & 255) == 255) {
+            if (ld_volatile(abort_word(my_buf)) == seq) return false;
+            if (global_timer_ns() - start > timeout_ns) {
+                *abort_word(my_buf) = seq;
+                report_error(info, kErrTimeout, op, src);
+                return false;
+            }
         }
     }
-    if (send_counts != nullptr && tid < num_ranks)
-        reinterpret_cast<int*>(peers.bufs[tid] + kCountOffset)[rank] = send_counts[tid];
+}
+
+// ------------------------------------------------------------------ get_dispatch_layout
+// One thread per token; block-level counts in shared memory, then one global atomic per counter.
+__global__ void layout_kernel(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                              int ranks_per_domain, int* per_rank, int* per_domain, int* per_expert, bool* in_rank) {
+    extern __shared__ int s_counts[];  // [experts | ranks | domains]
+    const int num_domains = num_ranks / ranks_per_domain;
+    const int num_counters = num_experts + num_ranks + num_domains;
+    for (int i = threadIdx.x; i < num_counters; i += blockDim.x) s_counts[i] = 0;
     __syncthreads();
-    // Earlier kernels on this stream and the stores above happen before the signal.
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    const int experts_per_rank = num_experts / num_ranks;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < num_tokens) {
+        unsigned rank_mask = 0;
+        for (int k = 0; k < num_topk; ++k) {
+            const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + k];
+            if (e < 0 || e >= num_experts) continue;  // out of range: refused by dispatch's validation
+            atomicAdd(&s_counts[e], 1);
+            rank_mask |= 1u << (e / experts_per_rank);
+        }
+        unsigned domain_mask = 0;
+        for (int r = 0; r < num_ranks; ++r) {
+            const bool hit = rank_mask >> r & 1u;
+            in_rank[static_cast<int64_t>(t) * num_ranks + r] = hit;
+            if (hit) {
+                atomicAdd(&s_counts[num_experts + r], 1);
+                domain_mask |= 1u << (r / ranks_per_domain);
+            }
+        }
+        if (per_domain != nullptr)
+            for (int d = 0; d < num_domains; ++d)
+                if (domain_mask >> d & 1u) atomicAdd(&s_counts[num_experts + num_ranks + d], 1);
+    }
     __syncthreads();
-    if (tid < num_ranks) {
-        st_release_sys(reinterpret_cast<int64_t*>(peers.bufs[tid] + kSignalOffset) + rank, seq);
-        const int64_t* mine = reinterpret_cast<const int64_t*>(peers.bufs[rank] + kSignalOffset) + tid;
+    for (int i = threadIdx.x; i < num_counters; i += blockDim.x) {
+        const int c = s_counts[i];
+        if (c == 0) continue;
+        if (i < num_experts) atomicAdd(&per_expert[i], c);
+        else if (i < num_experts + num_ranks) atomicAdd(&per_rank[i - num_experts], c);
+        else if (per_domain != nullptr) atomicAdd(&per_domain[i - num_experts - num_ranks], c);
+    }
+}
+
+// ------------------------------------------------------------------ notify (count exchange + barrier)
+struct NotifyArgs {
+    PeerTable peers;
+    int rank, num_ranks, op;
+    // Count exchange (fresh dispatch only; in_rank == nullptr for the other ops).
+    int num_tokens;
+    const bool* in_rank;        // [T, R]
+    const int* send_counts;     // [R]  num_tokens_per_rank, checked against in_rank
+    const int* expert_counts;   // [E]  num_tokens_per_expert
+    int experts_per_rank;
+    const int64_t* topk_idx;    // [T, K] or nullptr; values checked to lie in [-1, E)
+    int num_topk, expert_alignment;
+    int num_worst_tokens;       // 0, or the fixed output rows: more received rows refuse the call
+    int row_bytes;              // dispatch row slot bytes: every rank must agree (same shapes)
+    int* slot;                  // [T, R] out: position of token t among the rows this rank sends to r
+    int* layout;                // [kLayoutInts] out
+    int* info;                  // pinned host words
+    uint64_t timeout_ns;
+};
+
+constexpr int kNotifyThreads = 1024;
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks;
+    uint8_t* mine = a.peers.bufs[a.rank];
+    __shared__ int64_t s_seq;
+    __shared__ int s_warp_sums[kNotifyThreads / kWarpSize][kMaxRanks];
+    __shared__ int s_refuse;
+    __shared__ int s_matrix[kMaxRanks][kMaxRanks];
+    __shared__ int s_headers[kMaxRanks][kHeaderInts];
+    if (tid == 0) {
+        s_seq = *seq_word(mine) + 1;  // every rank makes the same calls, so counters agree
+        *seq_word(mine) = s_seq;
+        s_refuse = 0;
+    }
+    __syncthreads();
+    const int64_t seq = s_seq;
+    const int parity = static_cast<int>(seq & 1);
+    const bool exchange = a.op == kOpDispatch;  // a rank with no tokens still exchanges its (zero) counts
+
+    if (exchange) {
+        // Slots: an exclusive scan of is_token_in_rank over tokens, per destination. Each thread
+        // takes a contiguous chunk of tokens; chunks are combined by warp and block scans.
+        const int chunk = (a.num_tokens + kNotifyThreads - 1) / kNotifyThreads;
+        const int t0 = min(a.num_tokens, tid * chunk), t1 = min(a.num_tokens, t0 + chunk);
+        int count[kMaxRanks], prefix[kMaxRanks];
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) count[r] = 0;
+        for (int t = t0; t < t1; ++t)
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r)
+                if (r < R) count[r] += a.in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+            int v = count[r];
+#pragma unroll
+            for (int off = 1; off < kWarpSize; off <<= 1) {
+                const int up = __shfl_up_sync(kFullMask, v, off);
+                if (lane >= off) v += up;
+            }
+            prefix[r] = v - count[r];
+            if (lane == kWarpSize - 1) s_warp_sums[warp][r] = v;
+        }
+        __syncthreads();
+        if (tid < kMaxRanks) {  // scan of the warp sums, one thread per destination
+            int run = 0;
+            for (int w = 0; w < kNotifyThreads / kWarpSize; ++w) {
+                const int v = s_warp_sums[w][tid];
+                s_warp_sums[w][tid] = run;
+                run += v;
+            }
+            s_matrix[a.rank][tid] = run;  // rows this rank sends to `tid` (its own row of the matrix)
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) prefix[r] += s_warp_sums[warp][r];
+        for (int t = t0; t < t1; ++t)
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r)
+                if (r < R) {
+                    a.slot[static_cast<int64_t>(t) * R + r] = prefix[r];
+                    prefix[r] += a.in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+                }
+        // Validation, on the device so that no host sync is needed for it.
+        if (tid < R && a.send_counts[tid] != s_matrix[a.rank][tid]) atomicOr(&s_refuse, kRefuseRankCounts);
+        if (a.topk_idx != nullptr) {
+            const int64_t num_experts = static_cast<int64_t>(a.experts_per_rank) * R;
+            const int64_t n = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+            bool bad = false;
+            for (int64_t i = tid; i < n; i += kNotifyThreads) {
+                const int64_t e = a.topk_idx[i];
+                bad |= e < -1 || e >= num_experts;
+            }
+            if (bad) atomicOr(&s_refuse, kRefuseTopkRange);
+        }
+        __syncthreads();
+        // Publish this rank's counts into every peer (its row of the matrix, its refusal code and
+        // its per-expert counts for the peer's experts).
+        if (tid < R * R) {
+            const int peer = tid / R, dst = tid % R;
+            reinterpret_cast<int*>(a.peers.bufs[peer] + kMatrixOffset)[(parity * kMaxRanks + a.rank) * kMaxRanks + dst] =
+                s_matrix[a.rank][dst];
+        }
+        if (tid < R) {
+            int* header = reinterpret_cast<int*>(a.peers.bufs[tid] + kHeaderOffset) +
+                          (parity * kMaxRanks + a.rank) * kHeaderInts;
+            header[0] = s_refuse;
+            header[1] = a.num_worst_tokens;
+            header[2] = a.row_bytes;
+        }
+        for (int i = tid; i < R * a.experts_per_rank; i += kNotifyThreads) {
+            const int dst = i / a.experts_per_rank, e = i % a.experts_per_rank;
+            reinterpret_cast<int*>(a.peers.bufs[dst] + kExpertCountOffset)
+                [(parity * kMaxRanks + a.rank) * kMaxExpertsPerRank + e] = a.expert_counts[i];
+        }
+    }
+
+    // Barrier: everything this rank wrote (and every earlier kernel on the stream) is visible to
+    // a peer before the peer sees this rank's signal.
+    __syncthreads();
+    fence_sys();
+    __syncthreads();
+    if (tid < R) {
+        st_release_sys(reinterpret_cast<int64_t*>(a.peers.bufs[tid] + kSignalOffset) + a.rank, seq * 16 + a.op);
+        const int64_t* signal = reinterpret_cast<const int64_t*>(mine + kSignalOffset) + tid;
         const uint64_t start = global_timer_ns();
-        while (ld_acquire_sys(mine) < seq) {
-            if (global_timer_ns() - start > timeout_ns) {
-                timed_out[tid] = 1;
+        int64_t v;
+        while ((v = ld_acquire_sys(signal)) < seq * 16) {
+            if (global_timer_ns() - start > a.timeout_ns) {
+                report_error(a.info, kErrTimeout, a.op, tid);
+                *abort_word(mine) = seq;
                 break;
             }
         }
-    }
-}
-
-// Sender: warp per token; each token row goes to every rank it is routed to, at its slot there.
-__global__ void push_rows(PeerTable peers, int rank, int num_ranks, const uint8_t* rows, int num_rows,
-                          int row_bytes, const bool* in_rank, const int* slot, int64_t capacity) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
-    const int num_warps = gridDim.x * blockDim.x / kWarpSize;
-    const int num_int4 = row_bytes / 16;
-    for (int t = warp; t < num_rows; t += num_warps) {
-        const int4* src = reinterpret_cast<const int4*>(rows + static_cast<int64_t>(t) * row_bytes);
-        for (int r = 0; r < num_ranks; ++r) {
-            if (!in_rank[t * num_ranks + r]) continue;
-            uint8_t* block = peers.bufs[r] + kRowsOffset + static_cast<int64_t>(rank) * capacity * row_bytes;
-            warp_copy_int4(reinterpret_cast<int4*>(block + static_cast<int64_t>(slot[t * num_ranks + r]) * row_bytes),
-                           src, num_int4, lane);
+        if (v >> 4 == seq && (v & 15) != a.op) {  // same call number, another operation
+            a.info[kInfoErrorRanks + tid] = static_cast<int>(v & 15);
+            a.info[kInfoErrorOp] = a.op;
+            a.info[kInfoError] = kErrMismatch;
+            *abort_word(mine) = seq;
         }
     }
-}
+    __syncthreads();
+    if (!exchange) return;
 
-// Receiver after dispatch: compact the blocks of all sources (in rank order) into `out`.
-__global__ void gather_rows(const uint8_t* buf, int num_ranks, const int* recv_begin, const int* recv_counts,
-                            int row_bytes, int64_t capacity, uint8_t* out, int num_out_rows) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
-    const int num_warps = gridDim.x * blockDim.x / kWarpSize;
-    for (int i = warp; i < num_out_rows; i += num_warps) {
-        int s = 0;
-        while (s + 1 < num_ranks && i >= recv_begin[s + 1]) ++s;
-        const int64_t src_row = static_cast<int64_t>(s) * capacity + (i - recv_begin[s]);
-        warp_copy_int4(reinterpret_cast<int4*>(out + static_cast<int64_t>(i) * row_bytes),
-                       reinterpret_cast<const int4*>(buf + kRowsOffset + src_row * row_bytes), row_bytes / 16, lane);
+    // Every rank's counts are here now: derive the layout (identical arithmetic on every rank).
+    const int* matrix = reinterpret_cast<const int*>(mine + kMatrixOffset) + parity * kMaxRanks * kMaxRanks;
+    if (tid < R * R) s_matrix[tid / R][tid % R] = ld_volatile_int(matrix + (tid / R) * kMaxRanks + tid % R);
+    if (tid < R * kHeaderInts)
+        s_headers[tid / kHeaderInts][tid % kHeaderInts] =
+            ld_volatile_int(reinterpret_cast<const int*>(mine + kHeaderOffset) + parity * kMaxRanks * kHeaderInts + tid);
+    __syncthreads();
+    if (tid == 0) {
+        const int me = a.rank;
+        int run = 0, refused = 0, max_recv = 0, max_send = 0;
+        for (int s = 0; s < R; ++s) {
+            a.layout[kLayRecvOff + s] = run;
+            a.info[kInfoRecvCounts + s] = s_matrix[s][me];
+            run += s_matrix[s][me];
+            int why = s_headers[s][0];
+            int received = 0;  // rows rank s receives: more than its num_worst_tokens refuses the call
+            for (int x = 0; x < R; ++x) received += s_matrix[x][s];
+            if (s_headers[s][1] > 0 && received > s_headers[s][1]) why |= kRefuseWorstTokens;
+            if (s_headers[s][2] != s_headers[0][2] || s_headers[s][1] != s_headers[0][1]) why |= kRefuseShapes;
+            refused |= why;
+            a.info[kInfoRefusal + s] = why;
+        }
+        a.layout[kLayRecvOff + R] = run;
+        a.info[kInfoNumRecv] = run;
+        for (int d = 0; d < R; ++d) {
+            int below = 0, col = 0, row = 0, comb = 0;
+            for (int s = 0; s < R; ++s) {
+                if (s < me) below += s_matrix[s][d];
+                col += s_matrix[s][d];
+                row += s_matrix[d][s];
+                if (s < d) comb += s_matrix[me][s];
+            }
+            a.layout[kLayDstBase + d] = below;
+            a.layout[kLayCombBase + d] = comb;
+            int ret = 0;  // rows source d sends to ranks below me: where mine start in its buffer
+            for (int x = 0; x < me; ++x) ret += s_matrix[d][x];
+            a.layout[kLayRetBase + d] = ret;
+            max_recv = max(max_recv, col);
+            max_send = max(max_send, row);
+        }
+        for (int i = 0; i < R * R; ++i) a.info[kInfoMatrix + i] = s_matrix[i / R][i % R];
+        a.layout[kLayMaxRecv] = max_recv;
+        a.layout[kLayMaxSend] = max_send;
+        // A timed-out or mismatched barrier leaves stale counts: nothing may move on them.
+        const bool broken = ld_volatile(abort_word(mine)) == seq;
+        a.layout[kLayAbort] = refused | (broken ? 1 << 30 : 0);
+        if (refused && !broken) report_error(a.info, kErrRefused, a.op, -1);
+    }
+    // Received tokens per local expert, summed over sources and rounded up to the alignment.
+    const int* experts = reinterpret_cast<const int*>(mine + kExpertCountOffset) + parity * kMaxRanks * kMaxExpertsPerRank;
+    for (int e = tid; e < a.experts_per_rank; e += kNotifyThreads) {
+        int total = 0;
+        for (int s = 0; s < R; ++s) total += ld_volatile_int(experts + s * kMaxExpertsPerRank + e);
+        const int al = a.expert_alignment;
+        a.info[kInfoExperts + e] = (total + al - 1) / al * al;
     }
 }
 
-// Source after combine: token t sums, in fp32 and ascending rank order, the rows its destinations
-// returned, adds the biases, and rounds once to bf16. Optional top-k weights are summed alike.
-__global__ void reduce_rows(const uint8_t* buf, int num_ranks, int num_tokens, int hidden, int num_topk,
-                            int row_bytes, int64_t capacity, const bool* in_rank, const int* slot,
-                            const __nv_bfloat16* bias0, const __nv_bfloat16* bias1, __nv_bfloat16* out,
-                            float* out_weights) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
-    const int num_warps = gridDim.x * blockDim.x / kWarpSize;
-    for (int t = warp; t < num_tokens; t += num_warps) {
-        const uint8_t* srcs[kMaxRanks];
-        int n = 0;
-        for (int r = 0; r < num_ranks; ++r)
-            if (in_rank[t * num_ranks + r])
-                srcs[n++] = buf + kRowsOffset + (static_cast<int64_t>(r) * capacity + slot[t * num_ranks + r]) * row_bytes;
-        // 8 bf16 per 16-byte word.
-        for (int w = lane; w < hidden / 8; w += kWarpSize) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int j = 0; j < n; ++j) {
-                const int4 v = reinterpret_cast<const int4*>(srcs[j])[w];
-                const auto* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+// ------------------------------------------------------------------ dispatch
+struct DispatchArgs {
+    PeerTable peers;
+    int rank, num_ranks, num_tokens;
+    const uint8_t* x;           // [T, x_bytes]
+    int x_bytes;                // H * element size, a multiple of 16
+    const uint32_t* scales;     // [T, S] (fp32 or packed UE8M0 int32), any strides; nullptr for BF16
+    int num_scales;
+    int64_t scale_stride_t, scale_stride_c;
+    const int64_t* topk_idx;    // [T, K] global expert ids, or nullptr
+    const float* topk_weights;  // [T, K] or nullptr
+    int num_topk, experts_per_rank;
+    const bool* in_rank;        // [T, R]
+    const int* slot;            // [T, R]
+    const int* layout;
+    int row_stride;             // bytes of one row slot in the buffer (trailer included)
+    int64_t cap_rows;           // row slots the buffer holds
+    uint8_t* recv_x;            // [num_out_rows, x_bytes]
+    uint32_t* recv_scales;
+    int64_t recv_scale_stride_t, recv_scale_stride_c;
+    int64_t* recv_topk_idx;     // [num_out_rows, K] local expert ids
+    float* recv_topk_weights;
+    int num_out_rows;           // num_recv (host-synced) or num_worst_tokens
+    int num_send_blocks;
+    int op;
+    int* info;
+    uint64_t timeout_ns;
+};
+
+// Where each piece of a token lives inside a dispatch row slot: x, then the top-k ids (8-byte
+// aligned because x_bytes is a multiple of 16), the weights and the scales.
+struct DispatchRow {
+    int idx_offset, weight_offset, scale_offset;
+    __device__ DispatchRow(int x_bytes, int num_topk)
+        : idx_offset(x_bytes), weight_offset(x_bytes + num_topk * 8), scale_offset(x_bytes + num_topk * 12) {}
+};
+
+__global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
+    const int lane = threadIdx.x % kWarpSize, warps_per_block = blockDim.x / kWarpSize;
+    const int R = a.num_ranks, me = a.rank;
+    uint8_t* mine = a.peers.bufs[me];
+    __shared__ int s_layout[kLayoutInts];
+    if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
+    __syncthreads();
+    if (s_layout[kLayAbort] != 0) return;  // a rank refused its inputs: every rank skips alike
+    const int64_t seq = ld_volatile(seq_word(mine));
+    if (ld_volatile(abort_word(mine)) == seq) return;  // this call's barrier failed (reported)
+    if (s_layout[kLayMaxRecv] > a.cap_rows) {  // every rank sees the same matrix, so all skip alike
+        if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, a.op, -1);
+        return;
+    }
+    const int64_t flag_value = seq ^ kFlagMagic;
+    const int num_recv = s_layout[kLayRecvOff + R];
+    if (num_recv > a.num_out_rows && threadIdx.x == 0 && blockIdx.x == 0)
+        report_error(a.info, kErrWorstTokens, a.op, me);
+    const int num_valid = min(num_recv, a.num_out_rows);
+    const DispatchRow row(a.x_bytes, a.num_topk);
+    const int x_int4 = a.x_bytes / 16;
+    const int K = a.num_topk;
+
+    if (static_cast<int>(blockIdx.x) < a.num_send_blocks) {
+        // ---- sender: one warp per token; x is read once and stored to every destination.
+        const int warp = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize;
+        const int num_warps = a.num_send_blocks * warps_per_block;
+        for (int t = warp; t < a.num_tokens; t += num_warps) {
+            const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane];
+            const unsigned mask = __ballot_sync(kFullMask, hit);
+            if (mask == 0) continue;
+            const int pos_lane = hit ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * R + lane] : 0;
+            int4* dst_x[kMaxRanks];
+            uint8_t* dst_row[kMaxRanks];  // remote row slot, or nullptr
+            int dst_pos[kMaxRanks];
 #pragma unroll
-                for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(h[k]);
+            for (int d = 0; d < kMaxRanks; ++d) {
+                const int pos = __shfl_sync(kFullMask, pos_lane, d);
+                dst_pos[d] = pos;
+                dst_x[d] = nullptr;
+                dst_row[d] = nullptr;
+                if (!(mask >> d & 1u)) continue;
+                if (d == me) {
+                    if (pos < a.num_out_rows)
+                        dst_x[d] = reinterpret_cast<int4*>(a.recv_x + static_cast<int64_t>(pos) * a.x_bytes);
+                } else {
+                    dst_row[d] = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
+                    dst_x[d] = reinterpret_cast<int4*>(dst_row[d]);
+                }
             }
-            if (bias0 != nullptr) {
-                const int4 b = reinterpret_cast<const int4*>(bias0 + static_cast<int64_t>(t) * hidden)[w];
-                const auto* h = reinterpret_cast<const __nv_bfloat16*>(&b);
+            const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
+            constexpr int kUnroll = 4;
+            for (int i = lane; i < x_int4; i += kUnroll * kWarpSize) {
+                int4 v[kUnroll];
 #pragma unroll
-                for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(h[k]);
-            }
-            if (bias1 != nullptr) {
-                const int4 b = reinterpret_cast<const int4*>(bias1 + static_cast<int64_t>(t) * hidden)[w];
-                const auto* h = reinterpret_cast<const __nv_bfloat16*>(&b);
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i + u * kWarpSize < x_int4) v[u] = ld_nc_int4(src + i + u * kWarpSize);
 #pragma unroll
-                for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(h[k]);
+                for (int d = 0; d < kMaxRanks; ++d) {
+                    if (dst_x[d] == nullptr) continue;
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u)
+                        if (i + u * kWarpSize < x_int4) dst_x[d][i + u * kWarpSize] = v[u];
+                }
             }
+            // Top-k ids become the destination's local ids (-1 elsewhere, weight 0 there).
+            int64_t e = -1;
+            float w = 0.f;
+            if (a.topk_idx != nullptr && lane < K) {
+                e = a.topk_idx[static_cast<int64_t>(t) * K + lane];
+                if (a.topk_weights != nullptr) w = a.topk_weights[static_cast<int64_t>(t) * K + lane];
+            }
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (dst_x[d] == nullptr) continue;
+                const int64_t lo = static_cast<int64_t>(d) * a.experts_per_rank;
+                const int64_t local_e = (e >= lo && e < lo + a.experts_per_rank) ? e - lo : -1;
+                const float local_w = local_e >= 0 ? w : 0.f;
+                if (dst_row[d] != nullptr) {
+                    if (a.topk_idx != nullptr && lane < K) {
+                        reinterpret_cast<int64_t*>(dst_row[d] + row.idx_offset)[lane] = local_e;
+                        if (a.topk_weights != nullptr)
+                            reinterpret_cast<float*>(dst_row[d] + row.weight_offset)[lane] = local_w;
+                    }
+                    for (int c = lane; c < a.num_scales; c += kWarpSize)
+                        reinterpret_cast<uint32_t*>(dst_row[d] + row.scale_offset)[c] =
+                            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+                } else {
+                    const int64_t p = dst_pos[d];
+                    if (a.topk_idx != nullptr && lane < K) {
+                        a.recv_topk_idx[p * K + lane] = local_e;
+                        if (a.topk_weights != nullptr) a.recv_topk_weights[p * K + lane] = local_w;
+                    }
+                    for (int c = lane; c < a.num_scales; c += kWarpSize)
+                        a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
+                            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+                }
+            }
+            // Publish: after the warp's stores, lane d releases the flag of destination d's row.
+            __syncwarp();
+            if (lane < kMaxRanks) {
+                uint8_t* r = nullptr;
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d)
+                    if (d == lane) r = dst_row[d];
+                if (r != nullptr) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+            }
+        }
+        return;
+    }
+
+    // ---- receiver: copy the rows of the other ranks out of the buffer as each lands, in output
+    // order; this rank's own rows were written to the outputs by its senders.
+    const int warp = (blockIdx.x - a.num_send_blocks) * warps_per_block + threadIdx.x / kWarpSize;
+    const int num_warps = (gridDim.x - a.num_send_blocks) * warps_per_block;
+    const int own_begin = min(s_layout[kLayRecvOff + me], a.num_out_rows);
+    const int own_end = min(s_layout[kLayRecvOff + me + 1], a.num_out_rows);
+    const int num_own = own_end - own_begin;
+    for (int j = warp; j < a.num_out_rows - num_own; j += num_warps) {
+        const int i = j < own_begin ? j : j + num_own;
+        const int64_t p = i;
+        if (i >= num_valid) {  // num_worst_tokens padding: x = 0, scales = 0, ids = -1, weights = 0
+            int4* out = reinterpret_cast<int4*>(a.recv_x + p * a.x_bytes);
+            for (int c = lane; c < x_int4; c += kWarpSize) out[c] = make_int4(0, 0, 0, 0);
+            for (int c = lane; c < a.num_scales; c += kWarpSize)
+                a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] = 0;
+            if (a.recv_topk_idx != nullptr && lane < K) {
+                a.recv_topk_idx[p * K + lane] = -1;
+                if (a.recv_topk_weights != nullptr) a.recv_topk_weights[p * K + lane] = 0.f;
+            }
+            continue;
+        }
+        int src = 0;
+        while (src + 1 < R && i >= s_layout[kLayRecvOff + src + 1]) ++src;
+        const uint8_t* r = mine + kRowsOffset + p * a.row_stride;
+        if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
+                           seq, a.timeout_ns, a.info, a.op, src))
+            return;
+        warp_copy_int4(reinterpret_cast<int4*>(a.recv_x + p * a.x_bytes), reinterpret_cast<const int4*>(r), x_int4,
+                       lane);
+        if (a.recv_topk_idx != nullptr && lane < K) {
+            a.recv_topk_idx[p * K + lane] = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
+            if (a.recv_topk_weights != nullptr)
+                a.recv_topk_weights[p * K + lane] = reinterpret_cast<const float*>(r + row.weight_offset)[lane];
+        }
+        for (int c = lane; c < a.num_scales; c += kWarpSize)
+            a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
+                reinterpret_cast<const uint32_t*>(r + row.scale_offset)[c];
+    }
+}
+
+// ------------------------------------------------------------------ combine
+struct CombineArgs {
+    PeerTable peers;
+    int rank, num_ranks, num_tokens, hidden, num_topk;
+    const __nv_bfloat16* x;     // [rows, H] the expert outputs, in dispatch's receive order
+    const float* weights;       // [rows, K] or nullptr
+    const bool* in_rank;        // [T, R] of the dispatch
+    const int* slot;            // [T, R] of the dispatch
+    const int* layout;
+    int row_stride;
+    int64_t cap_rows;
+    const __nv_bfloat16* bias0;
+    const __nv_bfloat16* bias1;
+    __nv_bfloat16* out;         // [T, H]
+    float* out_weights;         // [T, K] or nullptr
+    int num_send_blocks;
+    int* info;
+    uint64_t timeout_ns;
+};
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(h[k]);
+        acc[2 * k] += f.x;
+        acc[2 * k + 1] += f.y;
+    }
+}
+
+__global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
+    const int lane = threadIdx.x % kWarpSize, warps_per_block = blockDim.x / kWarpSize;
+    const int R = a.num_ranks, me = a.rank, K = a.num_topk;
+    uint8_t* mine = a.peers.bufs[me];
+    __shared__ int s_layout[kLayoutInts];
+    if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
+    __syncthreads();
+    if (s_layout[kLayAbort] != 0) return;
+    const int64_t seq = ld_volatile(seq_word(mine));
+    if (ld_volatile(abort_word(mine)) == seq) return;
+    if (s_layout[kLayMaxSend] > a.cap_rows) {
+        if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, kOpCombine, -1);
+        return;
+    }
+    const int64_t flag_value = seq ^ kFlagMagic;
+    const int x_int4 = a.hidden / 8;
+    const int own_begin = s_layout[kLayRecvOff + me], own_end = s_layout[kLayRecvOff + me + 1];
+
+    if (static_cast<int>(blockIdx.x) < a.num_send_blocks) {
+        // ---- sender: every received row of another rank goes back to its source, at the slot
+        // the source reduces from.
+        const int warp = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize;
+        const int num_warps = a.num_send_blocks * warps_per_block;
+        const int num_recv = s_layout[kLayRecvOff + R];
+        const int num_own = own_end - own_begin;
+        for (int j = warp; j < num_recv - num_own; j += num_warps) {
+            const int i = j < own_begin ? j : j + num_own;
+            int src = 0;
+            while (src + 1 < R && i >= s_layout[kLayRecvOff + src + 1]) ++src;
+            const int64_t pos = s_layout[kLayRetBase + src] + (i - s_layout[kLayRecvOff + src]);
+            uint8_t* r = a.peers.bufs[src] + kRowsOffset + pos * a.row_stride;
+            const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(i) * a.hidden);
+            constexpr int kUnroll = 4;
+            for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c + u * kWarpSize < x_int4) v[u] = ld_nc_int4(x + c + u * kWarpSize);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
+            }
+            if (a.weights != nullptr && lane < K)
+                reinterpret_cast<float*>(r + a.hidden * 2)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
+            __syncwarp();
+            if (lane == 0) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+        }
+        return;
+    }
+
+    // ---- reducer: token t sums, in fp32 and ascending rank order, the rows its destinations
+    // returned (its own destination's row straight from x), then the biases; one rounding to bf16.
+    const int warp = (blockIdx.x - a.num_send_blocks) * warps_per_block + threadIdx.x / kWarpSize;
+    const int num_warps = (gridDim.x - a.num_send_blocks) * warps_per_block;
+    for (int t = warp; t < a.num_tokens; t += num_warps) {
+        const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane];
+        const unsigned mask = __ballot_sync(kFullMask, hit);
+        const int slot_lane = hit ? a.slot[static_cast<int64_t>(t) * R + lane] : 0;
+        const int4* src[kMaxRanks];
+        const float* src_w[kMaxRanks];
+        bool ok = true;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            const int64_t s = __shfl_sync(kFullMask, slot_lane, d);
+            src[d] = nullptr;
+            src_w[d] = nullptr;
+            if (!(mask >> d & 1u)) continue;
+            if (d == me) {
+                const int64_t i = own_begin + s;
+                src[d] = reinterpret_cast<const int4*>(a.x + i * a.hidden);
+                if (a.weights != nullptr) src_w[d] = a.weights + i * K;
+            } else {
+                const uint8_t* r = mine + kRowsOffset + (s_layout[kLayCombBase + d] + s) * a.row_stride;
+                ok = ok && wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes),
+                                         flag_value, mine, seq, a.timeout_ns, a.info, kOpCombine, d);
+                src[d] = reinterpret_cast<const int4*>(r);
+                if (a.weights != nullptr) src_w[d] = reinterpret_cast<const float*>(r + a.hidden * 2);
+            }
+        }
+        if (!__all_sync(kFullMask, ok)) return;  // lanes must leave together (warp collectives follow)
+        int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
+        const int4* b0 = a.bias0 != nullptr ? reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * a.hidden)
+                                            : nullptr;
+        const int4* b1 = a.bias1 != nullptr ? reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * a.hidden)
+                                            : nullptr;
+        for (int c = lane; c < x_int4; c += kWarpSize) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d)
+                if (src[d] != nullptr) add_bf16x8(acc, d == me ? ld_nc_int4(src[d] + c) : src[d][c]);
+            if (b0 != nullptr) add_bf16x8(acc, ld_nc_int4(b0 + c));
+            if (b1 != nullptr) add_bf16x8(acc, ld_nc_int4(b1 + c));
             int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat16*>(&o);
+            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-            for (int k = 0; k < 8; ++k) oh[k] = __float2bfloat16_rn(acc[k]);
-            reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden)[w] = o;
+            for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
+            out[c] = o;
         }
-        if (out_weights != nullptr && lane < num_topk) {
-            float acc = 0;
-            for (int j = 0; j < n; ++j)
-                acc += reinterpret_cast<const float*>(srcs[j] + hidden * 2)[lane];
-            out_weights[static_cast<int64_t>(t) * num_topk + lane] = acc;
+        if (a.out_weights != nullptr && lane < K) {
+            float acc = 0.f;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d)
+                if (src_w[d] != nullptr) acc += src_w[d][lane];
+            a.out_weights[static_cast<int64_t>(t) * K + lane] = acc;
         }
     }
 }
@@ -142,7 +678,7 @@ __global__ void reduce_rows(const uint8_t* buf, int num_ranks, int num_tokens, i
 }  // namespace epcomm
 
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
-using epcomm::PeerTable;
+using namespace epcomm;
 
 static PeerTable make_table(const uint64_t* bufs, int num_ranks) {
     PeerTable table{};
@@ -182,42 +718,138 @@ int epcomm_ipc_open(int device, const void* handle_in, int64_t offset, void** ba
 
 int epcomm_ipc_close(void* base) { return static_cast<int>(cudaIpcCloseMemHandle(base)); }
 
-int epcomm_rows_offset() { return epcomm::kRowsOffset; }
-int epcomm_max_experts_per_rank() { return epcomm::kMaxExpertsPerRank; }
+// Constants the Python side mirrors (checked when the library loads).
+int epcomm_constant(const char* name) {
+    struct Entry {
+        const char* name;
+        int value;
+    };
+    static const Entry entries[] = {
+        {"rows_offset", kRowsOffset},       {"row_trailer_bytes", kRowTrailerBytes},
+        {"max_ranks", kMaxRanks},           {"max_experts_per_rank", kMaxExpertsPerRank},
+        {"info_ints", kInfoInts},           {"layout_ints", kLayoutInts},
+        {"info_error", kInfoError},         {"info_error_op", kInfoErrorOp},
+        {"info_error_ranks", kInfoErrorRanks}, {"info_num_recv", kInfoNumRecv},
+        {"info_recv_counts", kInfoRecvCounts}, {"info_matrix", kInfoMatrix},
+        {"info_refusal", kInfoRefusal},     {"info_experts", kInfoExperts},
+        {"op_dispatch", kOpDispatch},       {"op_cached_dispatch", kOpCachedDispatch},
+        {"op_combine", kOpCombine},         {"op_barrier", kOpBarrier},
+        {"lay_max_recv", kLayMaxRecv},      {"lay_max_send", kLayMaxSend},
+    };
+    for (const Entry& e : entries)
+        if (std::strcmp(e.name, name) == 0) return e.value;
+    return -1;
+}
 
-int epcomm_notify(const uint64_t* bufs, int rank, int num_ranks, const int* send_counts, const int* expert_counts,
-                  int experts_per_rank, int64_t seq, uint64_t timeout_ns, int* timed_out, cudaStream_t stream) {
-    epcomm::notify_and_barrier<<<1, 256, 0, stream>>>(make_table(bufs, num_ranks), rank, num_ranks, send_counts,
-                                                      expert_counts, experts_per_rank, seq, timeout_ns, timed_out);
+int epcomm_get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                               int ranks_per_domain, int* per_rank, int* per_domain, int* per_expert, bool* in_rank,
+                               cudaStream_t stream) {
+    if (num_tokens == 0) return 0;
+    constexpr int kThreads = 256;
+    const int num_counters = num_experts + num_ranks + num_ranks / ranks_per_domain;
+    const size_t smem = static_cast<size_t>(num_counters) * sizeof(int);
+    if (smem > 48 * 1024) return static_cast<int>(cudaErrorInvalidValue);
+    layout_kernel<<<(num_tokens + kThreads - 1) / kThreads, kThreads, smem, stream>>>(
+        topk_idx, num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, per_rank, per_domain, per_expert,
+        in_rank);
     return static_cast<int>(cudaGetLastError());
 }
 
-int epcomm_push_rows(const uint64_t* bufs, int rank, int num_ranks, const void* rows, int num_rows, int row_bytes,
-                     const bool* in_rank, const int* slot, int64_t capacity, int num_sms, cudaStream_t stream) {
-    if (num_rows > 0)
-        epcomm::push_rows<<<num_sms, 512, 0, stream>>>(make_table(bufs, num_ranks), rank, num_ranks,
-                                                         static_cast<const uint8_t*>(rows), num_rows, row_bytes,
-                                                         in_rank, slot, capacity);
+int epcomm_notify(const uint64_t* bufs, int rank, int num_ranks, int op, int num_tokens, const bool* in_rank,
+                  const int* send_counts, const int* expert_counts, int experts_per_rank, const int64_t* topk_idx,
+                  int num_topk, int expert_alignment, int num_worst_tokens, int row_bytes, int* slot, int* layout,
+                  int* info, uint64_t timeout_ns, cudaStream_t stream) {
+    NotifyArgs a{};
+    a.peers = make_table(bufs, num_ranks);
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.op = op;
+    a.num_tokens = num_tokens;
+    a.in_rank = in_rank;
+    a.send_counts = send_counts;
+    a.expert_counts = expert_counts;
+    a.experts_per_rank = experts_per_rank;
+    a.topk_idx = topk_idx;
+    a.num_topk = num_topk;
+    a.expert_alignment = expert_alignment;
+    a.num_worst_tokens = num_worst_tokens;
+    a.row_bytes = row_bytes;
+    a.slot = slot;
+    a.layout = layout;
+    a.info = info;
+    a.timeout_ns = timeout_ns;
+    notify_kernel<<<1, kNotifyThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
-int epcomm_gather_rows(uint64_t buf, int num_ranks, const int* recv_begin, const int* recv_counts, int row_bytes,
-                       int64_t capacity, void* out, int num_out_rows, int num_sms, cudaStream_t stream) {
-    if (num_out_rows > 0)
-        epcomm::gather_rows<<<num_sms, 512, 0, stream>>>(reinterpret_cast<const uint8_t*>(buf), num_ranks,
-                                                           recv_begin, recv_counts, row_bytes, capacity,
-                                                           static_cast<uint8_t*>(out), num_out_rows);
+int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, const void* x, int x_bytes,
+                    const void* scales, int num_scales, int64_t scale_stride_t, int64_t scale_stride_c,
+                    const int64_t* topk_idx, const float* topk_weights, int num_topk, int experts_per_rank,
+                    const bool* in_rank, const int* slot, const int* layout, int row_stride, int64_t cap_rows,
+                    void* recv_x, void* recv_scales, int64_t recv_scale_stride_t, int64_t recv_scale_stride_c,
+                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_out_rows, int num_sms, int op,
+                    int* info, uint64_t timeout_ns, cudaStream_t stream) {
+    DispatchArgs a{};
+    a.peers = make_table(bufs, num_ranks);
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.num_tokens = num_tokens;
+    a.x = static_cast<const uint8_t*>(x);
+    a.x_bytes = x_bytes;
+    a.scales = static_cast<const uint32_t*>(scales);
+    a.num_scales = num_scales;
+    a.scale_stride_t = scale_stride_t;
+    a.scale_stride_c = scale_stride_c;
+    a.topk_idx = topk_idx;
+    a.topk_weights = topk_weights;
+    a.num_topk = num_topk;
+    a.experts_per_rank = experts_per_rank;
+    a.in_rank = in_rank;
+    a.slot = slot;
+    a.layout = layout;
+    a.row_stride = row_stride;
+    a.cap_rows = cap_rows;
+    a.recv_x = static_cast<uint8_t*>(recv_x);
+    a.recv_scales = static_cast<uint32_t*>(recv_scales);
+    a.recv_scale_stride_t = recv_scale_stride_t;
+    a.recv_scale_stride_c = recv_scale_stride_c;
+    a.recv_topk_idx = recv_topk_idx;
+    a.recv_topk_weights = recv_topk_weights;
+    a.num_out_rows = num_out_rows;
+    a.num_send_blocks = num_sms > 1 ? num_sms / 2 : 1;
+    a.op = op;
+    a.info = info;
+    a.timeout_ns = timeout_ns;
+    dispatch_kernel<<<num_sms > 1 ? num_sms : 2, 512, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
-int epcomm_reduce_rows(uint64_t buf, int num_ranks, int num_tokens, int hidden, int num_topk, int row_bytes,
-                       int64_t capacity, const bool* in_rank, const int* slot, const void* bias0, const void* bias1,
-                       void* out, float* out_weights, int num_sms, cudaStream_t stream) {
-    if (num_tokens > 0)
-        epcomm::reduce_rows<<<num_sms, 512, 0, stream>>>(
-            reinterpret_cast<const uint8_t*>(buf), num_ranks, num_tokens, hidden, num_topk, row_bytes, capacity,
-            in_rank, slot, static_cast<const __nv_bfloat16*>(bias0), static_cast<const __nv_bfloat16*>(bias1),
-            static_cast<__nv_bfloat16*>(out), out_weights);
+int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
+                   const void* x, const float* weights, const bool* in_rank, const int* slot, const int* layout,
+                   int row_stride, int64_t cap_rows, const void* bias0, const void* bias1, void* out,
+                   float* out_weights, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+    CombineArgs a{};
+    a.peers = make_table(bufs, num_ranks);
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.num_tokens = num_tokens;
+    a.hidden = hidden;
+    a.num_topk = num_topk;
+    a.x = static_cast<const __nv_bfloat16*>(x);
+    a.weights = weights;
+    a.in_rank = in_rank;
+    a.slot = slot;
+    a.layout = layout;
+    a.row_stride = row_stride;
+    a.cap_rows = cap_rows;
+    a.bias0 = static_cast<const __nv_bfloat16*>(bias0);
+    a.bias1 = static_cast<const __nv_bfloat16*>(bias1);
+    a.out = static_cast<__nv_bfloat16*>(out);
+    a.out_weights = out_weights;
+    a.num_send_blocks = num_sms > 1 ? num_sms / 2 : 1;
+    a.info = info;
+    a.timeout_ns = timeout_ns;
+    combine_kernel<<<num_sms > 1 ? num_sms : 2, 512, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 

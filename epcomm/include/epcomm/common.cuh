@@ -8,8 +8,9 @@ namespace epcomm {
 
 constexpr int kMaxRanks = 8;
 constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
 
-// Release/acquire at system scope: the flags are read by other GPUs over NVLink.
+// Release/acquire at system scope: the flags are written and read by different GPUs over NVLink.
 __device__ __forceinline__ void st_release_sys(int64_t* ptr, int64_t value) {
     asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
@@ -20,10 +21,34 @@ __device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* ptr) {
     return value;
 }
 
+__device__ __forceinline__ int64_t ld_volatile(const int64_t* ptr) {
+    int64_t value;
+    asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ int ld_volatile_int(const int* ptr) {
+    int value;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+// Streaming 16-byte load of data no one writes during the kernel (the caller's input tensors):
+// read-only path, no L1 allocation, so the copy does not evict what the waits poll.
+__device__ __forceinline__ int4 ld_nc_int4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr));
+    return v;
 }
 
 // One warp copies `num_int4` 16-byte words; several loads are issued before the stores.
