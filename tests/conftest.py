@@ -15,8 +15,8 @@ BACKEND = os.environ.get("EPCOMM_TEST_BACKEND", "gloo")
 _clusters: dict[int, LocalCluster] = {}
 
 # Ranks raise quickly in tests if a peer never arrives, instead of after 100 s.
-TEST_ENV = {"EPCOMM_TIMEOUT_S": "30", "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TEST_ENV = {"EPCOMM_TIMEOUT_S": os.environ.get("EPCOMM_TEST_TIMEOUT_S", "30"), "OMP_NUM_THREADS": "1",
+            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def cluster(num_ranks: int) -> LocalCluster:

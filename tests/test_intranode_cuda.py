@@ -207,13 +207,14 @@ def rank_timeout(timeout_s):
     """Rank 1 never calls dispatch: rank 0 raises within the timeout, naming rank 1."""
     import time
 
+    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
     os.environ["EPCOMM_TIMEOUT_S"] = str(timeout_s)
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     try:
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
     finally:
-        os.environ["EPCOMM_TIMEOUT_S"] = "30"
+        os.environ["EPCOMM_TIMEOUT_S"] = previous
     x, topk_idx, w = (t.to(dev) for t in make_inputs(6, rank, 16, 256, 8, 2, dist.get_world_size(), "random"))
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 8)
     elapsed = None
