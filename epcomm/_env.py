@@ -13,6 +13,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_BACKEND": ("auto", "backend used when Buffer(backend=...) is not given: auto, cuda or reference"),
     "EPCOMM_RANKS_PER_DOMAIN": ("", "ranks per scale-up domain (default: the ranks of one host)"),
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
+    "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
+                                     "counts (0: one fused kernel after the read)"),
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cluster
+from conftest import cluster as _cluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from routing import make_inputs
@@ -32,6 +32,10 @@ from epcomm import Buffer, Config
 from epcomm import buffer as buffer_module
 from epcomm.backends.reference.backend import Op
 from epcomm.handle import DispatchHandle, LowLatencyHandle
+
+# The reference backend's argument checks with CPU tensors on gloo ranks, also on GPU machines
+# (the CUDA kernels' device-side checks are tested in test_intranode_cuda.py).
+cluster = partial(_cluster, backend="gloo")
 
 HIDDEN = 128
 TOPK = 3

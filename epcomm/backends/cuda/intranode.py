@@ -25,6 +25,7 @@ import ctypes
 import torch
 import torch.distributed as dist
 
+from ... import _env
 from ...handle import DispatchHandle
 from .build import load_library
 
@@ -122,6 +123,9 @@ class CudaIntranode:
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
         self._info_ptr = ctypes.c_void_p(self.info.data_ptr())
+        # A dispatch that waits for its counts on the host starts its sends on this stream first.
+        self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"
+        self.send_stream = torch.cuda.Stream(device)
         dist.barrier(group=group)
 
     def close(self) -> None:
@@ -180,7 +184,7 @@ class CudaIntranode:
     def _notify_barrier(self, op_code: int, op: str) -> None:
         """The notify kernel without a count exchange: advance the call counter and meet every peer."""
         code = self.lib.epcomm_notify(self.ptrs, self.rank, self.num_ranks, op_code, 0, None, None, None, 0, None, 0,
-                                      1, 0, 0, None, None, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+                                      1, 0, 0, None, None, None, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
                                       self._stream())
         self._check(code, op)
 
@@ -212,15 +216,17 @@ class CudaIntranode:
         num_tokens, hidden = x.shape
         cached = handle is not None
         num_topk = topk_idx.shape[1] if topk_idx is not None else 0
-        num_scales = scales.shape[1] if scales is not None else 0
         if num_topk > 32:
             raise ValueError(f"topk_idx: the CUDA kernels support up to 32 experts per token, got {num_topk}")
         _check_aligned("x", x)
+        num_scales = scales.shape[1] if scales is not None else 0
         row_bytes = dispatch_row_bytes(hidden, x.element_size(), num_topk, num_scales)
         cap_rows = self.cap_rows(row_bytes)
+        stream = torch.cuda.current_stream(self.device)
+        split = False  # send half launched before the host reads the counts, receive half after
         if cached:
             st = handle.backend_state
-            in_rank, slot, layout = st["in_rank"], st["slot"], st["layout"]
+            in_rank, slot, own_tokens, layout = st["in_rank"], st["slot"], st["own_tokens"], st["layout"]
             num_worst_tokens = handle.num_worst_tokens
             experts_per_rank = st["experts_per_rank"]
             self._notify_barrier(c["op_cached_dispatch"], "dispatch")
@@ -236,28 +242,43 @@ class CudaIntranode:
                 self._raise_capacity("dispatch", num_worst_tokens, row_bytes, cap_rows)
             in_rank = is_token_in_rank.contiguous()
             slot = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=self.device)
+            own_tokens = torch.empty(num_tokens, dtype=torch.int32, device=self.device)
             layout = torch.empty(LAYOUT_INTS, dtype=torch.int32, device=self.device)
             code = self.lib.epcomm_notify(
                 self.ptrs, rank, num_ranks, c["op_dispatch"], num_tokens, self._ptr(in_rank),
                 self._ptr(num_tokens_per_rank.contiguous()), self._ptr(num_tokens_per_expert.contiguous()),
-                experts_per_rank,
-                self._ptr(topk_idx), num_topk, expert_alignment, num_worst_tokens, row_bytes, self._ptr(slot),
-                self._ptr(layout), self._info_ptr,
+                experts_per_rank, self._ptr(topk_idx), num_topk, expert_alignment, num_worst_tokens, row_bytes,
+                self._ptr(slot), self._ptr(own_tokens), self._ptr(layout), self._info_ptr,
                 ctypes.c_uint64(self.timeout_ns), self._stream())
             self._check(code, "dispatch")
             num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
             if not num_worst_tokens:
-                self._sync_and_check("dispatch")
-                matrix = self.info_np[c["info_matrix"]:c["info_matrix"] + num_ranks * num_ranks].reshape(
-                    num_ranks, num_ranks)
-                num_recv = int(self.info_np[c["info_num_recv"]])
-                max_recv = int(matrix.sum(0).max()) if num_ranks else 0
-                if max_recv > cap_rows:
-                    self._raise_capacity("dispatch", max_recv, row_bytes, cap_rows)
-                recv_counts = [int(v) for v in matrix[:, rank]]
-                send_counts = [int(v) for v in matrix[rank]]
-                expert_list = [int(v) for v in self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank]]
-                max_send = int(matrix.sum(1).max())
+                counted = torch.cuda.Event()
+                counted.record(stream)
+                split = self.overlap
+                if split:
+                    self.send_stream.wait_event(counted)
+                    with torch.cuda.stream(self.send_stream):
+                        self._launch_dispatch(1, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank,
+                                              slot, own_tokens, layout, row_bytes, cap_rows, None, None, None, None,
+                                              0, num_sms, c["op_dispatch"])
+                try:
+                    counted.synchronize()
+                    self.check_errors("dispatch")
+                    matrix = self.info_np[c["info_matrix"]:c["info_matrix"] + num_ranks * num_ranks].reshape(
+                        num_ranks, num_ranks)
+                    num_recv = int(self.info_np[c["info_num_recv"]])
+                    max_recv, max_send = int(matrix.sum(0).max()), int(matrix.sum(1).max())
+                    if max_recv > cap_rows:  # every rank sees the same matrix: all raise alike
+                        self._raise_capacity("dispatch", max_recv, row_bytes, cap_rows)
+                    recv_counts = [int(v) for v in matrix[:, rank]]
+                    send_counts = [int(v) for v in matrix[rank]]
+                    expert_list = [int(v) for v in
+                                   self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank]]
+                except BaseException:
+                    if split:  # the send half may still read the inputs
+                        stream.wait_stream(self.send_stream)
+                    raise
         num_out = num_worst_tokens or num_recv
         recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
         recv_scales = None
@@ -270,18 +291,12 @@ class CudaIntranode:
             recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
             if topk_weights is not None:
                 recv_topk_weights = torch.empty((num_out, num_topk), dtype=torch.float32, device=self.device)
-        code = self.lib.epcomm_dispatch(
-            self.ptrs, rank, num_ranks, num_tokens, self._ptr(x), hidden * x.element_size(), self._ptr(scales),
-            num_scales, ctypes.c_int64(scales.stride(0) if scales is not None else 0),
-            ctypes.c_int64(scales.stride(1) if scales is not None else 0), self._ptr(topk_idx),
-            self._ptr(topk_weights), num_topk, experts_per_rank, self._ptr(in_rank), self._ptr(slot),
-            self._ptr(layout), row_bytes, ctypes.c_int64(cap_rows), self._ptr(recv_x), self._ptr(recv_scales),
-            ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
-            ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), self._ptr(recv_topk_idx),
-            self._ptr(recv_topk_weights), num_out, num_sms,
-            c["op_cached_dispatch"] if cached else c["op_dispatch"], self._info_ptr,
-            ctypes.c_uint64(self.timeout_ns), self._stream())
-        self._check(code, "dispatch")
+        self._launch_dispatch(2 if split else 0, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank,
+                              in_rank, slot, own_tokens, layout, row_bytes, cap_rows, recv_x, recv_scales,
+                              recv_topk_idx, recv_topk_weights, num_out, num_sms,
+                              c["op_cached_dispatch"] if cached else c["op_dispatch"])
+        if split:
+            stream.wait_stream(self.send_stream)
         recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
             return recv_x_out, None, None, None, handle
@@ -291,9 +306,27 @@ class CudaIntranode:
             buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
-            backend_state={"in_rank": in_rank, "slot": slot, "layout": layout, "experts_per_rank": experts_per_rank,
-                           "max_recv": max_recv, "max_send": max_send})
+            backend_state={"in_rank": in_rank, "slot": slot, "own_tokens": own_tokens, "layout": layout,
+                           "experts_per_rank": experts_per_rank, "max_recv": max_recv, "max_send": max_send})
         return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+
+    def _launch_dispatch(self, mode, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                         own_tokens, layout, row_bytes, cap_rows, recv_x, recv_scales, recv_topk_idx,
+                         recv_topk_weights, num_out, num_sms, op_code) -> None:
+        """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu)."""
+        code = self.lib.epcomm_dispatch(
+            self.ptrs, self.rank, self.num_ranks, x.shape[0], self._ptr(x), x.shape[1] * x.element_size(),
+            self._ptr(scales), scales.shape[1] if scales is not None else 0,
+            ctypes.c_int64(scales.stride(0) if scales is not None else 0),
+            ctypes.c_int64(scales.stride(1) if scales is not None else 0), self._ptr(topk_idx),
+            self._ptr(topk_weights), num_topk, int(topk_idx is not None), int(topk_weights is not None),
+            experts_per_rank, self._ptr(in_rank), self._ptr(slot), self._ptr(own_tokens), self._ptr(layout), row_bytes,
+            ctypes.c_int64(cap_rows), self._ptr(recv_x), self._ptr(recv_scales),
+            ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
+            ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), self._ptr(recv_topk_idx),
+            self._ptr(recv_topk_weights), num_out, num_sms, mode, op_code, self._info_ptr,
+            ctypes.c_uint64(self.timeout_ns), self._stream())
+        self._check(code, "dispatch")
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state

@@ -161,6 +161,7 @@ struct NotifyArgs {
     int num_worst_tokens;       // 0, or the fixed output rows: more received rows refuse the call
     int row_bytes;              // dispatch row slot bytes: every rank must agree (same shapes)
     int* slot;                  // [T, R] out: position of token t among the rows this rank sends to r
+    int* own_tokens;            // [T] out: the tokens this rank sends to itself, by slot
     int* layout;                // [kLayoutInts] out
     int* info;                  // pinned host words
     uint64_t timeout_ns;
@@ -228,7 +229,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
             for (int r = 0; r < kMaxRanks; ++r)
                 if (r < R) {
                     a.slot[static_cast<int64_t>(t) * R + r] = prefix[r];
-                    prefix[r] += a.in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+                    if (a.in_rank[static_cast<int64_t>(t) * R + r]) {
+                        if (r == a.rank) a.own_tokens[prefix[r]] = t;
+                        ++prefix[r];
+                    }
                 }
         // Validation, on the device so that no host sync is needed for it.
         if (tid < R && a.send_counts[tid] != s_matrix[a.rank][tid]) atomicOr(&s_refuse, kRefuseRankCounts);
@@ -361,8 +365,10 @@ struct DispatchArgs {
     const int64_t* topk_idx;    // [T, K] global expert ids, or nullptr
     const float* topk_weights;  // [T, K] or nullptr
     int num_topk, experts_per_rank;
+    bool has_topk, has_weights;  // from the shapes, not the pointers (an empty tensor has none)
     const bool* in_rank;        // [T, R]
     const int* slot;            // [T, R]
+    const int* own_tokens;      // [T]: token index of each of this rank's rows to itself, by slot
     const int* layout;
     int row_stride;             // bytes of one row slot in the buffer (trailer included)
     int64_t cap_rows;           // row slots the buffer holds
@@ -372,7 +378,8 @@ struct DispatchArgs {
     int64_t* recv_topk_idx;     // [num_out_rows, K] local expert ids
     float* recv_topk_weights;
     int num_out_rows;           // num_recv (host-synced) or num_worst_tokens
-    int num_send_blocks;
+    int num_send_blocks;        // fused kernel: blocks [0, num_send_blocks) send, the rest receive
+    bool local_by_receiver;     // this rank's rows to itself: copied by the receivers straight from x
     int op;
     int* info;
     uint64_t timeout_ns;
@@ -386,136 +393,166 @@ struct DispatchRow {
         : idx_offset(x_bytes), weight_offset(x_bytes + num_topk * 8), scale_offset(x_bytes + num_topk * 12) {}
 };
 
-__global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
-    const int lane = threadIdx.x % kWarpSize, warps_per_block = blockDim.x / kWarpSize;
-    const int R = a.num_ranks, me = a.rank;
-    uint8_t* mine = a.peers.bufs[me];
-    __shared__ int s_layout[kLayoutInts];
-    if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
-    __syncthreads();
-    if (s_layout[kLayAbort] != 0) return;  // a rank refused its inputs: every rank skips alike
-    const int64_t seq = ld_volatile(seq_word(mine));
-    if (ld_volatile(abort_word(mine)) == seq) return;  // this call's barrier failed (reported)
-    if (s_layout[kLayMaxRecv] > a.cap_rows) {  // every rank sees the same matrix, so all skip alike
-        if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, a.op, -1);
-        return;
+// Token t's top-k entry `lane` as destination d sees it: its local expert id (-1 for other
+// ranks' experts) and the weight (0 there).
+__device__ __forceinline__ void local_topk(const DispatchArgs& a, int64_t e, float w, int d, int64_t& local_e,
+                                          float& local_w) {
+    const int64_t lo = static_cast<int64_t>(d) * a.experts_per_rank;
+    local_e = (e >= lo && e < lo + a.experts_per_rank) ? e - lo : -1;
+    local_w = local_e >= 0 ? w : 0.f;
+}
+
+// Metadata of token t into this rank's own output row p (top-k ids, weights, scales).
+__device__ __forceinline__ void write_own_meta(const DispatchArgs& a, int t, int64_t p, int64_t e, float w,
+                                               int lane) {
+    const int K = a.num_topk;
+    if (a.has_topk && lane < K) {
+        int64_t local_e;
+        float local_w;
+        local_topk(a, e, w, a.rank, local_e, local_w);
+        a.recv_topk_idx[p * K + lane] = local_e;
+        if (a.has_weights) a.recv_topk_weights[p * K + lane] = local_w;
     }
-    const int64_t flag_value = seq ^ kFlagMagic;
-    const int num_recv = s_layout[kLayRecvOff + R];
-    if (num_recv > a.num_out_rows && threadIdx.x == 0 && blockIdx.x == 0)
-        report_error(a.info, kErrWorstTokens, a.op, me);
-    const int num_valid = min(num_recv, a.num_out_rows);
+    for (int c = lane; c < a.num_scales; c += kWarpSize)
+        a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
+            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+}
+
+__device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane, int64_t& e, float& w) {
+    e = -1;
+    w = 0.f;
+    if (a.has_topk && lane < a.num_topk) {
+        e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+        if (a.has_weights) w = a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane];
+    }
+}
+
+// Sender: one warp per token; x is read once and stored to every destination. Rows to other
+// ranks go to their buffers (then a flag per row); the row to this rank goes straight to the
+// outputs unless the receivers do it (`local_by_receiver`).
+__device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int R = a.num_ranks, me = a.rank;
     const DispatchRow row(a.x_bytes, a.num_topk);
     const int x_int4 = a.x_bytes / 16;
-    const int K = a.num_topk;
-
-    if (static_cast<int>(blockIdx.x) < a.num_send_blocks) {
-        // ---- sender: one warp per token; x is read once and stored to every destination.
-        const int warp = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize;
-        const int num_warps = a.num_send_blocks * warps_per_block;
-        for (int t = warp; t < a.num_tokens; t += num_warps) {
-            const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane];
-            const unsigned mask = __ballot_sync(kFullMask, hit);
-            if (mask == 0) continue;
-            const int pos_lane = hit ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * R + lane] : 0;
-            int4* dst_x[kMaxRanks];
-            uint8_t* dst_row[kMaxRanks];  // remote row slot, or nullptr
-            int dst_pos[kMaxRanks];
+    for (int t = warp; t < a.num_tokens; t += num_warps) {
+        const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane] &&
+                         !(lane == me && a.local_by_receiver);
+        const unsigned mask = __ballot_sync(kFullMask, hit);
+        if (mask == 0) continue;
+        const int pos_lane = hit ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * R + lane] : 0;
+        int4* dst_x[kMaxRanks];
+        uint8_t* dst_row[kMaxRanks];  // remote row slot, or nullptr
+        int dst_pos[kMaxRanks];
 #pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) {
-                const int pos = __shfl_sync(kFullMask, pos_lane, d);
-                dst_pos[d] = pos;
-                dst_x[d] = nullptr;
-                dst_row[d] = nullptr;
-                if (!(mask >> d & 1u)) continue;
-                if (d == me) {
-                    if (pos < a.num_out_rows)
-                        dst_x[d] = reinterpret_cast<int4*>(a.recv_x + static_cast<int64_t>(pos) * a.x_bytes);
-                } else {
-                    dst_row[d] = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
-                    dst_x[d] = reinterpret_cast<int4*>(dst_row[d]);
-                }
+        for (int d = 0; d < kMaxRanks; ++d) {
+            const int pos = __shfl_sync(kFullMask, pos_lane, d);
+            dst_pos[d] = pos;
+            dst_x[d] = nullptr;
+            dst_row[d] = nullptr;
+            if (!(mask >> d & 1u)) continue;
+            if (d == me) {
+                if (pos < a.num_out_rows)
+                    dst_x[d] = reinterpret_cast<int4*>(a.recv_x + static_cast<int64_t>(pos) * a.x_bytes);
+            } else {
+                dst_row[d] = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
+                dst_x[d] = reinterpret_cast<int4*>(dst_row[d]);
             }
-            const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
-            constexpr int kUnroll = 4;
-            for (int i = lane; i < x_int4; i += kUnroll * kWarpSize) {
-                int4 v[kUnroll];
+        }
+        const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
+        constexpr int kUnroll = 4;
+        for (int i = lane; i < x_int4; i += kUnroll * kWarpSize) {
+            int4 v[kUnroll];
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (i + u * kWarpSize < x_int4) v[u] = ld_nc_int4(src + i + u * kWarpSize);
-#pragma unroll
-                for (int d = 0; d < kMaxRanks; ++d) {
-                    if (dst_x[d] == nullptr) continue;
-#pragma unroll
-                    for (int u = 0; u < kUnroll; ++u)
-                        if (i + u * kWarpSize < x_int4) dst_x[d][i + u * kWarpSize] = v[u];
-                }
-            }
-            // Top-k ids become the destination's local ids (-1 elsewhere, weight 0 there).
-            int64_t e = -1;
-            float w = 0.f;
-            if (a.topk_idx != nullptr && lane < K) {
-                e = a.topk_idx[static_cast<int64_t>(t) * K + lane];
-                if (a.topk_weights != nullptr) w = a.topk_weights[static_cast<int64_t>(t) * K + lane];
-            }
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * kWarpSize < x_int4) v[u] = ld_nc_int4(src + i + u * kWarpSize);
 #pragma unroll
             for (int d = 0; d < kMaxRanks; ++d) {
                 if (dst_x[d] == nullptr) continue;
-                const int64_t lo = static_cast<int64_t>(d) * a.experts_per_rank;
-                const int64_t local_e = (e >= lo && e < lo + a.experts_per_rank) ? e - lo : -1;
-                const float local_w = local_e >= 0 ? w : 0.f;
-                if (dst_row[d] != nullptr) {
-                    if (a.topk_idx != nullptr && lane < K) {
-                        reinterpret_cast<int64_t*>(dst_row[d] + row.idx_offset)[lane] = local_e;
-                        if (a.topk_weights != nullptr)
-                            reinterpret_cast<float*>(dst_row[d] + row.weight_offset)[lane] = local_w;
-                    }
-                    for (int c = lane; c < a.num_scales; c += kWarpSize)
-                        reinterpret_cast<uint32_t*>(dst_row[d] + row.scale_offset)[c] =
-                            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
-                } else {
-                    const int64_t p = dst_pos[d];
-                    if (a.topk_idx != nullptr && lane < K) {
-                        a.recv_topk_idx[p * K + lane] = local_e;
-                        if (a.topk_weights != nullptr) a.recv_topk_weights[p * K + lane] = local_w;
-                    }
-                    for (int c = lane; c < a.num_scales; c += kWarpSize)
-                        a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
-                            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
-                }
-            }
-            // Publish: after the warp's stores, lane d releases the flag of destination d's row.
-            __syncwarp();
-            if (lane < kMaxRanks) {
-                uint8_t* r = nullptr;
 #pragma unroll
-                for (int d = 0; d < kMaxRanks; ++d)
-                    if (d == lane) r = dst_row[d];
-                if (r != nullptr) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i + u * kWarpSize < x_int4) dst_x[d][i + u * kWarpSize] = v[u];
             }
         }
-        return;
+        int64_t e;
+        float w;
+        load_topk(a, t, lane, e, w);
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            if (dst_x[d] == nullptr) continue;
+            if (dst_row[d] == nullptr) {
+                write_own_meta(a, t, dst_pos[d], e, w, lane);
+                continue;
+            }
+            if (a.has_topk && lane < a.num_topk) {
+                int64_t local_e;
+                float local_w;
+                local_topk(a, e, w, d, local_e, local_w);
+                reinterpret_cast<int64_t*>(dst_row[d] + row.idx_offset)[lane] = local_e;
+                if (a.has_weights) reinterpret_cast<float*>(dst_row[d] + row.weight_offset)[lane] = local_w;
+            }
+            for (int c = lane; c < a.num_scales; c += kWarpSize)
+                reinterpret_cast<uint32_t*>(dst_row[d] + row.scale_offset)[c] =
+                    a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+        }
+        // Publish: after the warp's stores, lane d releases the flag of destination d's row.
+        __syncwarp();
+        if (lane < kMaxRanks) {
+            uint8_t* r = nullptr;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d)
+                if (d == lane) r = dst_row[d];
+            if (r != nullptr)
+                st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+        }
     }
+}
 
-    // ---- receiver: copy the rows of the other ranks out of the buffer as each lands, in output
-    // order; this rank's own rows were written to the outputs by its senders.
-    const int warp = (blockIdx.x - a.num_send_blocks) * warps_per_block + threadIdx.x / kWarpSize;
-    const int num_warps = (gridDim.x - a.num_send_blocks) * warps_per_block;
+// Receiver: one warp per output row, in output order. Rows of other ranks are copied out of the
+// buffer as soon as their flag lands; this rank's own rows come straight from x when
+// `local_by_receiver`; num_worst_tokens padding rows are filled.
+__device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_t seq, int64_t flag_value, int warp,
+                              int num_warps) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int R = a.num_ranks, me = a.rank, K = a.num_topk;
+    uint8_t* mine = a.peers.bufs[me];
+    const DispatchRow row(a.x_bytes, a.num_topk);
+    const int x_int4 = a.x_bytes / 16;
+    const int num_valid = min(s_layout[kLayRecvOff + R], a.num_out_rows);
     const int own_begin = min(s_layout[kLayRecvOff + me], a.num_out_rows);
     const int own_end = min(s_layout[kLayRecvOff + me + 1], a.num_out_rows);
-    const int num_own = own_end - own_begin;
-    for (int j = warp; j < a.num_out_rows - num_own; j += num_warps) {
-        const int i = j < own_begin ? j : j + num_own;
+    const int num_skip = a.local_by_receiver ? 0 : own_end - own_begin;  // rows the senders wrote
+    for (int j = warp; j < a.num_out_rows - num_skip; j += num_warps) {
+        const int i = j < own_begin ? j : j + num_skip;
         const int64_t p = i;
+        int4* out = reinterpret_cast<int4*>(a.recv_x + p * a.x_bytes);
         if (i >= num_valid) {  // num_worst_tokens padding: x = 0, scales = 0, ids = -1, weights = 0
-            int4* out = reinterpret_cast<int4*>(a.recv_x + p * a.x_bytes);
             for (int c = lane; c < x_int4; c += kWarpSize) out[c] = make_int4(0, 0, 0, 0);
             for (int c = lane; c < a.num_scales; c += kWarpSize)
                 a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] = 0;
-            if (a.recv_topk_idx != nullptr && lane < K) {
+            if (a.has_topk && lane < K) {
                 a.recv_topk_idx[p * K + lane] = -1;
-                if (a.recv_topk_weights != nullptr) a.recv_topk_weights[p * K + lane] = 0.f;
+                if (a.has_weights) a.recv_topk_weights[p * K + lane] = 0.f;
             }
+            continue;
+        }
+        if (i >= own_begin && i < own_end) {  // this rank's own token, straight from x
+            const int t = a.own_tokens[i - own_begin];
+            const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
+            constexpr int kUnroll = 4;
+            for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c + u * kWarpSize < x_int4) v[u] = ld_nc_int4(src + c + u * kWarpSize);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c + u * kWarpSize < x_int4) out[c + u * kWarpSize] = v[u];
+            }
+            int64_t e;
+            float w;
+            load_topk(a, t, lane, e, w);
+            write_own_meta(a, t, p, e, w, lane);
             continue;
         }
         int src = 0;
@@ -524,16 +561,53 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
                            seq, a.timeout_ns, a.info, a.op, src))
             return;
-        warp_copy_int4(reinterpret_cast<int4*>(a.recv_x + p * a.x_bytes), reinterpret_cast<const int4*>(r), x_int4,
-                       lane);
-        if (a.recv_topk_idx != nullptr && lane < K) {
+        warp_copy_int4(out, reinterpret_cast<const int4*>(r), x_int4, lane);
+        if (a.has_topk && lane < K) {
             a.recv_topk_idx[p * K + lane] = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
-            if (a.recv_topk_weights != nullptr)
+            if (a.has_weights)
                 a.recv_topk_weights[p * K + lane] = reinterpret_cast<const float*>(r + row.weight_offset)[lane];
         }
         for (int c = lane; c < a.num_scales; c += kWarpSize)
             a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
                 reinterpret_cast<const uint32_t*>(r + row.scale_offset)[c];
+    }
+}
+
+// kSend and kRecv: the fused kernel (num_worst_tokens and cached dispatch: one launch, no host
+// round trip), its first blocks send and the others receive. One role alone: the two halves of a
+// dispatch whose outputs are sized after the host reads the counts; the send half is launched on
+// a side stream before that read, so the transfer starts while the CPU waits.
+template <bool kSend, bool kRecv>
+__global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
+    const int warps_per_block = blockDim.x / kWarpSize;
+    uint8_t* mine = a.peers.bufs[a.rank];
+    __shared__ int s_layout[kLayoutInts];
+    if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
+    __syncthreads();
+    if (s_layout[kLayAbort] != 0) return;  // a rank refused its inputs: every rank skips alike
+    const int64_t seq = ld_volatile(seq_word(mine));
+    if (ld_volatile(abort_word(mine)) == seq) return;  // this call's barrier failed (reported)
+    const bool reporter = kRecv && threadIdx.x == 0 && blockIdx.x == gridDim.x - 1;
+    if (s_layout[kLayMaxRecv] > a.cap_rows) {  // every rank sees the same matrix, so all skip alike
+        if (reporter) report_error(a.info, kErrCapacity, a.op, -1);
+        return;
+    }
+    if (reporter && s_layout[kLayRecvOff + a.num_ranks] > a.num_out_rows)
+        report_error(a.info, kErrWorstTokens, a.op, a.rank);
+    const int64_t flag_value = seq ^ kFlagMagic;
+    const int warp_in_block = threadIdx.x / kWarpSize;
+    if (kSend && kRecv) {
+        if (static_cast<int>(blockIdx.x) < a.num_send_blocks)
+            dispatch_send(a, s_layout, flag_value, blockIdx.x * warps_per_block + warp_in_block,
+                          a.num_send_blocks * warps_per_block);
+        else
+            dispatch_recv(a, s_layout, seq, flag_value, (blockIdx.x - a.num_send_blocks) * warps_per_block + warp_in_block,
+                          (gridDim.x - a.num_send_blocks) * warps_per_block);
+    } else if (kSend) {
+        dispatch_send(a, s_layout, flag_value, blockIdx.x * warps_per_block + warp_in_block, gridDim.x * warps_per_block);
+    } else {
+        dispatch_recv(a, s_layout, seq, flag_value, blockIdx.x * warps_per_block + warp_in_block,
+                      gridDim.x * warps_per_block);
     }
 }
 
@@ -609,7 +683,7 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
                 for (int u = 0; u < kUnroll; ++u)
                     if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
             }
-            if (a.weights != nullptr && lane < K)
+            if (lane < K)  // K = 0 without weights (the pointer is null also when no rows arrived)
                 reinterpret_cast<float*>(r + a.hidden * 2)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
             __syncwarp();
             if (lane == 0) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
@@ -637,40 +711,61 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
             if (d == me) {
                 const int64_t i = own_begin + s;
                 src[d] = reinterpret_cast<const int4*>(a.x + i * a.hidden);
-                if (a.weights != nullptr) src_w[d] = a.weights + i * K;
+                if (K > 0) src_w[d] = a.weights + i * K;
             } else {
                 const uint8_t* r = mine + kRowsOffset + (s_layout[kLayCombBase + d] + s) * a.row_stride;
                 ok = ok && wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes),
                                          flag_value, mine, seq, a.timeout_ns, a.info, kOpCombine, d);
                 src[d] = reinterpret_cast<const int4*>(r);
-                if (a.weights != nullptr) src_w[d] = reinterpret_cast<const float*>(r + a.hidden * 2);
+                if (K > 0) src_w[d] = reinterpret_cast<const float*>(r + a.hidden * 2);
             }
         }
         if (!__all_sync(kFullMask, ok)) return;  // lanes must leave together (warp collectives follow)
-        int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
-        const int4* b0 = a.bias0 != nullptr ? reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * a.hidden)
-                                            : nullptr;
-        const int4* b1 = a.bias1 != nullptr ? reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * a.hidden)
-                                            : nullptr;
-        for (int c = lane; c < x_int4; c += kWarpSize) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d)
-                if (src[d] != nullptr) add_bf16x8(acc, d == me ? ld_nc_int4(src[d] + c) : src[d][c]);
-            if (b0 != nullptr) add_bf16x8(acc, ld_nc_int4(b0 + c));
-            if (b1 != nullptr) add_bf16x8(acc, ld_nc_int4(b1 + c));
-            int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
-            out[c] = o;
-        }
         if (a.out_weights != nullptr && lane < K) {
             float acc = 0.f;
 #pragma unroll
             for (int d = 0; d < kMaxRanks; ++d)
                 if (src_w[d] != nullptr) acc += src_w[d][lane];
             a.out_weights[static_cast<int64_t>(t) * K + lane] = acc;
+        }
+        int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
+        const int4* b0 = a.bias0 != nullptr ? reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * a.hidden)
+                                            : nullptr;
+        const int4* b1 = a.bias1 != nullptr ? reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * a.hidden)
+                                            : nullptr;
+        // kUnroll words per lane at a time: every source's loads are in flight before the first add.
+        constexpr int kUnroll = 4;
+        for (int c0 = lane; c0 < x_int4; c0 += kUnroll * kWarpSize) {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (src[d] == nullptr) continue;
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int c = c0 + u * kWarpSize;
+                    if (c < x_int4) v[u] = d == me ? ld_nc_int4(src[d] + c) : src[d][c];
+                }
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c0 + u * kWarpSize < x_int4) add_bf16x8(acc[u], v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int c = c0 + u * kWarpSize;
+                if (c >= x_int4) continue;
+                if (b0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b0 + c));
+                if (b1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b1 + c));
+                int4 o;
+                auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[u][2 * k], acc[u][2 * k + 1]);
+                out[c] = o;
+            }
         }
     }
 }
@@ -757,8 +852,8 @@ int epcomm_get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_
 
 int epcomm_notify(const uint64_t* bufs, int rank, int num_ranks, int op, int num_tokens, const bool* in_rank,
                   const int* send_counts, const int* expert_counts, int experts_per_rank, const int64_t* topk_idx,
-                  int num_topk, int expert_alignment, int num_worst_tokens, int row_bytes, int* slot, int* layout,
-                  int* info, uint64_t timeout_ns, cudaStream_t stream) {
+                  int num_topk, int expert_alignment, int num_worst_tokens, int row_bytes, int* slot,
+                  int* own_tokens, int* layout, int* info, uint64_t timeout_ns, cudaStream_t stream) {
     NotifyArgs a{};
     a.peers = make_table(bufs, num_ranks);
     a.rank = rank;
@@ -775,6 +870,7 @@ int epcomm_notify(const uint64_t* bufs, int rank, int num_ranks, int op, int num
     a.num_worst_tokens = num_worst_tokens;
     a.row_bytes = row_bytes;
     a.slot = slot;
+    a.own_tokens = own_tokens;
     a.layout = layout;
     a.info = info;
     a.timeout_ns = timeout_ns;
@@ -782,13 +878,16 @@ int epcomm_notify(const uint64_t* bufs, int rank, int num_ranks, int op, int num
     return static_cast<int>(cudaGetLastError());
 }
 
+// mode 0: the fused kernel (its senders write this rank's own rows); 1: send half only; 2: receive
+// half only (1 and 2 together: own rows copied by the receivers from x).
 int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, const void* x, int x_bytes,
                     const void* scales, int num_scales, int64_t scale_stride_t, int64_t scale_stride_c,
-                    const int64_t* topk_idx, const float* topk_weights, int num_topk, int experts_per_rank,
-                    const bool* in_rank, const int* slot, const int* layout, int row_stride, int64_t cap_rows,
-                    void* recv_x, void* recv_scales, int64_t recv_scale_stride_t, int64_t recv_scale_stride_c,
-                    int64_t* recv_topk_idx, float* recv_topk_weights, int num_out_rows, int num_sms, int op,
-                    int* info, uint64_t timeout_ns, cudaStream_t stream) {
+                    const int64_t* topk_idx, const float* topk_weights, int num_topk, int has_topk, int has_weights,
+                    int experts_per_rank, const bool* in_rank, const int* slot, const int* own_tokens,
+                    const int* layout, int row_stride, int64_t cap_rows, void* recv_x, void* recv_scales,
+                    int64_t recv_scale_stride_t, int64_t recv_scale_stride_c, int64_t* recv_topk_idx,
+                    float* recv_topk_weights, int num_out_rows, int num_sms, int mode, int op, int* info,
+                    uint64_t timeout_ns, cudaStream_t stream) {
     DispatchArgs a{};
     a.peers = make_table(bufs, num_ranks);
     a.rank = rank;
@@ -803,9 +902,12 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
     a.topk_idx = topk_idx;
     a.topk_weights = topk_weights;
     a.num_topk = num_topk;
+    a.has_topk = has_topk != 0;
+    a.has_weights = has_weights != 0;
     a.experts_per_rank = experts_per_rank;
     a.in_rank = in_rank;
     a.slot = slot;
+    a.own_tokens = own_tokens;
     a.layout = layout;
     a.row_stride = row_stride;
     a.cap_rows = cap_rows;
@@ -816,11 +918,21 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
     a.recv_topk_idx = recv_topk_idx;
     a.recv_topk_weights = recv_topk_weights;
     a.num_out_rows = num_out_rows;
-    a.num_send_blocks = num_sms > 1 ? num_sms / 2 : 1;
     a.op = op;
     a.info = info;
     a.timeout_ns = timeout_ns;
-    dispatch_kernel<<<num_sms > 1 ? num_sms : 2, 512, 0, stream>>>(a);
+    const int blocks = num_sms > 1 ? num_sms : 2;
+    if (mode == 0) {
+        a.num_send_blocks = blocks / 2;
+        a.local_by_receiver = false;
+        dispatch_kernel<true, true><<<blocks, 512, 0, stream>>>(a);
+    } else if (mode == 1) {
+        a.local_by_receiver = true;
+        dispatch_kernel<true, false><<<blocks / 2, 512, 0, stream>>>(a);
+    } else {
+        a.local_by_receiver = true;
+        dispatch_kernel<false, true><<<blocks - blocks / 2, 512, 0, stream>>>(a);
+    }
     return static_cast<int>(cudaGetLastError());
 }
 
