@@ -15,12 +15,25 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
                                      "counts (0: one fused kernel after the read)"),
+    "EPCOMM_SEND_SMS_PCT": ("50", "CUDA backend: share of a normal-mode call's SMs that send (the rest receive "
+                                  "or reduce), in percent"),
 }
 
 
 def env_str(name: str) -> str:
     default, _ = ENV_VARS[name]
     return os.environ.get(name, default)
+
+
+def send_sms_pct() -> float:
+    raw = env_str("EPCOMM_SEND_SMS_PCT")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"EPCOMM_SEND_SMS_PCT must be a percentage, got {raw!r}") from None
+    if not 0 < value < 100:
+        raise ValueError(f"EPCOMM_SEND_SMS_PCT must lie in (0, 100), got {value}")
+    return value
 
 
 def timeout_s() -> float:

@@ -126,6 +126,7 @@ class CudaIntranode:
         # A dispatch that waits for its counts on the host starts its sends on this stream first.
         self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"
         self.send_stream = torch.cuda.Stream(device)
+        self.send_share = _env.send_sms_pct() / 100
         dist.barrier(group=group)
 
     def close(self) -> None:
@@ -149,6 +150,10 @@ class CudaIntranode:
     @staticmethod
     def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+    def _send_blocks(self, num_sms: int) -> int:
+        """SMs given to sending (the rest receive): EPCOMM_SEND_SMS_PCT of num_sms, at least one each."""
+        return min(max(1, round(num_sms * self.send_share)), max(1, num_sms - 1))
 
     def cap_rows(self, row_bytes: int) -> int:
         return (self.num_bytes - ROWS_OFFSET) // row_bytes
@@ -271,10 +276,6 @@ class CudaIntranode:
                     max_recv, max_send = int(matrix.sum(0).max()), int(matrix.sum(1).max())
                     if max_recv > cap_rows:  # every rank sees the same matrix: all raise alike
                         self._raise_capacity("dispatch", max_recv, row_bytes, cap_rows)
-                    recv_counts = [int(v) for v in matrix[:, rank]]
-                    send_counts = [int(v) for v in matrix[rank]]
-                    expert_list = [int(v) for v in
-                                   self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank]]
                 except BaseException:
                     if split:  # the send half may still read the inputs
                         stream.wait_stream(self.send_stream)
@@ -302,6 +303,10 @@ class CudaIntranode:
             return recv_x_out, None, None, None, handle
         if num_worst_tokens:
             recv_counts, send_counts, expert_list, max_recv, max_send = [], [], [], -1, -1
+        else:  # read after the launch: the GPU is not kept waiting for these lists
+            recv_counts = [int(v) for v in matrix[:, rank]]
+            send_counts = [int(v) for v in matrix[rank]]
+            expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
         new_handle = DispatchHandle(
             buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
@@ -324,7 +329,7 @@ class CudaIntranode:
             ctypes.c_int64(cap_rows), self._ptr(recv_x), self._ptr(recv_scales),
             ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
             ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), self._ptr(recv_topk_idx),
-            self._ptr(recv_topk_weights), num_out, num_sms, mode, op_code, self._info_ptr,
+            self._ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms), mode, op_code, self._info_ptr,
             ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "dispatch")
 
@@ -350,7 +355,7 @@ class CudaIntranode:
             self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, self._ptr(x), self._ptr(topk_weights),
             self._ptr(st["in_rank"]), self._ptr(st["slot"]), self._ptr(st["layout"]), row_bytes,
             ctypes.c_int64(cap_rows), self._ptr(bias0), self._ptr(bias1), self._ptr(out), self._ptr(out_w), num_sms,
-            self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
+            self._send_blocks(num_sms), self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "combine")
         return out, out_w
 

@@ -508,6 +508,9 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
     }
 }
 
+// Receivers keep more loads in flight than senders (they hold fewer registers: no destination table).
+constexpr int kRecvUnroll = 8;
+
 // Receiver: one warp per output row, in output order. Rows of other ranks are copied out of the
 // buffer as soon as their flag lands; this rank's own rows come straight from x when
 // `local_by_receiver`; num_worst_tokens padding rows are filled.
@@ -539,7 +542,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (i >= own_begin && i < own_end) {  // this rank's own token, straight from x
             const int t = a.own_tokens[i - own_begin];
             const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
-            constexpr int kUnroll = 4;
+            constexpr int kUnroll = kRecvUnroll;
             for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
                 int4 v[kUnroll];
 #pragma unroll
@@ -561,7 +564,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
                            seq, a.timeout_ns, a.info, a.op, src))
             return;
-        warp_copy_int4(out, reinterpret_cast<const int4*>(r), x_int4, lane);
+        warp_copy_int4<kRecvUnroll>(out, reinterpret_cast<const int4*>(r), x_int4, lane);
         if (a.has_topk && lane < K) {
             a.recv_topk_idx[p * K + lane] = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
             if (a.has_weights)
@@ -886,8 +889,8 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
                     int experts_per_rank, const bool* in_rank, const int* slot, const int* own_tokens,
                     const int* layout, int row_stride, int64_t cap_rows, void* recv_x, void* recv_scales,
                     int64_t recv_scale_stride_t, int64_t recv_scale_stride_c, int64_t* recv_topk_idx,
-                    float* recv_topk_weights, int num_out_rows, int num_sms, int mode, int op, int* info,
-                    uint64_t timeout_ns, cudaStream_t stream) {
+                    float* recv_topk_weights, int num_out_rows, int num_sms, int num_send_blocks, int mode, int op,
+                    int* info, uint64_t timeout_ns, cudaStream_t stream) {
     DispatchArgs a{};
     a.peers = make_table(bufs, num_ranks);
     a.rank = rank;
@@ -922,16 +925,16 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
     a.info = info;
     a.timeout_ns = timeout_ns;
     const int blocks = num_sms > 1 ? num_sms : 2;
+    a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
     if (mode == 0) {
-        a.num_send_blocks = blocks / 2;
         a.local_by_receiver = false;
         dispatch_kernel<true, true><<<blocks, 512, 0, stream>>>(a);
     } else if (mode == 1) {
         a.local_by_receiver = true;
-        dispatch_kernel<true, false><<<blocks / 2, 512, 0, stream>>>(a);
+        dispatch_kernel<true, false><<<a.num_send_blocks, 512, 0, stream>>>(a);
     } else {
         a.local_by_receiver = true;
-        dispatch_kernel<false, true><<<blocks - blocks / 2, 512, 0, stream>>>(a);
+        dispatch_kernel<false, true><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
     }
     return static_cast<int>(cudaGetLastError());
 }
@@ -939,7 +942,8 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
 int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
                    const void* x, const float* weights, const bool* in_rank, const int* slot, const int* layout,
                    int row_stride, int64_t cap_rows, const void* bias0, const void* bias1, void* out,
-                   float* out_weights, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+                   float* out_weights, int num_sms, int num_send_blocks, int* info, uint64_t timeout_ns,
+                   cudaStream_t stream) {
     CombineArgs a{};
     a.peers = make_table(bufs, num_ranks);
     a.rank = rank;
@@ -958,10 +962,11 @@ int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens
     a.bias1 = static_cast<const __nv_bfloat16*>(bias1);
     a.out = static_cast<__nv_bfloat16*>(out);
     a.out_weights = out_weights;
-    a.num_send_blocks = num_sms > 1 ? num_sms / 2 : 1;
+    const int blocks = num_sms > 1 ? num_sms : 2;
+    a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
     a.info = info;
     a.timeout_ns = timeout_ns;
-    combine_kernel<<<num_sms > 1 ? num_sms : 2, 512, 0, stream>>>(a);
+    combine_kernel<<<blocks, 512, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -51,10 +51,11 @@ __device__ __forceinline__ int4 ld_nc_int4(const int4* ptr) {
     return v;
 }
 
-// One warp copies `num_int4` 16-byte words; several loads are issued before the stores.
+// One warp copies `num_int4` 16-byte words; kUnroll loads per lane are in flight before the
+// stores (bytes in flight per SM are what bound a copy's bandwidth: latency x rate).
+template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy_int4(int4* __restrict__ dst, const int4* __restrict__ src, int num_int4,
                                                int lane) {
-    constexpr int kUnroll = 4;
     int i = lane;
     for (; i + (kUnroll - 1) * kWarpSize < num_int4; i += kUnroll * kWarpSize) {
         int4 v[kUnroll];
