@@ -15,8 +15,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
                                      "counts (0: one fused kernel after the read)"),
-    "EPCOMM_SEND_SMS_PCT": ("50", "CUDA backend: share of a normal-mode call's SMs that send (the rest receive "
-                                  "or reduce), in percent"),
+    "EPCOMM_DISPATCH_SEND_SMS_PCT": ("50", "CUDA backend: percent of a dispatch's SMs that send (the rest "
+                                           "receive)"),
+    "EPCOMM_COMBINE_SEND_SMS_PCT": ("33", "CUDA backend: percent of a combine's SMs that send (the rest reduce)"),
 }
 
 
@@ -25,14 +26,14 @@ def env_str(name: str) -> str:
     return os.environ.get(name, default)
 
 
-def send_sms_pct() -> float:
-    raw = env_str("EPCOMM_SEND_SMS_PCT")
+def send_sms_pct(name: str) -> float:
+    raw = env_str(name)
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"EPCOMM_SEND_SMS_PCT must be a percentage, got {raw!r}") from None
+        raise ValueError(f"{name} must be a percentage, got {raw!r}") from None
     if not 0 < value < 100:
-        raise ValueError(f"EPCOMM_SEND_SMS_PCT must lie in (0, 100), got {value}")
+        raise ValueError(f"{name} must lie in (0, 100), got {value}")
     return value
 
 

@@ -126,7 +126,10 @@ class CudaIntranode:
         # A dispatch that waits for its counts on the host starts its sends on this stream first.
         self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"
         self.send_stream = torch.cuda.Stream(device)
-        self.send_share = _env.send_sms_pct() / 100
+        # SMs that send, per op (measured on 2 x H200, 4096 tokens, 24 SMs: dispatch is send-bound,
+        # combine reduce-bound; bench/results/2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2.txt).
+        self.send_share = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") / 100
+                           for op in ("dispatch", "combine")}
         dist.barrier(group=group)
 
     def close(self) -> None:
@@ -151,9 +154,10 @@ class CudaIntranode:
     def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
         return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
-    def _send_blocks(self, num_sms: int) -> int:
-        """SMs given to sending (the rest receive): EPCOMM_SEND_SMS_PCT of num_sms, at least one each."""
-        return min(max(1, round(num_sms * self.send_share)), max(1, num_sms - 1))
+    def _send_blocks(self, num_sms: int, op: str) -> int:
+        """SMs given to sending (the rest receive or reduce): EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT of
+        num_sms, at least one for each role."""
+        return min(max(1, round(num_sms * self.send_share[op])), max(1, num_sms - 1))
 
     def cap_rows(self, row_bytes: int) -> int:
         return (self.num_bytes - ROWS_OFFSET) // row_bytes
@@ -329,8 +333,8 @@ class CudaIntranode:
             ctypes.c_int64(cap_rows), self._ptr(recv_x), self._ptr(recv_scales),
             ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
             ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), self._ptr(recv_topk_idx),
-            self._ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms), mode, op_code, self._info_ptr,
-            ctypes.c_uint64(self.timeout_ns), self._stream())
+            self._ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms, "dispatch"), mode, op_code,
+            self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "dispatch")
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
@@ -355,7 +359,7 @@ class CudaIntranode:
             self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, self._ptr(x), self._ptr(topk_weights),
             self._ptr(st["in_rank"]), self._ptr(st["slot"]), self._ptr(st["layout"]), row_bytes,
             ctypes.c_int64(cap_rows), self._ptr(bias0), self._ptr(bias1), self._ptr(out), self._ptr(out_w), num_sms,
-            self._send_blocks(num_sms), self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
+            self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "combine")
         return out, out_w
 
