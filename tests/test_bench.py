@@ -169,3 +169,24 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pressure_comparison_is_bitwise():
+    from epcomm.bench.pressure import _same
+
+    a = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
+    assert _same((a, [1, 2], None), (a.clone(), [1, 2], None))
+    assert not _same(a, torch.tensor([-0.0, 1.0], dtype=torch.bfloat16))  # equal values, other bits
+    assert not _same(a, a.float())
+    assert not _same((a, [1, 2]), (a, [1, 3]))  # the expert-count lists count too
+    assert not _same((a,), (a, a))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU job; GPU pressure runs go to bench/results/")
+def test_pressure_run_end_to_end(tmp_path, capsys):
+    out = tmp_path / "pressure.json"
+    assert main(["--pressure", "8", "--pressure-replays", "2", "--num-ranks", "3", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["mode"] == "pressure" and record["checked"] and record["failures"] == []
+    assert record["cases"] == 8 and record["replays"] == 16 and record["buffers_created"] == 4
+    assert "every output bitwise equal" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ..utils.launch import LocalCluster, RankFailure
-from . import diagnose, report, runner
+from . import diagnose, pressure, report, runner
 from .options import Options, parse_args
 from .workloads import plan_cases
 
@@ -93,12 +93,53 @@ def run(opts: Options, probe: dict | None = None) -> tuple[list[dict], list[str]
     return records, errors
 
 
+def run_pressure(opts: Options) -> tuple[dict | None, list[str]]:
+    """The pressure test on every rank; one record (the slowest rank's time, every rank's failures)."""
+    env = dict(RANK_ENV)
+    if "EPCOMM_TIMEOUT_S" in os.environ:
+        env["EPCOMM_TIMEOUT_S"] = os.environ["EPCOMM_TIMEOUT_S"]
+    _log(f"epcomm.bench --pressure: {opts.num_ranks} rank(s) on {opts.pg_backend}, {opts.pressure} random "
+         f"case(s), {opts.pressure_replays} replay(s) each, backend={opts.backend}")
+    with LocalCluster(opts.num_ranks, opts.pg_backend, env=env) as cluster:
+        try:
+            info = cluster.run(runner.device_info)[0]
+            per_rank = cluster.run(pressure.rank_pressure, opts.pressure, opts.seed, opts.backend,
+                                   opts.pressure_replays, timeout_s=CASE_TIMEOUT_S)
+        except RankFailure as failure:
+            return None, [f"pressure test: {failure}"]
+    failures = [f for r in per_rank for f in r["failures"]]
+    record = {
+        "mode": "pressure", "impl": f"epcomm-{opts.backend}", "num_ranks": opts.num_ranks,
+        "cases": per_rank[0]["cases"], "replays": per_rank[0]["replays"],
+        "graph_replays": per_rank[0]["graph_replays"], "buffers_created": per_rank[0]["buffers_created"],
+        "seconds": max(r["seconds"] for r in per_rank), "checked": not failures, "failures": failures[:50],
+        "device": report.device_string(info, opts.num_ranks), "commit": opts.commit or report.git_commit(),
+        "date": report.today(), "seed": opts.seed,
+    }
+    return record, []
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m epcomm.bench`` / ``epcomm-bench`` / ``epcomm bench``.
 
     Returns 0 when every case ran and matched the reference, 1 otherwise (2 for bad options).
     """
     opts = parse_args(argv)
+    if opts.pressure:
+        record, errors = run_pressure(opts)
+        if record is not None:
+            print(f"epcomm bench --pressure: {record['device']}, commit {record['commit'][:12]}: {record['cases']} "
+                  f"case(s), {record['replays']} replay(s), {record['graph_replays']} CUDA-graph replay(s), "
+                  f"{record['buffers_created']} Buffer(s) created, {record['seconds']:.1f} s: "
+                  + ("every output bitwise equal to the reference and across replays" if record["checked"]
+                     else f"{len(record['failures'])} FAILURE(S)"), flush=True)
+            for failure in record["failures"][:10]:
+                _log("    " + failure)
+            if opts.json:
+                report.write_json([record], opts.json)
+        for error in errors:
+            _log("error: " + "\n  ".join(error.splitlines()[:6]))
+        return 0 if record is not None and record["checked"] and not errors else 1
     probe: dict = {}
     records, errors = run(opts, probe)
     if opts.straggler is not None:

@@ -60,6 +60,8 @@ class Options:
     diagnose: bool = False
     straggler: int | None = None
     straggler_delay_us: float = 0.0
+    pressure: int = 0  # > 0: run the pressure test (that many random cases) instead of the timed cases
+    pressure_replays: int = 20
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -151,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report per-rank latency distributions (p50/p99/max, jitter), per-source waits "
                         "from the low-latency wait-cost statistics (naming straggler ranks), and measured vs "
                         "the planner's predicted times (GPU: calibrated by a short probe of the links)")
+    p.add_argument("--pressure", type=int, metavar="N", default=0,
+                   help="instead of timing: N random shapes and routings, each checked against the reference "
+                        "backend and replayed (bitwise identical), back-to-back calls, Buffers reused and "
+                        "recreated, a compute stream beside (GPU) and CUDA-graph replays (CUDA backend)")
+    p.add_argument("--pressure-replays", type=int, metavar="R", default=20,
+                   help="replays of each pressure case [20]")
     p.add_argument("--straggler", type=int, metavar="RANK",
                    help="inject a straggler: RANK sleeps before every call (to demonstrate --diagnose)")
     p.add_argument("--straggler-delay-us", type=float, metavar="US",
@@ -194,7 +202,7 @@ def parse_args(argv: list[str] | None) -> Options:
             fail(f"--hidden {h} must be a multiple of 8 (rows of a multiple of 16 bytes in BF16)")
     for mode, option, experts in ((NORMAL, "--experts", a.experts),
                                   (LOW_LATENCY, "--ll-experts", a.ll_experts)):
-        if mode not in a.modes:
+        if mode not in a.modes or a.pressure:  # the pressure test draws its own shapes
             continue
         if experts < 1 or experts % a.num_ranks:
             fail(f"{option} ({experts}) must be a positive multiple of --num-ranks ({a.num_ranks})")
@@ -211,6 +219,8 @@ def parse_args(argv: list[str] | None) -> Options:
         fail(plot.MISSING_MATPLOTLIB)
     if ALLGATHER in a.strategies and a.backend == "cuda":
         fail("--strategies allgather runs on the reference backend only; use --backend reference or auto")
+    if a.pressure < 0 or a.pressure_replays < 1:
+        fail(f"--pressure must be >= 0 and --pressure-replays >= 1, got {a.pressure} and {a.pressure_replays}")
     if a.straggler_delay_us is not None and a.straggler is None:
         fail("--straggler-delay-us needs --straggler RANK")
     if a.straggler is not None:
@@ -225,4 +235,5 @@ def parse_args(argv: list[str] | None) -> Options:
                    num_sms=a.num_sms, dtypes=a.dtype, modes=a.modes, warmup=a.warmup, iters=a.iters,
                    backend=a.backend, seed=a.seed, json=a.json, plot=a.plot, commit=a.commit,
                    strategies=a.strategies, diagnose=a.diagnose, straggler=a.straggler,
-                   straggler_delay_us=a.straggler_delay_us or 0.0)
+                   straggler_delay_us=a.straggler_delay_us or 0.0, pressure=a.pressure,
+                   pressure_replays=a.pressure_replays)

@@ -1,0 +1,209 @@
+"""The pressure test (``python -m epcomm.bench --pressure N``): many random shapes and routings.
+
+Each of the N cases draws (the same on every rank, from the shared seed) token counts per rank,
+hidden size, top-k, experts, a routing pattern (random, one expert, imbalanced, an empty rank, all
+dropped), BF16 or FP8 with row- or column-major scales, ``num_worst_tokens`` or not, and zero to
+two biases. A case then:
+
+* runs **back to back** dispatch, dispatch, combine, combine (two handles alive at once) and
+  compares every output with the reference backend (bitwise; the reference is the oracle);
+* **replays** the same sequence ``replays`` times and requires bitwise identical outputs each time,
+  on GPUs while a **compute stream** runs matrix products beside it;
+* on the CUDA backend with ``num_worst_tokens``, captures dispatch + combine in a **CUDA graph**
+  and replays it, again bitwise identical to the first result;
+* **reuses** the previous case's Buffer or **recreates** it, alternately.
+
+Every rank makes the same calls in the same order whatever its checks find; failures are reported,
+never a hang. The result is one record per run (the slowest rank's wall time, and the failures).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import Buffer, per_token_cast_to_fp8
+from .runner import rank_device
+
+ROUTINGS = ("random", "one_expert", "imbalanced", "empty_rank", "all_dropped")
+HIDDENS = (256, 512, 1024, 2048, 7168)
+GiB = 1 << 30
+
+
+def _draw(rng: random.Random, num_ranks: int) -> dict[str, Any]:
+    """One case's shapes; ``rng`` is seeded alike on every rank, so every rank draws the same case."""
+    num_topk = rng.randint(1, 8)
+    num_experts = num_ranks * rng.choice((1, 2, 4, 8, 16))
+    while num_experts < num_topk:
+        num_experts *= 2
+    return {
+        "tokens": [rng.choice((0, 1, rng.randint(2, 40), rng.randint(41, 300))) for _ in range(num_ranks)],
+        "hidden": rng.choice(HIDDENS), "num_topk": num_topk, "num_experts": num_experts,
+        "routing": rng.choice(ROUTINGS), "fp8": rng.random() < 0.5, "col_major": rng.random() < 0.5,
+        "worst": rng.random() < 0.3, "num_biases": rng.randint(0, 2), "seed": rng.randrange(1 << 30),
+    }
+
+
+def _topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int, num_ranks: int,
+              routing: str) -> torch.Tensor:
+    if num_tokens == 0:
+        return torch.empty((0, num_topk), dtype=torch.int64)
+    scores = torch.rand((num_tokens, num_experts), generator=gen)
+    per_rank = num_experts // num_ranks
+    if routing == "imbalanced":
+        scores[:, :per_rank] += 0.9
+    if routing == "empty_rank":
+        scores[:, num_experts - per_rank:] = -1
+    idx = scores.topk(num_topk, dim=1).indices
+    if routing == "one_expert":
+        idx[:, 0] = 0
+        idx[:, 1:] = -1
+    elif routing == "all_dropped":
+        idx[:] = -1
+    else:
+        idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.1, torch.full_like(idx, -1), idx)
+    return idx.to(torch.int64)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested outputs (tensors by their bytes, other leaves by ==)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype
+                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class _Sequence:
+    """dispatch, dispatch, combine, combine of one case on one Buffer; ``run()`` returns every output."""
+
+    def __init__(self, buf: Buffer, draw: dict, rank: int, num_ranks: int, dev: torch.device) -> None:
+        gen = torch.Generator().manual_seed(draw["seed"] * 1000 + rank)
+        num_tokens, hidden = draw["tokens"][rank], draw["hidden"]
+        self.buf, self.draw = buf, draw
+        x = (torch.randn((num_tokens, hidden), generator=gen) * 2).to(torch.bfloat16)
+        topk_idx = _topk_idx(gen, num_tokens, draw["num_experts"], draw["num_topk"], num_ranks, draw["routing"])
+        weights = torch.rand(topk_idx.shape, generator=gen)
+        self.x, self.topk_idx, self.weights = x.to(dev), topk_idx.to(dev), weights.to(dev)
+        if draw["fp8"]:
+            data, scales = per_token_cast_to_fp8(self.x)
+            self.x_in = (data, scales.t().contiguous().t() if draw["col_major"] else scales)
+        else:
+            self.x_in = self.x
+        self.biases = tuple((torch.randn((num_tokens, hidden), generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+                            for _ in range(draw["num_biases"])) or None
+        self.worst = max(draw["tokens"]) * num_ranks if draw["worst"] else 0
+        self.expert_scale = 1.0 + rank  # stands in for the experts: y = x * scale, per rank
+
+    def _expert(self, recv_x) -> torch.Tensor:
+        data = recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()
+        return (data * self.expert_scale).to(torch.bfloat16)
+
+    def run(self) -> tuple:
+        b, n = self.buf, self.draw["num_experts"]
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(self.topk_idx, n)
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=self.topk_idx, topk_weights=self.weights, num_worst_tokens=self.worst)
+        first = b.dispatch(self.x_in, **kwargs)
+        second = b.dispatch(self.x_in, **kwargs)  # back to back: both handles stay alive
+        y1, y2 = self._expert(first[0]), self._expert(second[0])
+        c1 = b.combine(y1, first[4], topk_weights=first[2], bias=self.biases)
+        c2 = b.combine(y2, second[4], topk_weights=second[2], bias=self.biases)
+        return first[:4], second[:4], c1[:2], c2[:2]
+
+
+def _compute_load(dev: torch.device):
+    """A stream of matrix products beside the communication (GPU only), to stress overlap."""
+    if dev.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(dev)
+    a = torch.randn((4096, 4096), device=dev, dtype=torch.bfloat16)
+    return stream, a
+
+
+def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict[str, Any]:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    rng = random.Random(seed)
+    failures: list[str] = []
+    counts = {"cases": 0, "replays": 0, "graph_replays": 0, "buffers_created": 0}
+    load = _compute_load(dev)
+    buf = ref = None
+    start = time.monotonic()
+    for i in range(num_cases):
+        draw = _draw(rng, num_ranks)
+        tag = f"case {i} {draw}"
+        if buf is None or i % 2 == 0:  # alternately recreate the Buffer and reuse it
+            if buf is not None:
+                buf.destroy()
+            buf = Buffer(dist.group.WORLD, GiB, backend=backend)
+            counts["buffers_created"] += 1
+        if ref is None:
+            ref = Buffer(dist.group.WORLD, GiB, backend="reference")
+        want = _Sequence(ref, draw, rank, num_ranks, dev).run()
+        seq = _Sequence(buf, draw, rank, num_ranks, dev)
+        got = seq.run()
+        if not _same(got, want):
+            failures.append(f"rank {rank} {tag}: differs from the reference backend")
+        for _ in range(replays):
+            if load is not None:  # matrix products on a compute stream while the calls run
+                stream, a = load
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        a = (a @ a).clamp_(-1, 1)
+                load = (stream, a)
+            again = seq.run()
+            counts["replays"] += 1
+            if not _same(again, got):
+                failures.append(f"rank {rank} {tag}: a replay differs from the first run")
+                break
+        if dev.type == "cuda" and buf.backend_name == "cuda" and seq.worst:
+            counts["graph_replays"] += _graph_replays(seq, got, replays, failures, f"rank {rank} {tag}", dev)
+        counts["cases"] += 1
+    if load is not None:
+        torch.cuda.current_stream(dev).wait_stream(load[0])
+    for b in (buf, ref):
+        if b is not None:
+            b.destroy()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {**counts, "seconds": time.monotonic() - start, "failures": failures}
+
+
+def _graph_replays(seq: _Sequence, want: tuple, replays: int, failures: list[str], tag: str,
+                   dev: torch.device) -> int:
+    """Capture the sequence once (no CPU sync with num_worst_tokens) and replay it."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        seq.run()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = seq.run()
+    done = 0
+    for _ in range(replays):
+        for t in _tensors(outputs):
+            t.view(torch.uint8).fill_(0x7F)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        done += 1
+        if not _same(outputs, want):
+            failures.append(f"{tag}: a CUDA-graph replay differs from the first run")
+            break
+    return done

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The CUDA-kernel tests under compute-sanitizer (memcheck, racecheck, synccheck), on the GPU machine.
+# Each rank is a child process of pytest, so the sanitizer follows all processes. The kernels' own
+# waits are bounded, but the sanitizer slows them down by orders of magnitude: the tests run with a
+# long EPCOMM_TIMEOUT_S and a small selection of cases (SANITIZE_TESTS, SANITIZE_K).
+# Usage: bash scripts/sanitize.sh   (logs and a summary under $OUT)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/epcomm-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache} EPCOMM_TEST_BACKEND=nccl EPCOMM_TEST_TIMEOUT_S=300
+TESTS=${SANITIZE_TESTS:-tests/test_intranode_cuda.py}
+SELECT=${SANITIZE_K:-"T81 or T0- or graph or refused"}
+python3 -c "from epcomm.backends.cuda.build import load_library; load_library()" || exit 1
+status=0
+for tool in memcheck racecheck synccheck; do
+  log="$OUT/sanitize-$tool.log"
+  timeout "${SANITIZE_TIMEOUT_S:-180}" compute-sanitizer --tool "$tool" --target-processes all \
+    --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider "$TESTS" -k "$SELECT" >"$log" 2>&1
+  rc=$?
+  summary=$(grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -3 | tr '\n' ' ')
+  echo "$tool: exit $rc; $summary" | tee -a "$OUT/sanitize-summary.txt"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status

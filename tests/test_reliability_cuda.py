@@ -1,0 +1,175 @@
+"""Reliability of the CUDA backend on GPUs (skipped without them): lifecycle, in-flight destroy,
+mismatched calls and a dead peer. Every wait in the kernels is bounded, so each case must end in
+an error naming the operation and the rank, never in a hang.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import BACKEND, cluster
+from routing import make_inputs
+
+from epcomm import Buffer
+from epcomm.utils.launch import RankFailure
+
+pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+
+NVL_BYTES = 64 << 20
+
+
+def _inputs(seed: int, num_tokens: int = 64, hidden: int = 1024, num_experts: int = 16, num_topk: int = 4):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, idx, w = make_inputs(seed, dist.get_rank(), num_tokens, hidden, num_experts, num_topk, dist.get_world_size(),
+                            "random")
+    return x.to(dev), idx.to(dev), w.to(dev), num_experts
+
+
+def _round_trip(buf: Buffer, x, idx, w, num_experts, async_finish: bool = False):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    recv_x, _, recv_w, _, handle, event = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=w)
+    combined, _, event = buf.combine(recv_x, handle, topk_weights=recv_w, async_finish=async_finish,
+                                     previous_event=None)
+    return combined, event
+
+
+def _mapped_regions() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+def rank_lifecycle(num_buffers: int):
+    """Create and destroy a Buffer many times: GPU memory and mappings must not grow."""
+    x, idx, w, num_experts = _inputs(1)
+    buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")  # warm-up: compile, load, first IPC
+    _round_trip(buf, x, idx, w, num_experts)
+    buf.destroy()
+    torch.cuda.synchronize()
+    gc.collect()
+    allocated, regions = torch.cuda.memory_allocated(), _mapped_regions()
+    free_before, _ = torch.cuda.mem_get_info()
+    for i in range(num_buffers):
+        buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+        if i % 10 == 0:
+            _round_trip(buf, x, idx, w, num_experts)
+        buf.destroy()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_after, _ = torch.cuda.mem_get_info()
+    grown = {"allocated": torch.cuda.memory_allocated() - allocated, "regions": _mapped_regions() - regions,
+             "free_lost": free_before - free_after}
+    assert grown["allocated"] <= 0, grown
+    assert grown["regions"] <= 8, grown  # a few from lazily loaded libraries at most
+    assert grown["free_lost"] < 2 * NVL_BYTES, grown  # not one buffer per iteration
+    return grown
+
+
+def test_create_and_destroy_100_buffers():
+    cluster(2).run(rank_lifecycle, 100)
+
+
+def rank_destroy_in_flight():
+    """destroy() with an asynchronous combine still in flight waits for it; the result stays right."""
+    x, idx, w, num_experts = _inputs(2)
+    ref = Buffer(dist.group.WORLD, NVL_BYTES, backend="reference")
+    want, _ = _round_trip(ref, x, idx, w, num_experts)
+    ref.destroy()
+    buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=w)
+    previous = buf.capture()
+    combined, _, event = buf.combine(recv_x, handle, topk_weights=recv_w, previous_event=previous,
+                                     async_finish=True)
+    buf.destroy()  # must wait for the combine, not unmap under it
+    event.current_stream_wait()
+    torch.cuda.synchronize()
+    assert torch.equal(combined.view(torch.int16), want.view(torch.int16))
+
+
+def test_destroy_waits_for_work_in_flight():
+    cluster(2).run(rank_destroy_in_flight)
+
+
+def rank_mismatched_ops(timeout_s: str):
+    """Rank 0 dispatches while rank 1 makes a cached dispatch: both learn it, neither hangs."""
+    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
+    os.environ["EPCOMM_TIMEOUT_S"] = timeout_s
+    try:
+        buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    finally:
+        os.environ["EPCOMM_TIMEOUT_S"] = previous
+    x, idx, w, num_experts = _inputs(3)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+    handle = buf.dispatch(x, **kwargs)[4]
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match=r"ranks called different operations: rank 1: cached dispatch"):
+            buf.dispatch(x, **kwargs)
+        buf.destroy()
+    else:
+        buf.dispatch(x, handle=handle)  # no host sync on this path: the error comes with the next one
+        with pytest.raises(RuntimeError, match=r"ranks called different operations: rank 0: dispatch"):
+            buf.destroy()
+    return time.monotonic() - start
+
+
+def test_mismatched_operations_raise_on_both_ranks():
+    elapsed = cluster(2).run(rank_mismatched_ops, "5")
+    assert max(elapsed) < 10, elapsed  # found at the barrier, not by waiting out the timeout
+
+
+def rank_dead_peer(timeout_s: float, path: str):
+    """Rank 1 exits before the dispatch; rank 0 raises within the timeout naming it, and nothing keeps
+    running on its GPU afterwards."""
+    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
+    os.environ["EPCOMM_TIMEOUT_S"] = str(timeout_s)
+    try:
+        buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    finally:
+        os.environ["EPCOMM_TIMEOUT_S"] = previous
+    x, idx, w, num_experts = _inputs(4)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(3)  # a crash: no cleanup, no destroy
+    outcome = {"error": None}
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=idx, topk_weights=w)
+    except RuntimeError as error:
+        outcome["error"] = str(error)
+    outcome["raised_after_s"] = time.monotonic() - start
+    torch.cuda.synchronize()  # every kernel has ended: no wait outlives its bound
+    outcome["idle_after_s"] = time.monotonic() - start
+    with open(path, "w") as f:
+        json.dump(outcome, f)
+
+
+def test_dead_peer_is_named_within_the_timeout():
+    timeout_s = 5.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.json")
+        with pytest.raises(RankFailure) as failure:
+            cluster(2).run(rank_dead_peer, timeout_s, path, timeout_s=60)
+        assert 1 in failure.value.errors  # rank 1's process died, as planned
+        with open(path) as f:
+            outcome = json.load(f)
+    assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
+    assert outcome["raised_after_s"] < timeout_s + 5, outcome
+    assert outcome["idle_after_s"] < 2 * timeout_s, outcome
