@@ -94,11 +94,15 @@ class Buffer:
         self._normal = ref_allgather if strategy == "allgather" else ref_normal
         # 'auto' stays on the reference backend until the CUDA kernels are complete (README "Status").
         self.backend_name = "cuda" if backend == "cuda" else "reference"
-        self._cuda = None
-        if self.backend_name == "cuda":
+        self._cuda = self._cuda_ll = None
+        if self.backend_name == "cuda":  # normal mode needs num_nvl_bytes, low-latency mode num_rdma_bytes
             from .backends.cuda.intranode import CudaIntranode
+            from .backends.cuda.low_latency import CudaLowLatency
 
-            self._cuda = CudaIntranode(self.group, self.device, self.num_nvl_bytes, _env.timeout_s())
+            if self.num_nvl_bytes > 0:
+                self._cuda = CudaIntranode(self.group, self.device, self.num_nvl_bytes, _env.timeout_s())
+            if low_latency_mode and self.num_rdma_bytes > 0:
+                self._cuda_ll = CudaLowLatency(self.group, self.device, self.num_rdma_bytes, _env.timeout_s())
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._local_nvl: torch.Tensor | None = None
         self._local_rdma: torch.Tensor | None = None
@@ -180,6 +184,11 @@ class Buffer:
                                "still pending; call their hook() first")
         if self._comm_stream is not None:
             self._comm_stream.synchronize()
+        if self._cuda_ll is not None:
+            cuda_ll, self._cuda_ll = self._cuda_ll, None
+            torch.cuda.synchronize(self.device)  # this rank's kernels are done, hooks' receives included
+            dist.barrier(group=self.group)  # and every peer's: none still writes into a buffer being unmapped
+            cuda_ll.close()
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None
             try:
@@ -273,6 +282,10 @@ class Buffer:
         compute.wait_event(event)
         return result, EventOverlap(None)
 
+    def _capturing(self) -> bool:
+        """Inside a CUDA graph capture: checks that read values on the host are skipped (they would sync)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _check_handle(self, handle: object, kind: type) -> None:
         if not isinstance(handle, kind):
             raise TypeError(f"handle must be the {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
@@ -295,8 +308,7 @@ class Buffer:
                              f"({self.group_size})")
         # Reading the values syncs with the host, which a CUDA graph capture cannot do (the CUDA
         # layout kernel skips out-of-range ids, and dispatch refuses them on the device).
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, values=not capturing)
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, values=not self._capturing())
         self._check_async_args(previous_event, async_finish, allocate_on_comm_stream)
 
         def run():
@@ -539,7 +551,20 @@ class Buffer:
             self._refuse(Op.LL_DISPATCH, error)
         slot = self._take_ll_slot()
 
+        def run_cuda():
+            recv_x, recv_count, handle, finish = self._cuda_ll.dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, slot,
+                self._mask if self.enable_shrink else None, self.uid)
+            handle.backend_state["topk_idx"] = topk_idx.clone()
+            if not return_recv_hook:  # receive on the communication stream too, so the event covers it
+                finish()
+                return recv_x, recv_count, handle, _nothing
+            return recv_x, recv_count, handle, finish  # the receive kernel updates both statistics itself
+
         def run():
+            if self._cuda_ll is not None:
+                return run_cuda()
             recv_x, recv_count, handle, finish, wait_ns = ref_ll.dispatch(
                 self._backend, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
                 use_ue8m0, self._masked_ranks(), self.uid, defer_receive=return_recv_hook)
@@ -572,7 +597,7 @@ class Buffer:
         if num_tokens > num_max_tokens:
             raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_max_tokens}")
-        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens)
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens, values=not self._capturing())
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True requires round_scale=True (UE8M0 holds powers of two only)")
         if use_fp8 and hidden % 128:
@@ -611,6 +636,14 @@ class Buffer:
         slot = self._take_ll_slot()
 
         def run():
+            if self._cuda_ll is not None:
+                combined, finish = self._cuda_ll.combine(x, topk_idx, topk_weights, handle, out, slot,
+                                                         self._mask if self.enable_shrink else None,
+                                                         combine_wait_recv_cost_stats)
+                if not return_recv_hook:  # receive on the communication stream too, so the event covers it
+                    finish()
+                    return combined, _nothing
+                return combined, finish
             combined, finish, wait_ns = ref_ll.combine(self._backend, x, topk_idx, topk_weights, handle, out,
                                                        defer_receive=return_recv_hook)
 
@@ -639,7 +672,7 @@ class Buffer:
                      contiguous=True)
         check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk),
                      device=self.device)
-        if not torch.equal(topk_idx, handle.backend_state["topk_idx"]):
+        if not self._capturing() and not torch.equal(topk_idx, handle.backend_state["topk_idx"]):
             raise ValueError("topk_idx differs from the one passed to the low_latency_dispatch of this handle")
         check_tensor("topk_weights", topk_weights, dtype=torch.float32,
                      shape=(handle.num_tokens, handle.num_topk), device=self.device)
@@ -704,6 +737,10 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         self._check_shrink()
         self._mask.zero_()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _tensors(obj: Any):

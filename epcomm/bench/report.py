@@ -84,6 +84,10 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
     })
     if "strategy" in per_rank[0]:
         record["strategy"] = per_rank[0]["strategy"]
+    for op in ("dispatch", "combine"):  # low latency: the send half (the call) and the receive (the hook)
+        if f"{op}_hook_send_s" in per_rank[0]:
+            record[f"{op}_send_us"] = _sig(max(r[f"{op}_hook_send_s"] for r in per_rank) * 1e6)
+            record[f"{op}_recv_us"] = _sig(max(r[f"{op}_hook_recv_s"] for r in per_rank) * 1e6)
     # In memory only (keys starting with "_" are not written): every timed call, and the
     # low-latency waits as each rank observed them; --diagnose turns them into reported keys.
     record["_samples_us"] = {op: [[t * 1e6 for t in r["samples_s"][op]] for r in per_rank]

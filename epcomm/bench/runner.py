@@ -227,6 +227,16 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     combine_s, last = _timed(combine, case, buf.device, before, samples, "combine", reset("combine"))
     _guarded(failures, f"{tag} (timed combine)", checks.check_ll_combine, last[0], mine)
 
+    # The receive hook's split: the call (sends only) and hook() (the receive), timed apart.
+    def dispatch_with_hook():
+        return buf.low_latency_dispatch(mine.x, mine.topk_idx, n, num_experts, use_fp8=True, return_recv_hook=True)
+
+    def combine_with_hook():
+        return buf.low_latency_combine(y, mine.topk_idx, mine.topk_weights, handle, return_recv_hook=True)
+
+    hook_split = {op: _time_hook_split(fn, case, buf.device) for op, fn in
+                  (("dispatch", dispatch_with_hook), ("combine", combine_with_hook))}
+
     num_selections = int((mine.topk_idx >= 0).sum())
     result = {
         "impl": f"epcomm-{buf.backend_name}", "samples_s": samples, "num_domains": buf.num_domains,
@@ -236,12 +246,43 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
         "combine_bytes": metrics.ll_combine_bytes(num_selections, hidden),
         "failures": failures,
     }
+    for op, (send_s, recv_s) in hook_split.items():
+        result[f"{op}_hook_send_s"], result[f"{op}_hook_recv_s"] = send_s, recv_s
     if case.diagnose:
         # Mean wait per call for each source rank, as this rank saw it (us).
         for name, stats in wait_stats.items():
             result[f"{name}_wait_us_per_source"] = [v / 1e3 / calls[name] for v in stats.cpu().tolist()]
     buf.destroy()
     return result
+
+
+def _time_hook_split(call_with_hook: Callable[[], Any], case: Case, device: torch.device) -> tuple[float, float]:
+    """Median seconds of a low-latency call made with ``return_recv_hook=True`` (the sends) and of its
+    hook (the receive), each timed on its own (CUDA events on GPU); every rank makes the same calls."""
+    def once(timed: bool) -> tuple[float, float]:
+        if device.type != "cuda":
+            start = time.perf_counter()
+            hook = call_with_hook()[-1]
+            mid = time.perf_counter()
+            hook()
+            return mid - start, time.perf_counter() - mid
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record()
+        hook = call_with_hook()[-1]
+        marks[1].record()
+        hook()
+        marks[2].record()
+        if not timed:
+            return 0.0, 0.0
+        marks[2].synchronize()
+        return marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3
+
+    for _ in range(case.warmup):
+        once(False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    sends, recvs = zip(*(once(True) for _ in range(max(case.iters, 1))))
+    return statistics.median(sends), statistics.median(recvs)
 
 
 def _run_a2a(case: Case, inputs: list[RankInputs], rank: int, device: torch.device,

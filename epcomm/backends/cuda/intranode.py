@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from .build import load_library
+from .ipc import SharedBuffer
 
 _ROW_ALIGN = 16
 ROWS_OFFSET = 66560  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
@@ -92,33 +93,9 @@ class CudaIntranode:
         if num_nvl_bytes <= ROWS_OFFSET:
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes} leaves no room for token rows (the metadata takes "
                              f"{ROWS_OFFSET} bytes); see epcomm.backends.cuda.intranode.buffer_bytes_needed")
-        sizes: list = [None] * self.num_ranks
-        dist.all_gather_object(sizes, num_nvl_bytes, group=group)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"num_nvl_bytes must be the same on every rank (senders write into the peers' "
-                             f"buffers), got {sizes}")
         self.num_bytes = num_nvl_bytes
-        # Zeroed once: barrier signals, call counters and row flags start at 0 and only grow.
-        self.buffer = torch.zeros(num_nvl_bytes, dtype=torch.uint8, device=device)
-        handle = ctypes.create_string_buffer(64)
-        offset = ctypes.c_int64(0)
-        self._check(self.lib.epcomm_ipc_export(device.index, ctypes.c_void_p(self.buffer.data_ptr()), handle,
-                                               ctypes.byref(offset)), "Buffer() IPC export")
-        exported: list = [None] * self.num_ranks
-        dist.all_gather_object(exported, (handle.raw, offset.value), group=group)
-        self._peer_bases: list[ctypes.c_void_p] = []
-        ptrs = []
-        for r, (raw, off) in enumerate(exported):
-            if r == self.rank:
-                ptrs.append(self.buffer.data_ptr())
-                continue
-            base, ptr = ctypes.c_void_p(), ctypes.c_void_p()
-            self._check(self.lib.epcomm_ipc_open(device.index, ctypes.create_string_buffer(raw, 64),
-                                                 ctypes.c_int64(off), ctypes.byref(base), ctypes.byref(ptr)),
-                        f"Buffer() IPC open of rank {r}")
-            self._peer_bases.append(base)
-            ptrs.append(ptr.value)
-        self.ptrs = (ctypes.c_uint64 * self.num_ranks)(*ptrs)
+        self.shared = SharedBuffer(self.lib, group, device, num_nvl_bytes, "num_nvl_bytes")
+        self.buffer, self.ptrs = self.shared.tensor, self.shared.ptrs
         # Host words the kernels write (pinned and mapped): counts for the CPU, and errors.
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
@@ -134,12 +111,7 @@ class CudaIntranode:
 
     def close(self) -> None:
         """Unmap the peers' buffers (after a barrier, so no peer still writes into ours)."""
-        if not self._peer_bases:
-            return
-        torch.cuda.synchronize(self.device)
-        for base in self._peer_bases:
-            self.lib.epcomm_ipc_close(base)
-        self._peer_bases = []
+        self.shared.close()
 
     # ------------------------------------------------------------------ helpers
     def _stream(self) -> ctypes.c_void_p:

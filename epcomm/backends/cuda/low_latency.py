@@ -1,0 +1,181 @@
+"""Low-latency mode inside one NVLink domain with the CUDA kernels (csrc/kernels/low_latency.cu).
+
+Each call is a send kernel, launched by the call, and a receive kernel, launched by the receive
+hook (or right after the send kernel when there is no hook): between the two no SM is held. Both
+read the call counter from the GPU and take their data positions from device tensors, so a decode
+step captured in a CUDA graph replays with new inputs; there is no host sync anywhere.
+
+Outputs follow the API's layout exactly as the reference backend builds it: expert e's rows hold
+the blocks of sources 0..R-1 in rank order, each in ascending (token, top-k slot) order, so the
+receive side is bitwise equal to the reference (FP8 casts included), and combine sums in fp32 in
+top-k slot order, as the reference does.
+
+Errors found by the kernels (a peer that did not send within EPCOMM_TIMEOUT_S, more rows for one
+expert than N) are written to pinned host memory and raised by the next low-latency call (or
+``check_errors``). With ``enable_shrink=True`` a source that times out is masked instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ...handle import LowLatencyHandle
+from .build import load_library
+from .ipc import SharedBuffer
+
+_INFO_INTS = 16
+_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
+           6: "a rank sent more rows to one expert than num_max_dispatch_tokens_per_rank (a token names an expert "
+              "twice?); those rows were dropped"}
+_OPS = {5: "low_latency_dispatch", 6: "low_latency_combine"}
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int, int]:
+    """(data bytes, scale columns, message bytes) of one dispatched (token, expert) pair."""
+    data = hidden if use_fp8 else hidden * 2
+    cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
+    return data, cols, _round_up(data + cols * 4 + 4, 16)
+
+
+def slot_bytes_needed(num_max_tokens: int, hidden: int, num_experts: int) -> int:
+    """Bytes of one of the two slots: signals, the dispatch area (sized for BF16 messages), the combine area."""
+    dispatch = num_experts * num_max_tokens * message_bytes(hidden, False, False)[2]
+    combine = num_experts * num_max_tokens * hidden * 2
+    return num_experts * 16 + dispatch + combine
+
+
+class CudaLowLatency:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
+        self.lib = load_library()
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        if self.num_ranks > 8:
+            raise RuntimeError(f"the CUDA low-latency kernels support up to 8 ranks in one node, the group has "
+                               f"{self.num_ranks}")
+        self.device = device
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.header = self.lib.epcomm_ll_header_bytes()
+        if num_rdma_bytes <= self.header + 64:
+            raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for the low-latency kernels; use "
+                             "Buffer.get_low_latency_rdma_size_hint")
+        self.shared = SharedBuffer(self.lib, group, device, num_rdma_bytes, "num_rdma_bytes")
+        self.slot_bytes = (num_rdma_bytes - self.header) // 2 // 16 * 16
+        self.info = torch.zeros(_INFO_INTS, dtype=torch.int32, pin_memory=True)
+        self.info_np = self.info.numpy()
+        self._info_ptr = ctypes.c_void_p(self.info.data_ptr())
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        dist.barrier(group=group)
+
+    def close(self) -> None:
+        self.shared.close()
+
+    @staticmethod
+    def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+        return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"epcomm {what}: CUDA launch failed with error {code}")
+
+    def check_errors(self, op: str) -> None:
+        """Raise what finished kernels reported (pinned memory, read without a sync)."""
+        info = self.info_np
+        code = int(info[0])
+        if code == 0:
+            return
+        ranks = [r for r in range(self.num_ranks) if info[2 + r]]
+        failed = _OPS.get(int(info[1]), "a low-latency call")
+        info[:] = 0
+        raise RuntimeError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: "
+                           f"{_ERRORS.get(code, f'error {code}').format(ranks=ranks)}. Destroy the Buffer and the "
+                           "process group (or enable failed-rank masking).")
+
+    def check_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        need = slot_bytes_needed(num_max_tokens, hidden, num_experts)
+        if need > self.slot_bytes:
+            raise ValueError(f"num_rdma_bytes={self.shared.num_bytes} gives two slots of {self.slot_bytes} bytes; "
+                             f"N={num_max_tokens}, hidden={hidden}, num_experts={num_experts} need {need} per slot "
+                             "(Buffer.get_low_latency_rdma_size_hint gives enough)")
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
+                 cumulative_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, use_fp8: bool,
+                 round_scale: bool, use_ue8m0: bool, slot: int, mask: torch.Tensor | None, buffer_uid: str
+                 ) -> tuple[object, torch.Tensor, LowLatencyHandle, Callable[[], None]]:
+        """Launch the send kernel; returns (recv_x, recv_count, handle, finish), finish launching the receive."""
+        self.check_errors("low_latency_dispatch")
+        self.check_capacity(num_max_tokens, x.shape[1], num_experts)
+        num_tokens, hidden = x.shape
+        num_topk = topk_idx.shape[1]
+        num_ranks = self.num_ranks
+        e_local = num_experts // num_ranks
+        rows = num_max_tokens * num_ranks
+        data_bytes, cols, msg = message_bytes(hidden, use_fp8, use_ue8m0)
+        dev = self.device
+        if use_fp8:
+            recv_data = torch.empty((e_local, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
+            recv_scales = torch.empty((e_local, cols, rows), dtype=torch.int32 if use_ue8m0 else torch.float32,
+                                      device=dev).transpose(1, 2)
+            recv_x = (recv_data, recv_scales)
+        else:
+            recv_data = torch.empty((e_local, rows, hidden), dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+            recv_x = recv_data
+        src_info = torch.empty((e_local, rows), dtype=torch.int32, device=dev)  # -1 past the counts (kernel)
+        recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
+        layout_range = torch.empty((e_local, num_ranks), dtype=torch.int64, device=dev)
+        slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
+        strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
+
+        def launch(phase: int) -> None:
+            code = self.lib.epcomm_ll_dispatch(
+                self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
+                self._ptr(x), self._ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
+                slot, ctypes.c_int64(self.slot_bytes), self._ptr(mask), self._ptr(slot_map), self._ptr(recv_data),
+                self._ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
+                ctypes.c_int64(strides[2]), cols, self._ptr(src_info), self._ptr(recv_count),
+                self._ptr(layout_range), self._ptr(cumulative_stats), self._ptr(wait_stats), phase, self.num_sms,
+                self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
+            self._check(code, "low_latency_dispatch")
+
+        launch(1)
+        handle = LowLatencyHandle(
+            buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
+            num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
+            layout_range=layout_range, backend_state={"slot_map": slot_map})
+        # The receive keeps the inputs alive until it is launched (its closure holds them).
+        return recv_x, recv_count, handle, lambda: launch(2)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None
+                ) -> tuple[torch.Tensor, Callable[[], None]]:
+        self.check_errors("low_latency_combine")
+        n, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        self.check_capacity(n, hidden, num_experts)
+        num_tokens, num_topk = handle.num_tokens, handle.num_topk
+        combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
+                                                           device=self.device)
+        slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
+
+        def launch(phase: int) -> None:
+            code = self.lib.epcomm_ll_combine(
+                self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
+                self._ptr(x), self._ptr(layout_range), self._ptr(topk_idx), self._ptr(topk_weights),
+                self._ptr(slot_map), self._ptr(combined), slot, ctypes.c_int64(self.slot_bytes), self._ptr(mask),
+                self._ptr(wait_stats), phase, self.num_sms, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+                self._stream())
+            self._check(code, "low_latency_combine")
+
+        launch(1)
+        return combined, lambda: launch(2)
