@@ -4,6 +4,8 @@
 # JSON under $OUT. Usage on the device machine: bash scripts/gpu_check.sh [bench args...]
 #   TESTS=...           test files to run [tests]
 #   TEST_TIMEOUT_S=...  limit of the test step [300];  BENCH_TIMEOUT_S=... limit of the bench [300]
+#   PRESSURE=N          then the pressure test with N random cases on the CUDA backend (bench --pressure)
+#   SANITIZE=1          then scripts/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/epcomm-out}
@@ -16,6 +18,13 @@ export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
 } 2>&1 | tee "$OUT/gpus.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 status=0
+# The commit id to record when the tree was copied without .git: the --commit given to the bench.
+COMMIT_ARGS=()
+prev=""
+for arg in "$@"; do
+  [ "$prev" = "--commit" ] && COMMIT_ARGS=(--commit "$arg")
+  prev=$arg
+done
 # Build once here, so a compile error shows plainly instead of inside every rank.
 python3 -c "from epcomm.backends.cuda.build import load_library; load_library(); print('kernels built')" \
   2>&1 | tee "$OUT/build.log" || status=1
@@ -23,4 +32,11 @@ EPCOMM_TEST_BACKEND=nccl timeout "${TEST_TIMEOUT_S:-300}" python3 -m pytest -q -
   2>&1 | tee "$OUT/tests-nccl.log" || status=1
 timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" \
   || status=1
+if [ "${PRESSURE:-0}" -gt 0 ]; then
+  timeout "${PRESSURE_TIMEOUT_S:-300}" python3 -m epcomm.bench --backend cuda --pressure "$PRESSURE" \
+    --json "$OUT/pressure.json" ${COMMIT_ARGS[@]+"${COMMIT_ARGS[@]}"} 2>&1 | tee "$OUT/pressure.log" || status=1
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+  bash scripts/sanitize.sh || status=1
+fi
 exit $status
