@@ -194,3 +194,26 @@ def rank_two_micro_batches():
 
 def test_ll_cuda_two_micro_batch_overlap_example():
     cluster(2).run(rank_two_micro_batches)
+
+
+def rank_combine_before_hook():
+    """A combine whose dispatch has not been received (hook not called) is refused, not run on garbage."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 8, 512, 4 * num_ranks
+    buf = _buffer("cuda", n, hidden, num_experts)
+    x, idx, w = (t.to(dev) for t in make_inputs(51, rank, n, hidden, num_experts, 2, num_ranks, "random"))
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                          return_recv_hook=True)
+    with pytest.raises(ValueError, match="call its receive hook first"):
+        buf.low_latency_combine(recv_x, idx, w, handle)
+    hook()
+    out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    torch.cuda.synchronize()
+    ref = (w * (idx >= 0)).sum(1, keepdim=True).double() * x.double()  # identity experts
+    assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=1e-5), f"rank {rank}"
+    buf.destroy()
+
+
+def test_ll_cuda_combine_before_hook_is_refused():
+    cluster(2).run(rank_combine_before_hook)

@@ -45,11 +45,18 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     return data, cols, _round_up(data + cols * 4 + 4, 16)
 
 
-def slot_bytes_needed(num_max_tokens: int, hidden: int, num_experts: int) -> int:
-    """Bytes of one of the two slots: signals, the dispatch area (sized for BF16 messages), the combine area."""
+def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of one of the two slots: signals, acks, the dispatch area (sized for BF16 messages), the
+    combine area."""
     dispatch = num_experts * num_max_tokens * message_bytes(hidden, False, False)[2]
     combine = num_experts * num_max_tokens * hidden * 2
-    return num_experts * 16 + dispatch + combine
+    return num_experts * 16 + _round_up(num_ranks * 8, 16) + dispatch + combine
+
+
+def _check_aligned(name: str, t: torch.Tensor) -> None:
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (the kernels move 16-byte words); pass "
+                         "a fresh or .clone()d tensor")
 
 
 class CudaLowLatency:
@@ -101,7 +108,7 @@ class CudaLowLatency:
                            "process group (or enable failed-rank masking).")
 
     def check_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
-        need = slot_bytes_needed(num_max_tokens, hidden, num_experts)
+        need = slot_bytes_needed(num_max_tokens, hidden, self.num_ranks, num_experts)
         if need > self.slot_bytes:
             raise ValueError(f"num_rdma_bytes={self.shared.num_bytes} gives two slots of {self.slot_bytes} bytes; "
                              f"N={num_max_tokens}, hidden={hidden}, num_experts={num_experts} need {need} per slot "
@@ -117,6 +124,10 @@ class CudaLowLatency:
         self.check_capacity(num_max_tokens, x.shape[1], num_experts)
         num_tokens, hidden = x.shape
         num_topk = topk_idx.shape[1]
+        if num_topk > 32:
+            raise ValueError(f"topk_idx: the CUDA low-latency kernels support up to 32 experts per token, got "
+                             f"{num_topk}")
+        _check_aligned("x", x)
         num_ranks = self.num_ranks
         e_local = num_experts // num_ranks
         rows = num_max_tokens * num_ranks
@@ -137,7 +148,12 @@ class CudaLowLatency:
         slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
         strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
 
+        sent = torch.cuda.Event()
+        handle_state: dict = {"slot_map": slot_map, "received": False}
+
         def launch(phase: int) -> None:
+            if phase == 2:  # the hook may run on another stream: the receive follows the send
+                torch.cuda.current_stream(self.device).wait_event(sent)
             code = self.lib.epcomm_ll_dispatch(
                 self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
                 self._ptr(x), self._ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
@@ -147,12 +163,16 @@ class CudaLowLatency:
                 self._ptr(layout_range), self._ptr(cumulative_stats), self._ptr(wait_stats), phase, self.num_sms,
                 self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
             self._check(code, "low_latency_dispatch")
+            if phase == 1:
+                sent.record(torch.cuda.current_stream(self.device))
+            else:
+                handle_state["received"] = True  # layout_range is filled once this kernel has run
 
         launch(1)
         handle = LowLatencyHandle(
             buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
             num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
-            layout_range=layout_range, backend_state={"slot_map": slot_map})
+            layout_range=layout_range, backend_state=handle_state)
         # The receive keeps the inputs alive until it is launched (its closure holds them).
         return recv_x, recv_count, handle, lambda: launch(2)
 
@@ -161,14 +181,28 @@ class CudaLowLatency:
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None
                 ) -> tuple[torch.Tensor, Callable[[], None]]:
         self.check_errors("low_latency_combine")
+        if not handle.backend_state.get("received"):
+            raise ValueError("low_latency_combine: the dispatch of this handle has not been received yet; call its "
+                             "receive hook first")
         n, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         self.check_capacity(n, hidden, num_experts)
+        _check_aligned("x", x)
+        if out is not None:
+            _check_aligned("out", out)
+        # The kernels index [T, K] densely: the handle's own copy of the ids (contiguous, and the one
+        # the dispatch used) and contiguous weights.
+        topk_idx = handle.backend_state["topk_idx"]
+        topk_weights = topk_weights.contiguous()
         num_tokens, num_topk = handle.num_tokens, handle.num_topk
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                            device=self.device)
         slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
 
+        sent = torch.cuda.Event()
+
         def launch(phase: int) -> None:
+            if phase == 2:
+                torch.cuda.current_stream(self.device).wait_event(sent)
             code = self.lib.epcomm_ll_combine(
                 self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
                 self._ptr(x), self._ptr(layout_range), self._ptr(topk_idx), self._ptr(topk_weights),
@@ -176,6 +210,8 @@ class CudaLowLatency:
                 self._ptr(wait_stats), phase, self.num_sms, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
                 self._stream())
             self._check(code, "low_latency_combine")
+            if phase == 1:
+                sent.record(torch.cuda.current_stream(self.device))
 
         launch(1)
         return combined, lambda: launch(2)

@@ -13,10 +13,15 @@
 // Combine mirrors it: the send kernel returns each block to its source, the recv kernel sums, per
 // token, weight * row over its top-k slots in slot order, in fp32 (the reference's order).
 //
-// Buffer layout: [header 32 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
-// Buffer.get_low_latency_rdma_size_hint for every shape); each low-latency call uses the slot the Buffer
-// assigns (double buffering). In a slot: dispatch signals int64[E], combine signals int64[E], the
-// dispatch area [E_local][R][N] messages (sized for BF16 ones), then the combine area [E][N] rows.
+// Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
+// Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
+// (double buffering). In a slot: dispatch signals int64[E], combine signals int64[E], acks
+// int64[R], the dispatch area [E_local][R][N] messages (sized for BF16 ones), then the combine area
+// [E][N] rows.
+// Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
+// counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
+// that peer has acknowledged the previous call that used the slot (ranks drift apart when hooks are
+// called late, and the next call but one reuses the slot).
 // Separate areas matter when a dispatch and a combine share a slot (two micro-batches in flight):
 // a fast peer's combine then writes while this rank may still be copying the dispatch out.
 // Signals hold (call counter << 24) | (count + 1): counters only grow and are the same on every
@@ -29,9 +34,11 @@
 namespace epcomm {
 namespace ll {
 
-constexpr int kHeaderBytes = 32;
+constexpr int kHeaderBytes = 48;
 constexpr int kCounterOffset = 0;    // int64: the last call counter used by this rank
 constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel that have finished
+constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kernel of each slot (hooks may
+                                     // run the receives of the two slots at once, on two streams)
 constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
 constexpr int kSignalShift = 24;
 constexpr int64_t kCountMask = (1LL << kSignalShift) - 1;
@@ -47,12 +54,13 @@ struct Peers {
 };
 
 struct Layout {  // where things live inside one slot
-    int64_t dispatch_signals, combine_signals, data, combine_data;
-    __device__ Layout(int slot, int64_t slot_bytes, int num_experts, int num_max_tokens, int hidden) {
+    int64_t dispatch_signals, combine_signals, acks, data, combine_data;
+    __device__ Layout(int slot, int64_t slot_bytes, int num_experts, int num_ranks, int num_max_tokens, int hidden) {
         const int64_t slot_base = kHeaderBytes + slot * slot_bytes;
         dispatch_signals = slot_base;
         combine_signals = slot_base + num_experts * 8;
-        data = slot_base + num_experts * 16;
+        acks = slot_base + num_experts * 16;
+        data = acks + (num_ranks * 8 + 15) / 16 * 16;
         // The largest dispatch message (BF16: 2H data + the token index, padded to 16 bytes).
         combine_data = data + static_cast<int64_t>(num_experts) * num_max_tokens * (hidden * 2 + 16);
     }
@@ -64,16 +72,34 @@ __device__ __forceinline__ int64_t* counter(uint8_t* buf) { return reinterpret_c
 // written by that call's last block), uses one more, and the last block of this call stores it.
 __device__ __forceinline__ int64_t next_seq(uint8_t* mine) { return ld_volatile(counter(mine)) + 1; }
 
+// The last block to finish (every block has read the counter and the slot's previous call by then)
+// records this call as the slot's latest and as the rank's last.
 __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        if (blockIdx.x == 0) reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
         __threadfence();
         int* done = reinterpret_cast<int*>(mine + kDoneOffset);
         if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
+            reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
             *counter(mine) = seq;
             __threadfence();
+        }
+    }
+}
+
+// The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
+// call to every rank, so their next sends into this slot may start.
+__device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        int* done = reinterpret_cast<int*>(peers.bufs[me] + kRecvDoneOffset) + slot;
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+            *done = 0;
+            fence_sys();
+            for (int r = 0; r < num_ranks; ++r)
+                st_release_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + acks) + me, seq);
         }
     }
 }
@@ -93,6 +119,7 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int src, int* mas
         }
         if ((spin & 63) == 63) {
             if (masked(mask, src)) return -1;
+            if (ld_volatile_int(info + kInfoError) == kErrTimeout) return -2;  // someone gave up already
             if (global_timer_ns() - start > timeout_ns) {
                 if (mask != nullptr) {  // failed-rank masking: stop waiting for this rank from now on
                     atomicExch(mask + src, 1);
@@ -102,6 +129,32 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int src, int* mas
                 info[kInfoErrorOp] = op;
                 info[kInfoError] = kErrTimeout;
                 return -2;
+            }
+        }
+    }
+}
+
+// Before writing into `dst`'s slot: wait until `dst` has acknowledged the previous call that used
+// the slot (`prev`; 0 when none). False (the writes are skipped) when dst is masked or timed out.
+__device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t prev, int* mask, uint64_t timeout_ns,
+                         int* info, int op) {
+    if (prev <= 0) return true;
+    const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
+    const uint64_t start = global_timer_ns();
+    for (int spin = 0;; ++spin) {
+        if (ld_acquire_sys(ack) >= prev) return true;
+        if ((spin & 63) == 63) {
+            if (masked(mask, dst)) return false;
+            if (ld_volatile_int(info + kInfoError) == kErrTimeout) return false;
+            if (global_timer_ns() - start > timeout_ns) {
+                if (mask != nullptr) {
+                    atomicExch(mask + dst, 1);
+                    return false;
+                }
+                info[kInfoErrorRanks + dst] = 1;
+                info[kInfoErrorOp] = op;
+                info[kInfoError] = kErrTimeout;
+                return false;
             }
         }
     }
@@ -213,11 +266,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_send(D
     const int experts_per_rank = a.num_experts / R;
     uint8_t* mine = a.peers.bufs[me];
     const int64_t seq = next_seq(mine);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_max_tokens, a.hidden);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     const bool me_masked = masked(a.mask, me);
     for (int e = warp; e < a.num_experts; e += num_warps) {
         const int dst = e / experts_per_rank, local_e = e % experts_per_rank;
-        const bool skip = me_masked || masked(a.mask, dst);
+        bool skip = me_masked || masked(a.mask, dst);
+        if (!skip) skip = !wait_ack(mine, lay.acks, dst, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
+        skip = __any_sync(kFullMask, skip);  // the lanes agree (they poll the same words)
         uint8_t* block = a.peers.bufs[dst] + lay.data +
                          (static_cast<int64_t>(local_e) * R + me) * a.num_max_tokens * a.msg_bytes;
         int count = 0;
@@ -262,16 +318,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_send(D
     finish_send_kernel(mine, seq, a.slot);
 }
 
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_recv(DispatchArgs a) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+__device__ void dispatch_recv_unit(const DispatchArgs& a, const Layout& lay, int64_t seq, int warp, int lane) {
     const int R = a.num_ranks, me = a.rank;
-    const int experts_per_rank = a.num_experts / R;
     const int rows_per_expert = a.num_max_tokens * R;
     uint8_t* mine = a.peers.bufs[me];
-    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_max_tokens, a.hidden);
-    if (warp >= a.num_experts) return;  // one warp per (local expert, source)
     const int local_e = warp / R, src = warp % R;
     // Lane j waits for source j's count of this expert (sources below `src` give the offset).
     int count = 0;
@@ -286,6 +336,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_recv(D
         if (a.wait_stats != nullptr && local_e == 0 && lane == src) atomicAdd(
             reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
     }
+    __syncwarp();  // the lanes that acquired the signals publish them to the rest of the warp
     int begin = 0, total = 0, mine_count = 0;
     for (int j = 0; j < R; ++j) {
         const int c = __shfl_sync(kFullMask, count, j);
@@ -321,7 +372,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_recv(D
         for (int r = total + lane; r < rows_per_expert; r += kWarpSize)
             a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
     }
-    (void)experts_per_rank;
+}
+
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_recv(DispatchArgs a) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    if (warp < a.num_experts) dispatch_recv_unit(a, lay, seq, warp, lane);  // one warp per (local expert, source)
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq);
 }
 
 // ------------------------------------------------------------------ combine
@@ -352,13 +412,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_send(Co
     const int row_bytes = a.hidden * 2;
     uint8_t* mine = a.peers.bufs[me];
     const int64_t seq = next_seq(mine);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_max_tokens, a.hidden);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     const bool me_masked = masked(a.mask, me);
     for (int unit = warp; unit < experts_per_rank * R; unit += num_warps) {  // (local expert, source)
         const int local_e = unit / R, src = unit % R;
-        if (me_masked || masked(a.mask, src)) continue;
+        bool skip = me_masked || masked(a.mask, src);
+        if (!skip) skip = !wait_ack(mine, lay.acks, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        if (__any_sync(kFullMask, skip)) continue;
         const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
-        const int begin = static_cast<int>(word >> 32), count = static_cast<int>(word & 0xffffffff);
+        // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
+        const int begin = min(static_cast<int>(word >> 32), rows_per_expert);
+        const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(a.num_max_tokens, rows_per_expert - begin)));
         const int global_e = me * experts_per_rank + local_e;
         uint8_t* rows =
             a.peers.bufs[src] + lay.combine_data + static_cast<int64_t>(global_e) * a.num_max_tokens * row_bytes;
@@ -385,7 +450,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_recv(Co
     const int row_bytes = a.hidden * 2;
     uint8_t* mine = a.peers.bufs[me];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_max_tokens, a.hidden);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
     // Wait-cost statistics: block 0 times the arrival of each source rank's first expert.
     if (a.wait_stats != nullptr && blockIdx.x == 0 && threadIdx.x < R && !masked(a.mask, me)) {
@@ -405,7 +470,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_recv(Co
         for (int k = 0; k < K; ++k) {
             const int64_t e = a.topk_idx[static_cast<int64_t>(t) * K + k];
             const int s = a.slot_map[static_cast<int64_t>(t) * K + k];
-            if (e < 0 || s < 0) continue;
+            if (e < 0 || e >= a.num_experts || s < 0) continue;
             const int src = static_cast<int>(e / experts_per_rank);
             if (masked(a.mask, src)) continue;
             if (wait_signal(signals + e, seq, src, a.mask, a.timeout_ns, a.info, kOpCombine, nullptr) < 0) continue;
@@ -437,6 +502,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_recv(Co
             out[c] = o;
         }
     }
+    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq);
 }
 
 }  // namespace ll
