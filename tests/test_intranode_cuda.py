@@ -237,3 +237,88 @@ def rank_timeout(timeout_s):
 
 def test_cuda_timeout_names_the_missing_rank():
     cluster(2).run(rank_timeout, 3)
+
+
+def rank_cuda_fuzz(max_examples: int):
+    """Random valid and invalid dispatch arguments on the CUDA backend (one rank): every call is refused
+    with ValueError/TypeError, or its outputs equal the reference backend's bit for bit. Refusals that
+    depend on values (top-k ids out of range, counts that do not match) are found by the kernels: a call
+    that reads its counts raises at once, a num_worst_tokens call reports it at the next sync."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cuda = Buffer(dist.group.WORLD, 256 << 20, backend="cuda")
+    ref = Buffer(dist.group.WORLD, 256 << 20, backend="reference")
+    seen = {"valid": 0, "refused": 0, "reported": 0}
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        t = data.draw(st.integers(0, 40))
+        hidden = data.draw(st.sampled_from([128, 256, 1024]))
+        num_experts = data.draw(st.sampled_from([1, 2, 8, 64]))
+        k = data.draw(st.integers(1, min(8, max(1, num_experts))))
+        fp8, col_major = data.draw(st.booleans()), data.draw(st.booleans())
+        worst = data.draw(st.sampled_from([0, 0, t + 5]))
+        fault = data.draw(st.sampled_from([None, None, None, "id too large", "id below -1", "counts",
+                                           "x dtype", "topk int32", "x non-contiguous"]))
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16)))
+        x = (torch.randn((t, hidden), generator=gen) * 3).to(torch.bfloat16).to(dev)
+        idx = torch.randint(-1, num_experts, (t, k), generator=gen).to(dev)
+        w = torch.rand((t, k), generator=gen).to(dev)
+        per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(idx, num_experts)
+        # Faults that need tokens are not applied without them: the call is then valid.
+        applied = fault is not None and (t > 1 or fault in ("counts", "x dtype", "topk int32") or
+                                         (t == 1 and fault != "x non-contiguous"))
+        fault = fault if applied else None
+        if fault == "id too large":
+            idx[t // 2, 0] = num_experts
+        if fault == "id below -1":
+            idx[t // 2, k - 1] = -3
+        if fault == "counts":
+            per_rank = per_rank + 1
+        x_in = x
+        if fp8:
+            q, s = epcomm.per_token_cast_to_fp8(x)
+            x_in = (q, s.t().contiguous().t() if col_major else s)
+        if fault == "x dtype":
+            x_in = x.half()
+        if fault == "x non-contiguous":
+            x_in = torch.cat([x, x], 1)[:, ::2]
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx.int() if fault == "topk int32" else idx, topk_weights=w, num_worst_tokens=worst)
+        value_fault = fault in ("id too large", "id below -1", "counts")
+        try:
+            got = cuda.dispatch(x_in, **kwargs)
+        except (ValueError, TypeError) as error:
+            assert fault is not None, f"valid arguments refused: {error}"
+            seen["refused"] += 1
+            return
+        if value_fault:  # found by the kernels: a num_worst_tokens call reports it at the next sync
+            assert worst, f"{fault}: the counts were read on the host, yet nothing was raised"
+            torch.cuda.synchronize()
+            with pytest.raises(ValueError, match="refused its inputs"):
+                cuda._cuda.check_errors("fuzz")
+            seen["reported"] += 1
+            return
+        assert fault is None, f"{fault} was not refused"
+        want = ref.dispatch(x_in, **kwargs)
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "expert_list"), got[:4], want[:4]):
+            assert _same(a, b), f"T={t} H={hidden} E={num_experts} K={k} fp8={fp8} worst={worst}: {name} differs"
+        y = (got[0][0] if fp8 else got[0]).float().nan_to_num().clamp(-100, 100).to(torch.bfloat16)
+        combined = cuda.combine(y, got[4], topk_weights=got[2])[:2]
+        expected = ref.combine(y, want[4], topk_weights=want[2])[:2]
+        assert _same(combined, expected), f"T={t} H={hidden} E={num_experts} K={k}: combine differs"
+        seen["valid"] += 1
+
+    check()
+    cuda.destroy()
+    ref.destroy()
+    return seen
+
+
+def test_cuda_bad_input_fuzz():
+    (seen,) = cluster(1).run(rank_cuda_fuzz, 60, timeout_s=600)
+    assert seen["valid"] and seen["refused"], seen
