@@ -57,10 +57,10 @@ struct Layout {  // where things live inside one slot
     int64_t dispatch_signals, combine_signals, acks, data, combine_data;
     __device__ Layout(int slot, int64_t slot_bytes, int num_experts, int num_ranks, int num_max_tokens, int hidden) {
         const int64_t slot_base = kHeaderBytes + slot * slot_bytes;
-        dispatch_signals = slot_base;
-        combine_signals = slot_base + num_experts * 8;
-        acks = slot_base + num_experts * 16;
-        data = acks + (num_ranks * 8 + 15) / 16 * 16;
+        acks = slot_base;  // first, at a place that does not depend on the call's shapes
+        dispatch_signals = acks + (num_ranks * 8 + 15) / 16 * 16;
+        combine_signals = dispatch_signals + num_experts * 8;
+        data = combine_signals + num_experts * 8;
         // The largest dispatch message (BF16: 2H data + the token index, padded to 16 bytes).
         combine_data = data + static_cast<int64_t>(num_experts) * num_max_tokens * (hidden * 2 + 16);
     }
