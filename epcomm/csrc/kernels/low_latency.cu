@@ -15,8 +15,8 @@
 //
 // Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
 // Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
-// (double buffering). In a slot: dispatch signals int64[E], combine signals int64[E], acks
-// int64[R], the dispatch area [E_local][R][N] messages (sized for BF16 ones), then the combine area
+// (double buffering). In a slot: acks int64[R] (first: their place must not depend on the call's
+// shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area [E_local][R][N] messages (sized for BF16 ones), then the combine area
 // [E][N] rows.
 // Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
 // counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
