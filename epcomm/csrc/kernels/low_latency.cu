@@ -66,6 +66,11 @@ struct Layout {  // where things live inside one slot
     }
 };
 
+// Failed-rank masking: rank r is masked (treated as gone) when mask[r] != 0.
+__device__ __forceinline__ bool masked(const int* mask, int r) {
+    return mask != nullptr && ld_volatile_int(mask + r) != 0;
+}
+
 __device__ __forceinline__ int64_t* counter(uint8_t* buf) { return reinterpret_cast<int64_t*>(buf + kCounterOffset); }
 
 // The call counter of a send kernel: every block reads the same value (the previous call's,
@@ -90,7 +95,8 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
 
 // The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
 // call to every rank, so their next sends into this slot may start.
-__device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq) {
+__device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq,
+                                   const int* mask) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -98,13 +104,12 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
         if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
             fence_sys();
-            for (int r = 0; r < num_ranks; ++r)
-                st_release_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + acks) + me, seq);
+            for (int r = 0; r < num_ranks; ++r)  // not to masked ranks: they may be gone
+                if (r == me || !masked(mask, r)) st_release_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + acks) + me, seq);
         }
     }
 }
 
-__device__ __forceinline__ bool masked(const int* mask, int r) { return mask != nullptr && ld_volatile_int(mask + r) != 0; }
 
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
@@ -331,7 +336,8 @@ __device__ void dispatch_recv_unit(const DispatchArgs& a, const Layout& lay, int
         if (!skip) {
             const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + lane;
             count = wait_signal(signal, seq, lane, a.mask, a.timeout_ns, a.info, kOpDispatch, &waited);
-            if (count < 0) count = 0;  // masked (or timed out: reported, and nothing to copy)
+            // masked (or timed out: reported, and nothing to copy); never more than a block's room
+            count = count < 0 ? 0 : min(count, a.num_max_tokens);
         }
         if (a.wait_stats != nullptr && local_e == 0 && lane == src) atomicAdd(
             reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
@@ -381,7 +387,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_recv(D
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     if (warp < a.num_experts) dispatch_recv_unit(a, lay, seq, warp, lane);  // one warp per (local expert, source)
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
 }
 
 // ------------------------------------------------------------------ combine
@@ -502,7 +508,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_recv(Co
             out[c] = o;
         }
     }
-    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq);
+    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
 }
 
 }  // namespace ll
