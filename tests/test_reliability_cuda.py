@@ -173,3 +173,40 @@ def test_dead_peer_is_named_within_the_timeout():
     assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
     assert outcome["raised_after_s"] < timeout_s + 5, outcome
     assert outcome["idle_after_s"] < 2 * timeout_s, outcome
+
+
+def rank_shrink_after_silent_peer(timeout_s: str):
+    """Failed-rank masking: rank 1 stops making low-latency calls; rank 0 masks it on timeout and goes
+    on; its outputs equal the reference restricted to the live ranks; query returns exactly the masked
+    set, and clean restores full operation."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
+    os.environ["EPCOMM_TIMEOUT_S"] = timeout_s
+    try:
+        buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                     low_latency_mode=True, enable_shrink=True, backend="cuda")
+    finally:
+        os.environ["EPCOMM_TIMEOUT_S"] = previous
+    x, idx, w = (t.to(dev) for t in make_inputs(61, rank, n, hidden, num_experts, 3, num_ranks, "random"))
+    status = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
+    if rank == 0:
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)  # identity experts
+        torch.cuda.synchronize()
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] + [1] * (num_ranks - 1), status.tolist()
+        e_local = num_experts // num_ranks
+        live = (idx >= 0) & (idx // e_local == 0)
+        ref = (w * live).sum(1, keepdim=True).double() * x.double()
+        assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=1e-5), "outputs differ from the live-rank reference"
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * num_ranks
+    dist.barrier()
+    buf.destroy()
+
+
+def test_shrink_masks_a_silent_peer():
+    cluster(2).run(rank_shrink_after_silent_peer, "3")
