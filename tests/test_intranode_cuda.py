@@ -52,7 +52,7 @@ def _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_top
 
 
 def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routing, seed, fp8, col_major,
-                           num_worst_tokens, use_bias, num_sms):
+                           num_worst_tokens, use_bias, num_sms, nvl_bytes=NVL_BYTES):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} H={hidden} E={num_experts} K={num_topk} {routing} "
            f"fp8={fp8} col_major={col_major} worst={num_worst_tokens} bias={use_bias} sms={num_sms}")
@@ -60,9 +60,11 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
     x, x_in, topk_idx, topk_weights = _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_topk,
                                               routing, fp8, col_major, dev)
     config = epcomm.Config(num_sms=num_sms)
+    if nvl_bytes == "hint":  # DeepEP's sizing: a buffer this call does not fit in (it runs in rounds)
+        nvl_bytes = config.get_nvl_buffer_size_hint(hidden * 2, num_ranks)
     outs = {}
     for backend in ("reference", "cuda"):
-        buf = Buffer(dist.group.WORLD, NVL_BYTES, backend=backend)
+        buf = Buffer(dist.group.WORLD, nvl_bytes, backend=backend)
         _poison_allocator(dev)
         layout = buf.get_dispatch_layout(topk_idx, num_experts)[:4]
         per_rank, _, per_expert, in_rank = layout
@@ -79,6 +81,8 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
         _poison_allocator(dev)
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=biases, config=config)
         torch.cuda.synchronize()
+        if backend == "cuda" and nvl_bytes != NVL_BYTES:
+            assert "rounds" in handle.backend_state, f"{tag}: expected the call to run in rounds"
         outs[backend] = dict(layout=layout, recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts,
                              cached=cached_x, combined=combined, combined_w=combined_w)
         buf.destroy()
@@ -322,3 +326,12 @@ def rank_cuda_fuzz(max_examples: int):
 def test_cuda_bad_input_fuzz():
     (seen,) = cluster(1).run(rank_cuda_fuzz, 60, timeout_s=600)
     assert seen["valid"] and seen["refused"], seen
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cuda_call_larger_than_the_buffer_runs_in_rounds(ranks, fp8):
+    """A buffer sized by Config.get_nvl_buffer_size_hint that cannot hold the call: dispatch, cached
+    dispatch and combine run in rounds, with the same bits as one call."""
+    cluster(ranks).run(rank_cuda_vs_reference, [4000, 3000], 256, 4 * ranks, 4, "random", seed=13, fp8=fp8,
+                       col_major=fp8, num_worst_tokens=0, use_bias=True, num_sms=8, nvl_bytes="hint")

@@ -77,6 +77,7 @@ def _check_aligned(name: str, t: torch.Tensor) -> None:
 class CudaIntranode:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
+        self.group = group
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
@@ -205,6 +206,8 @@ class CudaIntranode:
         cap_rows = self.cap_rows(row_bytes)
         stream = torch.cuda.current_stream(self.device)
         split = False  # send half launched before the host reads the counts, receive half after
+        if cached and "rounds" in handle.backend_state:
+            return self._cached_in_rounds(x, scales, handle, num_sms)
         if cached:
             st = handle.backend_state
             in_rank, slot, own_tokens, layout = st["in_rank"], st["slot"], st["own_tokens"], st["layout"]
@@ -250,12 +253,17 @@ class CudaIntranode:
                         num_ranks, num_ranks)
                     num_recv = int(self.info_np[c["info_num_recv"]])
                     max_recv, max_send = int(matrix.sum(0).max()), int(matrix.sum(1).max())
-                    if max_recv > cap_rows:  # every rank sees the same matrix: all raise alike
-                        self._raise_capacity("dispatch", max_recv, row_bytes, cap_rows)
                 except BaseException:
                     if split:  # the send half may still read the inputs
                         stream.wait_stream(self.send_stream)
                     raise
+                if max_recv > cap_rows:  # every rank sees the same matrix: all go to rounds alike
+                    if split:  # its send half saw the same overflow on the device and moved nothing
+                        stream.wait_stream(self.send_stream)
+                    expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
+                    return self._dispatch_in_rounds(
+                        x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix.copy(),
+                        expert_list, buffer_uid, num_sms)
         num_out = num_worst_tokens or num_recv
         recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
         recv_scales = None
@@ -311,6 +319,8 @@ class CudaIntranode:
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
+        if "rounds" in st:
+            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms)
         num_tokens, hidden = handle.num_tokens, x.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         if num_topk > 32:
@@ -333,6 +343,114 @@ class CudaIntranode:
             ctypes.c_int64(cap_rows), self._ptr(bias0), self._ptr(bias1), self._ptr(out), self._ptr(out_w), num_sms,
             self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
         self._check(code, "combine")
+        return out, out_w
+
+    # ------------------------------------------------------------------ calls larger than the buffer
+    # A dispatch whose rows do not fit runs as rounds over ranges of B source tokens (the same ranges
+    # on every rank): a round's rows fit by construction (each rank receives at most R * B rows, and
+    # sends at most R * B back in combine). Every token belongs to one round, so each round's combine
+    # sums a token's rows exactly as a single call would: the results are the same bits. The cost is
+    # one extra copy of the outputs (assembling them in source-rank order) and of combine's input.
+    def _round_tokens(self, hidden: int, element_size: int, num_topk: int, num_scales: int) -> int:
+        row = max(dispatch_row_bytes(hidden, element_size, num_topk, num_scales), combine_row_bytes(hidden, num_topk))
+        tokens = self.cap_rows(row) // self.num_ranks
+        if tokens < 1:
+            raise ValueError(f"num_nvl_bytes={self.num_bytes} cannot hold one row of {row} bytes per rank; the CUDA "
+                             f"backend needs at least {ROWS_OFFSET + self.num_ranks * row}")
+        return tokens
+
+    def _num_rounds(self, num_tokens: int, round_tokens: int) -> int:
+        """Rounds every rank runs: enough for the rank with the most tokens (one small all-reduce)."""
+        most = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return max(1, -(-int(most.item()) // round_tokens))
+
+    def _dispatch_in_rounds(self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix,
+                            expert_list, buffer_uid, num_sms):
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        num_scales = scales.shape[1] if scales is not None else 0
+        step = self._round_tokens(x.shape[1], x.element_size(), num_topk, num_scales)
+        rounds = self._num_rounds(x.shape[0], step)
+        no_expert_counts = torch.zeros(num_experts, dtype=torch.int32, device=self.device)  # list taken above
+        parts, handles = [], []
+        for j in range(rounds):
+            lo, hi = min(j * step, x.shape[0]), min((j + 1) * step, x.shape[0])
+            in_rank = is_token_in_rank[lo:hi]
+            out = self.dispatch(
+                x[lo:hi], scales[lo:hi] if scales is not None else None, None,
+                in_rank.sum(0, dtype=torch.int32), in_rank, no_expert_counts,
+                topk_idx[lo:hi] if topk_idx is not None else None,
+                topk_weights[lo:hi] if topk_weights is not None else None, 1, 0, num_experts, buffer_uid, num_sms)
+            parts.append(out[:3])
+            handles.append(out[4])
+        order = self._round_order([h.recv_counts for h in handles])
+        col_major = scales is not None and scales.stride(0) == 1 and num_scales > 1  # as a single call's rule
+        recv_x = self._assemble([p[0] for p in parts], order, col_major)
+        recv_topk_idx, recv_topk_weights = (self._assemble([p[i] for p in parts], order) for i in (1, 2))
+        num_recv = int(matrix[:, self.rank].sum())
+        handle = DispatchHandle(
+            buffer_uid=buffer_uid, num_tokens=x.shape[0], hidden=x.shape[1], num_recv_tokens=num_recv,
+            num_worst_tokens=0, is_token_in_rank=is_token_in_rank, send_counts=[int(v) for v in matrix[self.rank]],
+            recv_counts=[int(v) for v in matrix[:, self.rank]],
+            backend_state={"rounds": handles, "round_step": step, "round_rows": order})
+        return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
+
+    def _round_order(self, counts: list[list[int]]) -> list[torch.Tensor]:
+        """For each round, the rows of the assembled outputs (source rank, then token) that it received."""
+        rounds, num_ranks = len(counts), self.num_ranks
+        begin = [[0] * num_ranks for _ in range(rounds)]  # where round j's rows of source s start, assembled
+        at = 0
+        for s in range(num_ranks):
+            for j in range(rounds):
+                begin[j][s] = at
+                at += counts[j][s]
+        return [torch.cat([torch.arange(begin[j][s], begin[j][s] + counts[j][s], device=self.device)
+                           for s in range(num_ranks)]) if rounds else torch.empty(0, dtype=torch.int64)
+                for j in range(rounds)]
+
+    def _assemble(self, per_round, order: list[torch.Tensor], col_major: bool = False):
+        """Put each round's rows at their assembled positions (tensor, FP8 (data, scales) tuple, or None).
+        Rows are moved as bytes (index_copy_ has no FP8 kernel); ``col_major`` scales come out so."""
+        if per_round[0] is None:
+            return None
+        if isinstance(per_round[0], tuple):
+            return (self._assemble([p[0] for p in per_round], order),
+                    self._assemble([p[1] for p in per_round], order, col_major))
+        first = per_round[0]
+        total = sum(int(o.numel()) for o in order)
+        out = torch.empty((total, *first.shape[1:]), dtype=first.dtype, device=self.device)
+        as_bytes = out.view(total, -1).view(torch.uint8)
+        for part, rows in zip(per_round, order):
+            if rows.numel():
+                as_bytes.index_copy_(0, rows, part.contiguous().view(part.shape[0], -1).view(torch.uint8))
+        return out.t().contiguous().t() if col_major else out
+
+    def _cached_in_rounds(self, x, scales, handle, num_sms):
+        st = handle.backend_state
+        step, parts = st["round_step"], []
+        for j, sub in enumerate(st["rounds"]):
+            lo, hi = min(j * step, x.shape[0]), min((j + 1) * step, x.shape[0])
+            out = self.dispatch(x[lo:hi], scales[lo:hi] if scales is not None else None, sub, None, None, None,
+                                None, None, 1, 0, 0, handle.buffer_uid, num_sms)
+            parts.append(out[0])
+        col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1
+        return self._assemble(parts, st["round_rows"], col_major), None, None, None, handle
+
+    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
+        st = handle.backend_state
+        step = st["round_step"]
+        out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk \
+            else None
+        for j, (sub, rows) in enumerate(zip(st["rounds"], st["round_rows"])):
+            lo, hi = min(j * step, handle.num_tokens), min((j + 1) * step, handle.num_tokens)
+            part, part_w = self.combine(x.index_select(0, rows),
+                                        sub, topk_weights.index_select(0, rows) if num_topk else None,
+                                        tuple(b[lo:hi] for b in biases), num_sms)
+            out[lo:hi] = part
+            if out_w is not None:
+                out_w[lo:hi] = part_w
         return out, out_w
 
     # ------------------------------------------------------------------ errors raised on every rank alike
