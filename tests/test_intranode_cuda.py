@@ -83,7 +83,9 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
         torch.cuda.synchronize()
         if backend == "cuda" and nvl_bytes != NVL_BYTES:
             assert "rounds" in handle.backend_state, f"{tag}: expected the call to run in rounds"
-        outs[backend] = dict(layout=layout, recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts,
+        # What the host knows of the call (not known with num_worst_tokens: no sync on that path).
+        host = None if num_worst_tokens else (handle.num_recv_tokens, handle.send_counts, handle.recv_counts)
+        outs[backend] = dict(handle=host, layout=layout, recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts,
                              cached=cached_x, combined=combined, combined_w=combined_w)
         buf.destroy()
     ref, got = outs["reference"], outs["cuda"]
@@ -328,10 +330,16 @@ def test_cuda_bad_input_fuzz():
     assert seen["valid"] and seen["refused"], seen
 
 
+ROUND_CASES = [([4000, 3000], "random"), ([4000, 0], "random"), ([4000, 0], "one_expert")]
+
+
 @pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("case", ROUND_CASES, ids=lambda c: f"T{c[0][0]}-{c[0][1]}-{c[1]}")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_cuda_call_larger_than_the_buffer_runs_in_rounds(ranks, fp8):
+def test_cuda_call_larger_than_the_buffer_runs_in_rounds(ranks, case, fp8):
     """A buffer sized by Config.get_nvl_buffer_size_hint that cannot hold the call: dispatch, cached
-    dispatch and combine run in rounds, with the same bits as one call."""
-    cluster(ranks).run(rank_cuda_vs_reference, [4000, 3000], 256, 4 * ranks, 4, "random", seed=13, fp8=fp8,
+    dispatch and combine run in rounds, with the same bits as one call (ranks without tokens and
+    ranks receiving nothing included)."""
+    tokens, routing = case
+    cluster(ranks).run(rank_cuda_vs_reference, tokens, 256, 4 * ranks, 4, routing, seed=13, fp8=fp8,
                        col_major=fp8, num_worst_tokens=0, use_bias=True, num_sms=8, nvl_bytes="hint")

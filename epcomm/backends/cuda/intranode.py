@@ -10,8 +10,9 @@ token rows straight into the receivers' buffers. A dispatch is two kernels on th
 Combine is a barrier and one kernel: rows return to their sources, which sum them in fp32 in
 ascending rank order (the reference backend's order, so results are bitwise equal).
 
-The buffer holds every row of one call (no chunked rounds yet): ``buffer_bytes_needed`` gives the
-size, and a call that would not fit raises ValueError on every rank before any row moves. Errors
+A call whose rows do not fit the buffer runs in rounds over ranges of source tokens (same results);
+``buffer_bytes_needed`` gives the size for one pass. A ``num_worst_tokens`` call must fit in one
+pass (else ValueError on every rank before any row moves). Errors
 found by the kernels (a peer that did not arrive within EPCOMM_TIMEOUT_S, ranks calling different
 operations, refused inputs) are raised by the call that synchronizes with them: a dispatch without
 ``num_worst_tokens`` synchronizes at its counts, so it reports its own and earlier calls' errors;
@@ -21,6 +22,7 @@ operations, refused inputs) are raised by the call that synchronizes with them: 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 import torch.distributed as dist
@@ -257,8 +259,12 @@ class CudaIntranode:
                     if split:  # the send half may still read the inputs
                         stream.wait_stream(self.send_stream)
                     raise
-                if max_recv > cap_rows:  # every rank sees the same matrix: all go to rounds alike
-                    if split:  # its send half saw the same overflow on the device and moved nothing
+                # One pass only if its combine fits too (a rank may send more rows than any receives, and
+                # a BF16 combine row outgrows an FP8 dispatch row). Every rank sees the same matrix, so
+                # all go to rounds alike.
+                need = max(max_recv, max_send)
+                if need > self.cap_rows(max(row_bytes, combine_row_bytes(hidden, num_topk))):
+                    if split:  # its send half moved rows nobody will read: let it finish first
                         stream.wait_stream(self.send_stream)
                     expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
                     return self._dispatch_in_rounds(
@@ -419,10 +425,12 @@ class CudaIntranode:
         first = per_round[0]
         total = sum(int(o.numel()) for o in order)
         out = torch.empty((total, *first.shape[1:]), dtype=first.dtype, device=self.device)
-        as_bytes = out.view(total, -1).view(torch.uint8)
-        for part, rows in zip(per_round, order):
-            if rows.numel():
-                as_bytes.index_copy_(0, rows, part.contiguous().view(part.shape[0], -1).view(torch.uint8))
+        width = math.prod(first.shape[1:])
+        if total and width:
+            as_bytes = out.view(total, width).view(torch.uint8)
+            for part, rows in zip(per_round, order):
+                if rows.numel():
+                    as_bytes.index_copy_(0, rows, part.contiguous().view(part.shape[0], width).view(torch.uint8))
         return out.t().contiguous().t() if col_major else out
 
     def _cached_in_rounds(self, x, scales, handle, num_sms):

@@ -28,7 +28,7 @@ def _send_plan(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, masked:
     flat = topk_idx.flatten()
     valid = flat >= 0
     if masked is not None:
-        valid &= ~masked[(flat.clamp(min=0) // experts_per_rank)]
+        valid &= ~masked.to(flat.device)[(flat.clamp(min=0) // experts_per_rank)]
     entries = torch.nonzero(valid).flatten()
     experts = flat[entries]
     tokens = entries // num_topk
