@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -37,3 +38,25 @@ def _close_clusters():
     yield
     for c in _clusters.values():
         c.close()
+
+
+def poison_allocator(dev: torch.device) -> None:
+    """Fill (then free) a large block, so the next allocations start out as garbage, not zeros: an output
+    row a kernel forgets to write cannot pass by luck."""
+    junk = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    junk.fill_(0x7F)
+    del junk
+
+
+@contextlib.contextmanager
+def peer_timeout(seconds: float | str):
+    """EPCOMM_TIMEOUT_S for the Buffers built inside (a Buffer reads it when it is constructed)."""
+    previous = os.environ.get("EPCOMM_TIMEOUT_S")
+    os.environ["EPCOMM_TIMEOUT_S"] = str(seconds)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["EPCOMM_TIMEOUT_S"]
+        else:
+            os.environ["EPCOMM_TIMEOUT_S"] = previous

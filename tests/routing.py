@@ -5,30 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-ROUTINGS = ("random", "one_expert", "imbalanced", "empty_rank", "all_dropped")
-
-
-def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int, num_ranks: int,
-                  routing: str) -> torch.Tensor:
-    """Top-k expert ids [T, K] int64 for a named routing pattern; -1 marks unused slots."""
-    if num_tokens == 0:
-        return torch.empty((0, num_topk), dtype=torch.int64)
-    scores = torch.rand((num_tokens, num_experts), generator=gen)
-    experts_per_rank = num_experts // num_ranks
-    if routing == "imbalanced":  # rank 0's experts win almost always
-        scores[:, :experts_per_rank] += 0.9
-    if routing == "empty_rank":  # nobody routes to the last rank
-        scores[:, num_experts - experts_per_rank:] = -1
-    idx = scores.topk(num_topk, dim=1).indices
-    if routing == "one_expert":
-        idx[:, 0] = 0
-        idx[:, 1:] = -1
-    elif routing == "all_dropped":
-        idx[:] = -1
-    else:  # drop ~10% of the slots
-        drop = torch.rand((num_tokens, num_topk), generator=gen) < 0.1
-        idx = torch.where(drop, torch.full_like(idx, -1), idx)
-    return idx.to(torch.int64)
+# The routing patterns live in the package: the pressure test draws them too.
+from epcomm.bench.workloads import make_pattern_topk_idx as make_topk_idx
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,

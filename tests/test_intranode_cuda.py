@@ -7,12 +7,10 @@ was filled with garbage first, so a row the kernels forget to write cannot pass 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster
+from conftest import BACKEND, cluster, peer_timeout, poison_allocator
 from routing import make_inputs
 
 import epcomm
@@ -32,13 +30,6 @@ def _same(a, b) -> bool:
     if not isinstance(a, torch.Tensor):
         return a == b
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _poison_allocator(dev: torch.device) -> None:
-    """Fill (then free) a large block, so the next allocations start out as garbage, not zeros."""
-    junk = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    junk.fill_(0x7F)
-    del junk
 
 
 def _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_topk, routing, fp8, col_major, dev):
@@ -65,20 +56,20 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
     outs = {}
     for backend in ("reference", "cuda"):
         buf = Buffer(dist.group.WORLD, nvl_bytes, backend=backend)
-        _poison_allocator(dev)
+        poison_allocator(dev)
         layout = buf.get_dispatch_layout(topk_idx, num_experts)[:4]
         per_rank, _, per_expert, in_rank = layout
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
             x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst_tokens, config=config)
-        _poison_allocator(dev)
+        poison_allocator(dev)
         cached_x, *_ = buf.dispatch(x_in, handle=handle, config=config)
         rows = (recv_x[0] if fp8 else recv_x).shape[0]
         gen = torch.Generator().manual_seed(seed + 1000 + rank)
         y = torch.randn((rows, hidden), generator=gen).to(torch.bfloat16).to(dev)
         biases = tuple(torch.randn((x.shape[0], hidden), generator=gen).to(torch.bfloat16).to(dev)
                        for _ in range(2)) if use_bias else None
-        _poison_allocator(dev)
+        poison_allocator(dev)
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=biases, config=config)
         torch.cuda.synchronize()
         if backend == "cuda" and nvl_bytes != NVL_BYTES:
@@ -213,14 +204,10 @@ def rank_timeout(timeout_s):
     """Rank 1 never calls dispatch: rank 0 raises within the timeout, naming rank 1."""
     import time
 
-    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
-    os.environ["EPCOMM_TIMEOUT_S"] = str(timeout_s)
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
-    try:
+    with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    finally:
-        os.environ["EPCOMM_TIMEOUT_S"] = previous
     x, topk_idx, w = (t.to(dev) for t in make_inputs(6, rank, 16, 256, 8, 2, dist.get_world_size(), "random"))
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 8)
     elapsed = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster
+from conftest import BACKEND, cluster, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer
@@ -19,12 +19,6 @@ from epcomm import Buffer
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
 RANKS = [2, 4, 8]
-
-
-def _poison_allocator(dev: torch.device) -> None:
-    junk = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    junk.fill_(0x7F)
-    del junk
 
 
 def _buffer(backend: str, n: int, hidden: int, num_experts: int, **kwargs) -> Buffer:
@@ -59,7 +53,7 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
             buf.low_latency_update_mask_buffer(num_ranks - 1, True)
         recv_stats = torch.zeros(e_local, dtype=torch.int32, device=dev)
         wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
-        _poison_allocator(dev)
+        poison_allocator(dev)
         recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
             x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats=recv_stats,
             dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
@@ -71,7 +65,7 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         data = recv_x[0].float() if use_fp8 else recv_x.float()
         scale = (torch.arange(e_local, device=dev, dtype=torch.float32) + 1).view(-1, 1, 1) / 4
         y = (torch.nan_to_num(data) * scale).to(torch.bfloat16)
-        _poison_allocator(dev)
+        poison_allocator(dev)
         combined, _, hook = buf.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=use_hook)
         if use_hook:
             hook()

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster
+from conftest import BACKEND, cluster, peer_timeout
 from routing import make_inputs
 
 from epcomm import Buffer
@@ -104,12 +104,8 @@ def test_destroy_waits_for_work_in_flight():
 
 def rank_mismatched_ops(timeout_s: str):
     """Rank 0 dispatches while rank 1 makes a cached dispatch: both learn it, neither hangs."""
-    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
-    os.environ["EPCOMM_TIMEOUT_S"] = timeout_s
-    try:
+    with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    finally:
-        os.environ["EPCOMM_TIMEOUT_S"] = previous
     x, idx, w, num_experts = _inputs(3)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -135,12 +131,8 @@ def test_mismatched_operations_raise_on_both_ranks():
 def rank_dead_peer(timeout_s: float, path: str):
     """Rank 1 exits before the dispatch; rank 0 raises within the timeout naming it, and nothing keeps
     running on its GPU afterwards."""
-    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
-    os.environ["EPCOMM_TIMEOUT_S"] = str(timeout_s)
-    try:
+    with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    finally:
-        os.environ["EPCOMM_TIMEOUT_S"] = previous
     x, idx, w, num_experts = _inputs(4)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     torch.cuda.synchronize()
@@ -182,13 +174,9 @@ def rank_shrink_after_silent_peer(timeout_s: str):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     n, hidden, num_experts = 16, 512, 4 * num_ranks
-    previous = os.environ.get("EPCOMM_TIMEOUT_S", "30")
-    os.environ["EPCOMM_TIMEOUT_S"] = timeout_s
-    try:
+    with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
                      low_latency_mode=True, enable_shrink=True, backend="cuda")
-    finally:
-        os.environ["EPCOMM_TIMEOUT_S"] = previous
     x, idx, w = (t.to(dev) for t in make_inputs(61, rank, n, hidden, num_experts, 3, num_ranks, "random"))
     status = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
     if rank == 0:

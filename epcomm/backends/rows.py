@@ -1,5 +1,6 @@
 """Token rows as bytes: how every backend packs a token (data | scales | top-k ids | top-k weights)
-into one row before it moves, and unpacks the received rows into the API's tensors."""
+into one row before it moves, and unpacks the received rows into the API's tensors; and the packed
+receive tensors of low-latency dispatch, which every backend fills alike."""
 
 from __future__ import annotations
 
@@ -68,3 +69,18 @@ def unpack_token_rows(recv: torch.Tensor, num_recv: int, num_rows: int, x: torch
             recv_topk_weights = torch.where(mine, weights, torch.zeros_like(weights))
     recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
     return recv_x_out, recv_topk_idx, recv_topk_weights
+
+
+def low_latency_recv_tensors(num_local_experts: int, rows: int, hidden: int, use_fp8: bool, use_ue8m0: bool,
+                             device: torch.device):
+    """``(recv_x as the API returns it, data, scales or None)`` of a low-latency dispatch: data
+    [E_local, N*R, H] (e4m3 or bf16); FP8 scales [E_local, N*R, H/128] fp32, or [.., H/512] packed
+    UE8M0 int32, column-major in the last two dims (allocated [E_local, cols, N*R] and transposed)."""
+    if not use_fp8:
+        data = torch.empty((num_local_experts, rows, hidden), dtype=torch.bfloat16, device=device)
+        return data, data, None
+    data = torch.empty((num_local_experts, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
+    cols = hidden // 128 // (4 if use_ue8m0 else 1)
+    scales = torch.empty((num_local_experts, cols, rows), dtype=torch.int32 if use_ue8m0 else torch.float32,
+                         device=device).transpose(1, 2)
+    return (data, scales), data, scales

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
 from .runner import rank_device
+from .workloads import ROUTINGS, make_pattern_topk_idx
 
-ROUTINGS = ("random", "one_expert", "imbalanced", "empty_rank", "all_dropped")
 HIDDENS = (256, 512, 1024, 2048, 7168)
 GiB = 1 << 30
 
@@ -46,27 +46,6 @@ def _draw(rng: random.Random, num_ranks: int) -> dict[str, Any]:
         "routing": rng.choice(ROUTINGS), "fp8": rng.random() < 0.5, "col_major": rng.random() < 0.5,
         "worst": rng.random() < 0.3, "num_biases": rng.randint(0, 2), "seed": rng.randrange(1 << 30),
     }
-
-
-def _topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int, num_ranks: int,
-              routing: str) -> torch.Tensor:
-    if num_tokens == 0:
-        return torch.empty((0, num_topk), dtype=torch.int64)
-    scores = torch.rand((num_tokens, num_experts), generator=gen)
-    per_rank = num_experts // num_ranks
-    if routing == "imbalanced":
-        scores[:, :per_rank] += 0.9
-    if routing == "empty_rank":
-        scores[:, num_experts - per_rank:] = -1
-    idx = scores.topk(num_topk, dim=1).indices
-    if routing == "one_expert":
-        idx[:, 0] = 0
-        idx[:, 1:] = -1
-    elif routing == "all_dropped":
-        idx[:] = -1
-    else:
-        idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.1, torch.full_like(idx, -1), idx)
-    return idx.to(torch.int64)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -96,7 +75,8 @@ class _Sequence:
         num_tokens, hidden = draw["tokens"][rank], draw["hidden"]
         self.buf, self.draw = buf, draw
         x = (torch.randn((num_tokens, hidden), generator=gen) * 2).to(torch.bfloat16)
-        topk_idx = _topk_idx(gen, num_tokens, draw["num_experts"], draw["num_topk"], num_ranks, draw["routing"])
+        topk_idx = make_pattern_topk_idx(gen, num_tokens, draw["num_experts"], draw["num_topk"], num_ranks,
+                                         draw["routing"])
         weights = torch.rand(topk_idx.shape, generator=gen)
         self.x, self.topk_idx, self.weights = x.to(dev), topk_idx.to(dev), weights.to(dev)
         if draw["fp8"]:

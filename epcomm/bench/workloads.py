@@ -66,6 +66,33 @@ class RankInputs:
     topk_weights: torch.Tensor  # [T, K] f32 in (0, 1)
 
 
+ROUTINGS = ("random", "one_expert", "imbalanced", "empty_rank", "all_dropped")
+
+
+def make_pattern_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int, num_ranks: int,
+                          routing: str) -> torch.Tensor:
+    """Top-k expert ids [T, K] int64 for a named routing pattern (the tests' and the pressure test's);
+    -1 marks unused slots. "random" drops about 10% of the slots."""
+    if num_tokens == 0:
+        return torch.empty((0, num_topk), dtype=torch.int64)
+    scores = torch.rand((num_tokens, num_experts), generator=gen)
+    experts_per_rank = num_experts // num_ranks
+    if routing == "imbalanced":  # rank 0's experts win almost always
+        scores[:, :experts_per_rank] += 0.9
+    if routing == "empty_rank":  # nobody routes to the last rank
+        scores[:, num_experts - experts_per_rank:] = -1
+    idx = scores.topk(num_topk, dim=1).indices
+    if routing == "one_expert":
+        idx[:, 0] = 0
+        idx[:, 1:] = -1
+    elif routing == "all_dropped":
+        idx[:] = -1
+    else:  # drop ~10% of the slots
+        drop = torch.rand((num_tokens, num_topk), generator=gen) < 0.1
+        idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    return idx.to(torch.int64)
+
+
 def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int) -> torch.Tensor:
     """Random routing of BENCHMARK.md: per token, the top-k of U(0, 1) scores over all experts."""
     scores = torch.rand((num_tokens, num_experts), generator=gen)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...handle import LowLatencyHandle
+from ..rows import low_latency_recv_tensors
 from .build import load_library
 from .ipc import SharedBuffer
 
@@ -133,15 +134,7 @@ class CudaLowLatency:
         rows = num_max_tokens * num_ranks
         data_bytes, cols, msg = message_bytes(hidden, use_fp8, use_ue8m0)
         dev = self.device
-        if use_fp8:
-            recv_data = torch.empty((e_local, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
-            recv_scales = torch.empty((e_local, cols, rows), dtype=torch.int32 if use_ue8m0 else torch.float32,
-                                      device=dev).transpose(1, 2)
-            recv_x = (recv_data, recv_scales)
-        else:
-            recv_data = torch.empty((e_local, rows, hidden), dtype=torch.bfloat16, device=dev)
-            recv_scales = None
-            recv_x = recv_data
+        recv_x, recv_data, recv_scales = low_latency_recv_tensors(e_local, rows, hidden, use_fp8, use_ue8m0, dev)
         src_info = torch.empty((e_local, rows), dtype=torch.int32, device=dev)  # -1 past the counts (kernel)
         recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
         layout_range = torch.empty((e_local, num_ranks), dtype=torch.int64, device=dev)

@@ -16,6 +16,7 @@ import torch
 
 from ...fp8 import GROUP, pack_ue8m0, quantize_groups
 from ...handle import LowLatencyHandle
+from ..rows import low_latency_recv_tensors
 from .backend import F, Op, ReferenceBackend, from_bytes, to_bytes
 
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
@@ -83,16 +84,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     rows_total = num_max_tokens * num_ranks
     num_scale_cols = hidden // GROUP // (4 if use_ue8m0 else 1)
     dev = x.device
-    if use_fp8:
-        recv_data = torch.empty((experts_per_rank, rows_total, hidden), dtype=torch.float8_e4m3fn, device=dev)
-        scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-        recv_scales = torch.empty((experts_per_rank, num_scale_cols, rows_total), dtype=scale_dtype,
-                                  device=dev).transpose(1, 2)
-        recv_x = (recv_data, recv_scales)
-    else:
-        recv_data = torch.empty((experts_per_rank, rows_total, hidden), dtype=torch.bfloat16, device=dev)
-        recv_scales = None
-        recv_x = recv_data
+    recv_x, recv_data, recv_scales = low_latency_recv_tensors(experts_per_rank, rows_total, hidden, use_fp8,
+                                                              use_ue8m0, dev)
     src_info = torch.full((experts_per_rank, rows_total), -1, dtype=torch.int32, device=dev)
 
     pending = None if everyone_empty else be.transport.start_all_to_all(send, rows_per_dest, recv_rows)
