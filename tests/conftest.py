@@ -60,3 +60,18 @@ def peer_timeout(seconds: float | str):
             del os.environ["EPCOMM_TIMEOUT_S"]
         else:
             os.environ["EPCOMM_TIMEOUT_S"] = previous
+
+
+def capture_graph(step, *args):
+    """Run ``step(*args)`` once on a side stream (loads the kernels, fills the caches), then capture it in a
+    CUDA graph; returns (graph, the captured call's outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step(*args)
+    return graph, outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster, peer_timeout, poison_allocator
+from conftest import BACKEND, capture_graph, cluster, peer_timeout, poison_allocator
 from routing import make_inputs
 
 import epcomm
@@ -144,15 +144,7 @@ def rank_graph_replay(num_tokens, hidden, num_experts, num_topk, num_worst_token
         w_static.copy_(w)
 
     load(100)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture (compiles and loads the kernels)
-        step(buf, x_static, idx_static, w_static)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step(buf, x_static, idx_static, w_static)
+    graph, outputs = capture_graph(step, buf, x_static, idx_static, w_static)
     for seed in (200, 300, 400):
         load(seed)
         _poison_outputs(outputs)

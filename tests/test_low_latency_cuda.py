@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster, poison_allocator
+from conftest import BACKEND, capture_graph, cluster, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer
@@ -153,15 +153,7 @@ def rank_ll_graph(n, hidden, num_experts, num_topk):
         w_static.copy_(w)
 
     load(1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(buf, x_static, idx_static, w_static)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step(buf, x_static, idx_static, w_static)
+    graph, outputs = capture_graph(step, buf, x_static, idx_static, w_static)
     for seed in (2, 3, 4):
         load(seed)
         for t in outputs:

@@ -39,8 +39,8 @@ import torch
 
 from ...handle import DispatchHandle
 from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, from_bytes, to_bytes
-from .normal import X_BF16, X_FP8
+from .backend import F, Op, ReferenceBackend, to_bytes
+from .normal import X_BF16, X_FP8, exchange_expert_counts
 
 STRATEGY = "allgather"
 # Header slot carrying the strategy (the first unused one); 0 = the all-to-all strategy, which
@@ -117,16 +117,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     nobody_receives = int(count_matrix.sum()) == 0
 
     # Per-expert counts, exchanged exactly as the all-to-all strategy does (same results).
-    num_recv_tokens_per_expert_list = None
-    if not cached:
-        experts_per_rank = num_experts // num_ranks
-        per_expert = num_tokens_per_expert.to(torch.int32).view(num_ranks, experts_per_rank)
-        recv_per_expert = be.exchange_rows(to_bytes(per_expert.to(be.device)), [1] * num_ranks, [1] * num_ranks,
-                                           Op.DISPATCH, everyone_empty=False)
-        totals = from_bytes(recv_per_expert, torch.int32, experts_per_rank).sum(0).tolist()
-        if num_worst_tokens == 0:
-            a = expert_alignment
-            num_recv_tokens_per_expert_list = [(c + a - 1) // a * a for c in totals]
+    num_recv_tokens_per_expert_list = None if cached else \
+        exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
 
     num_recv_tokens = sum(recv_counts)
     check_worst_tokens(rank, num_recv_tokens, num_worst_tokens)

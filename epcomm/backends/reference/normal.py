@@ -37,6 +37,23 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     return num_tokens_per_rank, num_tokens_per_domain, num_tokens_per_expert.to(torch.int32), is_token_in_rank
 
 
+def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int,
+                           expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
+    """Each rank tells each destination how many of its entries target each of that rank's experts;
+    returns this rank's received counts per local expert, rounded up to ``expert_alignment`` (None
+    with ``num_worst_tokens``: the API returns no list then, but the exchange still happens)."""
+    num_ranks = be.num_ranks
+    experts_per_rank = num_experts // num_ranks
+    per_expert = num_tokens_per_expert.to(torch.int32).view(num_ranks, experts_per_rank)
+    recv_per_expert = be.exchange_rows(to_bytes(per_expert.to(be.device)), [1] * num_ranks, [1] * num_ranks,
+                                       Op.DISPATCH, everyone_empty=False)
+    totals = from_bytes(recv_per_expert, torch.int32, experts_per_rank).sum(0).tolist()
+    if num_worst_tokens:
+        return None
+    a = expert_alignment
+    return [(c + a - 1) // a * a for c in totals]
+
+
 def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle | None,
              num_tokens_per_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor | None,
              num_tokens_per_expert: torch.Tensor | None, topk_idx: torch.Tensor | None,
@@ -64,17 +81,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
                            f"but peers now send {recv_counts}; use the handle of the matching dispatch")
     everyone_empty = int(count_matrix.sum()) == 0
 
-    # Per-expert counts: each rank tells each destination how many of its entries target each local expert.
-    num_recv_tokens_per_expert_list = None
-    if not cached:
-        experts_per_rank = num_experts // num_ranks
-        per_expert = num_tokens_per_expert.to(torch.int32).view(num_ranks, experts_per_rank)
-        recv_per_expert = be.exchange_rows(to_bytes(per_expert.to(be.device)), [1] * num_ranks, [1] * num_ranks,
-                                           Op.DISPATCH, everyone_empty=False)
-        totals = from_bytes(recv_per_expert, torch.int32, experts_per_rank).sum(0).tolist()
-        if num_worst_tokens == 0:
-            a = expert_alignment
-            num_recv_tokens_per_expert_list = [(c + a - 1) // a * a for c in totals]
+    num_recv_tokens_per_expert_list = None if cached else \
+        exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
 
     packed = pack_token_rows(x, scales, topk_idx, topk_weights)
     token_order = [torch.nonzero(is_token_in_rank[:, r]).flatten() for r in range(num_ranks)]
