@@ -190,3 +190,33 @@ def test_pressure_run_end_to_end(tmp_path, capsys):
     assert record["mode"] == "pressure" and record["checked"] and record["failures"] == []
     assert record["cases"] == 8 and record["replays"] == 16 and record["buffers_created"] == 4
     assert "every output bitwise equal" in capsys.readouterr().out
+
+
+def rank_deep_ep_case(case):
+    """Run a DeepEP case with epcomm's reference Buffer standing in for deep_ep (DeepEP has the same API and
+    cannot run on CPU): checks that the peer goes through the same calls, checks and record."""
+    import sys
+    import types
+
+    from epcomm.bench import runner
+
+    sys.modules["deep_ep"] = types.SimpleNamespace(Buffer=epcomm.Buffer)
+    try:
+        return runner.run_case(case)
+    finally:
+        del sys.modules["deep_ep"]
+
+
+def test_deep_ep_cases_run_beside_epcomm():
+    from conftest import cluster
+
+    from epcomm.bench.workloads import DEEP_EP, plan_cases
+
+    cases = plan_cases(["normal", "low_latency"], [32], [16], [256], 4, 8, 8, [8], ["bf16", "fp8"], 1, 2, 0,
+                       "reference", with_deep_ep=True)
+    peers = [c for c in cases if c.kind == DEEP_EP]
+    assert [(c.mode, c.dtype) for c in peers] == [("normal", "bf16"), ("normal", "fp8")]  # normal mode only
+    assert not any(c.kind == DEEP_EP for c in plan_cases(["normal"], [32], [16], [256], 4, 8, 8, [8], ["bf16"], 1, 2,
+                                                          0, "reference"))
+    results = cluster(2).run(rank_deep_ep_case, peers[1])
+    assert all(r["impl"] == DEEP_EP and not r["failures"] for r in results), results

@@ -53,7 +53,8 @@ def run(opts: Options, probe: dict | None = None) -> tuple[list[dict], list[str]
     cases = plan_cases(opts.modes, opts.tokens, opts.ll_tokens, opts.hidden, opts.topk, opts.experts,
                        opts.ll_experts, opts.num_sms, opts.dtypes, opts.warmup, opts.iters, opts.seed,
                        opts.backend, strategies=opts.strategies, diagnose=opts.diagnose,
-                       straggler=opts.straggler, straggler_delay_us=opts.straggler_delay_us)
+                       straggler=opts.straggler, straggler_delay_us=opts.straggler_delay_us,
+                       with_deep_ep=opts.pg_backend == "nccl" and runner.deep_ep_available())
     _log(f"epcomm.bench: {opts.num_ranks} rank(s) on {opts.pg_backend}, {len(cases)} configuration(s), "
          f"{opts.warmup} warm-up(s) + {opts.iters} timed call(s) each")
     records: list[dict] = []

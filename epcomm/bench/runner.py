@@ -7,6 +7,7 @@ collective calls whatever its checks find, so a failed check is reported, never 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from .. import Buffer, per_token_cast_to_fp8
 from . import checks, metrics
 from .timing import time_samples
-from .workloads import A2A, AG, ALLGATHER, NORMAL, Case, RankInputs, all_rank_inputs
+from .workloads import A2A, AG, ALLGATHER, DEEP_EP, NORMAL, Case, RankInputs, all_rank_inputs
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,17 +100,22 @@ def _timed(fn: Callable[[], Any], case: Case, device: torch.device, before, samp
 
 def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> dict[str, Any]:
     num_ranks = len(inputs)
-    Buffer.set_num_sms(case.num_sms)
-    dispatch_config = Buffer.get_dispatch_config(num_ranks)
-    combine_config = Buffer.get_combine_config(num_ranks)
+    # The peer (DeepEP's own Buffer, same API) runs through the same calls and checks as epcomm.
+    buffer_class = _deep_ep_buffer_class() if case.kind == DEEP_EP else Buffer
+    buffer_class.set_num_sms(case.num_sms)
+    dispatch_config = buffer_class.get_dispatch_config(num_ranks)
+    combine_config = buffer_class.get_combine_config(num_ranks)
     # DeepEP's rule: H * max(element size, 2), so one buffer serves both dtypes.
     hidden_bytes = case.hidden * 2
     configs = (dispatch_config, combine_config)
     num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
     num_rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for c in configs)
-    if case.backend == "cuda":  # the CUDA kernels hold every row of a call: size for this routing
-        num_nvl_bytes = max(num_nvl_bytes, _cuda_nvl_bytes(case, inputs))
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend, strategy=case.strategy)
+    if case.kind == DEEP_EP:
+        buf = buffer_class(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes)
+    else:
+        if case.backend == "cuda":  # one pass of the CUDA kernels holds every row: size for this routing
+            num_nvl_bytes = max(num_nvl_bytes, _cuda_nvl_bytes(case, inputs))
+        buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend, strategy=case.strategy)
     mine = inputs[rank]
     want = checks.Expected(inputs, rank, case.num_experts)
     failures: list[str] = []
@@ -147,16 +153,28 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
 
     suffix = "-allgather" if case.strategy == ALLGATHER else ""
     result = {
-        "impl": f"epcomm-{buf.backend_name}{suffix}", "strategy": case.strategy, "samples_s": samples,
-        "num_domains": buf.num_domains,
+        "impl": DEEP_EP if case.kind == DEEP_EP else f"epcomm-{buf.backend_name}{suffix}", "strategy": case.strategy,
+        "samples_s": samples, "num_domains": getattr(buf, "num_domains", 1),
         "buffer_bytes": buf.num_nvl_bytes + buf.num_rdma_bytes,
         "dispatch_s": dispatch_s, "cached_dispatch_s": cached_s, "combine_s": combine_s,
         "dispatch_bytes": metrics.normal_dispatch_bytes(want.num_rows, case.hidden, case.dtype),
         "combine_bytes": metrics.normal_combine_bytes(want.num_rows, case.hidden),
         "failures": failures,
     }
-    buf.destroy()
+    if hasattr(buf, "destroy"):  # DeepEP frees its buffer on garbage collection unless explicitly_destroy
+        buf.destroy()
     return result
+
+
+def deep_ep_available() -> bool:
+    """Whether DeepEP is importable here (then the benchmark runs it beside epcomm, on GPUs)."""
+    return importlib.util.find_spec("deep_ep") is not None
+
+
+def _deep_ep_buffer_class():
+    import deep_ep
+
+    return deep_ep.Buffer
 
 
 def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs]) -> int:

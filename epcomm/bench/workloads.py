@@ -17,6 +17,7 @@ MODES = (NORMAL, LOW_LATENCY)
 # What a case runs: the Buffer, the plain all_to_all_single baseline, or the allgather baseline
 # (all_gather_into_tensor for dispatch, reduce_scatter_tensor for combine).
 EPCOMM, A2A, AG = "epcomm", "a2a", "allgather"
+DEEP_EP = "deep_ep"  # DeepEP's own Buffer (normal mode), run beside epcomm where it is importable
 BASELINES = (A2A, AG)
 ALLTOALL, ALLGATHER = "alltoall", "allgather"
 STRATEGIES = (ALLTOALL, ALLGATHER)  # Buffer(strategy=...) of the normal-mode epcomm cases
@@ -27,7 +28,7 @@ class Case:
     """One measured configuration; sent to every rank, so it stays a plain picklable value."""
 
     mode: str  # NORMAL or LOW_LATENCY
-    kind: str  # EPCOMM or A2A
+    kind: str  # EPCOMM, a baseline (A2A, AG) or the peer DEEP_EP
     num_tokens: int  # per rank (low-latency: also num_max_dispatch_tokens_per_rank)
     hidden: int
     num_topk: int
@@ -52,6 +53,8 @@ class Case:
             who = "a2a-baseline"
         elif self.kind == AG:
             who = "allgather-baseline"
+        elif self.kind == DEEP_EP:
+            who = f"deep_ep {self.dtype}"
         else:
             who = f"epcomm {self.dtype}" + (f" {self.strategy}" if self.strategy != ALLTOALL else "")
         sms = "" if self.num_sms is None else f" sms={self.num_sms}"
@@ -131,7 +134,8 @@ def all_rank_inputs(case: Case, num_ranks: int, device: torch.device) -> list[Ra
 def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hiddens: list[int], num_topk: int,
                num_experts: int, ll_experts: int, num_sms: list[int], dtypes: list[str], warmup: int,
                iters: int, seed: int, backend: str, strategies: list[str] | tuple[str, ...] = (ALLTOALL,),
-               diagnose: bool = False, straggler: int | None = None, straggler_delay_us: float = 0.0) -> list[Case]:
+               diagnose: bool = False, straggler: int | None = None, straggler_delay_us: float = 0.0,
+               with_deep_ep: bool = False) -> list[Case]:
     """Cases in run order: for each shape, the baselines first, then epcomm per SM count, dtype and strategy.
 
     Low-latency dispatch is FP8 as BENCHMARK.md prescribes, whatever ``dtypes`` says; strategies
@@ -157,4 +161,6 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                     for dtype in mode_dtypes:
                         for strategy in mode_strategies:
                             cases.append(Case(kind=EPCOMM, num_sms=sms, dtype=dtype, strategy=strategy, **common))
+                        if with_deep_ep and mode == NORMAL:
+                            cases.append(Case(kind=DEEP_EP, num_sms=sms, dtype=dtype, **common))
     return cases
