@@ -243,8 +243,10 @@ class Buffer:
     # ------------------------------------------------------------------ helpers
     def _refuse(self, op: Op, error: Exception) -> None:
         """Tell the peers this rank refused its arguments (so they raise too), then raise."""
-        if self._cuda is not None and op in (Op.DISPATCH, Op.COMBINE):
-            raise error  # no handshake on the kernel path: peers time out at its barrier, naming this rank
+        on_kernels = (self._cuda is not None and op in (Op.DISPATCH, Op.COMBINE)) or \
+            (self._cuda_ll is not None and op in (Op.LL_DISPATCH, Op.LL_COMBINE))
+        if on_kernels:
+            raise error  # no handshake on the kernel path: peers' bounded waits name this rank
         try:
             self._backend.handshake(op, {}, refused=True)
         except RuntimeError:
