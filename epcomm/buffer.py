@@ -136,8 +136,17 @@ class Buffer:
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        """Whether SM90 kernels are available (False in a reference-only build)."""
-        return False
+        """Whether the SM90 kernels can run here: a Hopper GPU is visible and nvcc is there to build them on
+        first use (they are compiled on first use, not at install)."""
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+            return False
+        from .backends.cuda.build import find_nvcc
+
+        try:
+            find_nvcc()
+        except RuntimeError:
+            return False
+        return True
 
     @staticmethod
     def capture() -> EventOverlap:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -95,3 +96,15 @@ def test_fp8_cast_rule():
     assert packed.dtype == torch.int32 and packed.shape == (5, 2)
     assert torch.equal(unpack_ue8m0(packed), s2)
     assert torch.equal(epcomm.per_token_cast_back(q2, packed), epcomm.per_token_cast_back(q2, s2))
+
+
+def test_is_sm90_compiled_needs_a_hopper_gpu_and_nvcc():
+    import shutil
+
+    from epcomm import Buffer
+
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    if not hopper:
+        assert Buffer.is_sm90_compiled() is False
+    elif shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc"):
+        assert Buffer.is_sm90_compiled() is True
