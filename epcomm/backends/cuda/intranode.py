@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from .build import load_library
+from .capi import check, check_aligned, ptr, stream_ptr
 from .ipc import SharedBuffer
 
 _ROW_ALIGN = 16
@@ -68,12 +69,6 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
     row = max(dispatch_row_bytes(hidden, element_size, num_topk, num_scales), combine_row_bytes(hidden, num_topk))
     return ROWS_OFFSET + rows * row
 
-
-def _check_aligned(name: str, t: torch.Tensor) -> None:
-    """The kernels move rows in 16-byte words."""
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address (a view with an odd storage offset "
-                         "is not); pass a fresh or .clone()d tensor")
 
 
 class CudaIntranode:
@@ -117,17 +112,8 @@ class CudaIntranode:
         self.shared.close()
 
     # ------------------------------------------------------------------ helpers
-    def _stream(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
 
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"epcomm {what}: CUDA call failed with error {code}")
 
-    @staticmethod
-    def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-        return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
     def _send_blocks(self, num_sms: int, op: str) -> int:
         """SMs given to sending (the rest receive or reduce): EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT of
@@ -169,8 +155,8 @@ class CudaIntranode:
         """The notify kernel without a count exchange: advance the call counter and meet every peer."""
         code = self.lib.epcomm_notify(self.ptrs, self.rank, self.num_ranks, op_code, 0, None, None, None, 0, None, 0,
                                       1, 0, 0, None, None, None, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
-                                      self._stream())
-        self._check(code, op)
+                                      stream_ptr(self.device))
+        check(code, op)
 
     def barrier(self, op: str) -> None:
         self._notify_barrier(self.c["op_barrier"], op)
@@ -188,9 +174,9 @@ class CudaIntranode:
         per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=self.device)
         code = self.lib.epcomm_get_dispatch_layout(
-            self._ptr(topk_idx), num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, self._ptr(per_rank),
-            self._ptr(per_domain), self._ptr(per_expert), self._ptr(in_rank), self._stream())
-        self._check(code, "get_dispatch_layout")
+            ptr(topk_idx), num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, ptr(per_rank),
+            ptr(per_domain), ptr(per_expert), ptr(in_rank), stream_ptr(self.device))
+        check(code, "get_dispatch_layout")
         return per_rank, per_domain, per_expert, in_rank
 
     # ------------------------------------------------------------------ dispatch / combine
@@ -202,7 +188,7 @@ class CudaIntranode:
         num_topk = topk_idx.shape[1] if topk_idx is not None else 0
         if num_topk > 32:
             raise ValueError(f"topk_idx: the CUDA kernels support up to 32 experts per token, got {num_topk}")
-        _check_aligned("x", x)
+        check_aligned("x", x)
         num_scales = scales.shape[1] if scales is not None else 0
         row_bytes = dispatch_row_bytes(hidden, x.element_size(), num_topk, num_scales)
         cap_rows = self.cap_rows(row_bytes)
@@ -231,12 +217,12 @@ class CudaIntranode:
             own_tokens = torch.empty(num_tokens, dtype=torch.int32, device=self.device)
             layout = torch.empty(LAYOUT_INTS, dtype=torch.int32, device=self.device)
             code = self.lib.epcomm_notify(
-                self.ptrs, rank, num_ranks, c["op_dispatch"], num_tokens, self._ptr(in_rank),
-                self._ptr(num_tokens_per_rank.contiguous()), self._ptr(num_tokens_per_expert.contiguous()),
-                experts_per_rank, self._ptr(topk_idx), num_topk, expert_alignment, num_worst_tokens, row_bytes,
-                self._ptr(slot), self._ptr(own_tokens), self._ptr(layout), self._info_ptr,
-                ctypes.c_uint64(self.timeout_ns), self._stream())
-            self._check(code, "dispatch")
+                self.ptrs, rank, num_ranks, c["op_dispatch"], num_tokens, ptr(in_rank),
+                ptr(num_tokens_per_rank.contiguous()), ptr(num_tokens_per_expert.contiguous()),
+                experts_per_rank, ptr(topk_idx), num_topk, expert_alignment, num_worst_tokens, row_bytes,
+                ptr(slot), ptr(own_tokens), ptr(layout), self._info_ptr,
+                ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
+            check(code, "dispatch")
             num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
             if not num_worst_tokens:
                 counted = torch.cuda.Event()
@@ -310,18 +296,18 @@ class CudaIntranode:
                          recv_topk_weights, num_out, num_sms, op_code) -> None:
         """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu)."""
         code = self.lib.epcomm_dispatch(
-            self.ptrs, self.rank, self.num_ranks, x.shape[0], self._ptr(x), x.shape[1] * x.element_size(),
-            self._ptr(scales), scales.shape[1] if scales is not None else 0,
+            self.ptrs, self.rank, self.num_ranks, x.shape[0], ptr(x), x.shape[1] * x.element_size(),
+            ptr(scales), scales.shape[1] if scales is not None else 0,
             ctypes.c_int64(scales.stride(0) if scales is not None else 0),
-            ctypes.c_int64(scales.stride(1) if scales is not None else 0), self._ptr(topk_idx),
-            self._ptr(topk_weights), num_topk, int(topk_idx is not None), int(topk_weights is not None),
-            experts_per_rank, self._ptr(in_rank), self._ptr(slot), self._ptr(own_tokens), self._ptr(layout), row_bytes,
-            ctypes.c_int64(cap_rows), self._ptr(recv_x), self._ptr(recv_scales),
+            ctypes.c_int64(scales.stride(1) if scales is not None else 0), ptr(topk_idx),
+            ptr(topk_weights), num_topk, int(topk_idx is not None), int(topk_weights is not None),
+            experts_per_rank, ptr(in_rank), ptr(slot), ptr(own_tokens), ptr(layout), row_bytes,
+            ctypes.c_int64(cap_rows), ptr(recv_x), ptr(recv_scales),
             ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
-            ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), self._ptr(recv_topk_idx),
-            self._ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms, "dispatch"), mode, op_code,
-            self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
-        self._check(code, "dispatch")
+            ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), ptr(recv_topk_idx),
+            ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms, "dispatch"), mode, op_code,
+            self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
+        check(code, "dispatch")
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
@@ -331,9 +317,9 @@ class CudaIntranode:
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         if num_topk > 32:
             raise ValueError(f"topk_weights: the CUDA kernels support up to 32 columns, got {num_topk}")
-        _check_aligned("x", x)
+        check_aligned("x", x)
         for i, b in enumerate(biases):
-            _check_aligned(f"bias[{i}]", b)
+            check_aligned(f"bias[{i}]", b)
         row_bytes = combine_row_bytes(hidden, num_topk)
         cap_rows = self.cap_rows(row_bytes)
         if st["max_send"] > cap_rows:
@@ -344,11 +330,12 @@ class CudaIntranode:
         bias0 = biases[0] if len(biases) > 0 else None
         bias1 = biases[1] if len(biases) > 1 else None
         code = self.lib.epcomm_combine(
-            self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, self._ptr(x), self._ptr(topk_weights),
-            self._ptr(st["in_rank"]), self._ptr(st["slot"]), self._ptr(st["layout"]), row_bytes,
-            ctypes.c_int64(cap_rows), self._ptr(bias0), self._ptr(bias1), self._ptr(out), self._ptr(out_w), num_sms,
-            self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
-        self._check(code, "combine")
+            self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, ptr(x), ptr(topk_weights),
+            ptr(st["in_rank"]), ptr(st["slot"]), ptr(st["layout"]), row_bytes,
+            ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), ptr(out_w), num_sms,
+            self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+            stream_ptr(self.device))
+        check(code, "combine")
         return out, out_w
 
     # ------------------------------------------------------------------ calls larger than the buffer

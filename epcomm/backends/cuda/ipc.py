@@ -13,6 +13,8 @@ import ctypes
 import torch
 import torch.distributed as dist
 
+from .capi import check
+
 
 class SharedBuffer:
     def __init__(self, lib: ctypes.CDLL, group: dist.ProcessGroup, device: torch.device, num_bytes: int,
@@ -28,7 +30,7 @@ class SharedBuffer:
         self.tensor = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         handle = ctypes.create_string_buffer(64)
         offset = ctypes.c_int64(0)
-        _check(lib.epcomm_ipc_export(device.index, ctypes.c_void_p(self.tensor.data_ptr()), handle,
+        check(lib.epcomm_ipc_export(device.index, ctypes.c_void_p(self.tensor.data_ptr()), handle,
                                      ctypes.byref(offset)), "Buffer() IPC export")
         exported: list = [None] * self.num_ranks
         dist.all_gather_object(exported, (handle.raw, offset.value), group=group)
@@ -39,7 +41,7 @@ class SharedBuffer:
                 ptrs.append(self.tensor.data_ptr())
                 continue
             base, ptr = ctypes.c_void_p(), ctypes.c_void_p()
-            _check(lib.epcomm_ipc_open(device.index, ctypes.create_string_buffer(raw, 64), ctypes.c_int64(off),
+            check(lib.epcomm_ipc_open(device.index, ctypes.create_string_buffer(raw, 64), ctypes.c_int64(off),
                                        ctypes.byref(base), ctypes.byref(ptr)), f"Buffer() IPC open of rank {r}")
             self._peer_bases.append(base)
             ptrs.append(ptr.value)
@@ -56,7 +58,3 @@ class SharedBuffer:
             self.lib.epcomm_ipc_close(base)
         self._peer_bases = []
 
-
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"epcomm {what}: CUDA call failed with error {code}")

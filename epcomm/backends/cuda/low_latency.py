@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ...handle import LowLatencyHandle
 from ..rows import low_latency_recv_tensors
 from .build import load_library
+from .capi import check, check_aligned, ptr, stream_ptr
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
@@ -54,11 +55,6 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
     return num_experts * 16 + _round_up(num_ranks * 8, 16) + dispatch + combine
 
 
-def _check_aligned(name: str, t: torch.Tensor) -> None:
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address (the kernels move 16-byte words); pass "
-                         "a fresh or .clone()d tensor")
-
 
 class CudaLowLatency:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
@@ -84,16 +80,8 @@ class CudaLowLatency:
     def close(self) -> None:
         self.shared.close()
 
-    @staticmethod
-    def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-        return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
-    def _stream(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def _check(self, code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"epcomm {what}: CUDA launch failed with error {code}")
 
     def check_errors(self, op: str) -> None:
         """Raise what finished kernels reported (pinned memory, read without a sync)."""
@@ -128,7 +116,7 @@ class CudaLowLatency:
         if num_topk > 32:
             raise ValueError(f"topk_idx: the CUDA low-latency kernels support up to 32 experts per token, got "
                              f"{num_topk}")
-        _check_aligned("x", x)
+        check_aligned("x", x)
         num_ranks = self.num_ranks
         e_local = num_experts // num_ranks
         rows = num_max_tokens * num_ranks
@@ -149,13 +137,13 @@ class CudaLowLatency:
                 torch.cuda.current_stream(self.device).wait_event(sent)
             code = self.lib.epcomm_ll_dispatch(
                 self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
-                self._ptr(x), self._ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
-                slot, ctypes.c_int64(self.slot_bytes), self._ptr(mask), self._ptr(slot_map), self._ptr(recv_data),
-                self._ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
-                ctypes.c_int64(strides[2]), cols, self._ptr(src_info), self._ptr(recv_count),
-                self._ptr(layout_range), self._ptr(cumulative_stats), self._ptr(wait_stats), phase, self.num_sms,
-                self._info_ptr, ctypes.c_uint64(self.timeout_ns), self._stream())
-            self._check(code, "low_latency_dispatch")
+                ptr(x), ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
+                slot, ctypes.c_int64(self.slot_bytes), ptr(mask), ptr(slot_map), ptr(recv_data),
+                ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
+                ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
+                ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
+                self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
+            check(code, "low_latency_dispatch")
             if phase == 1:
                 sent.record(torch.cuda.current_stream(self.device))
             else:
@@ -179,9 +167,9 @@ class CudaLowLatency:
                              "receive hook first")
         n, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         self.check_capacity(n, hidden, num_experts)
-        _check_aligned("x", x)
+        check_aligned("x", x)
         if out is not None:
-            _check_aligned("out", out)
+            check_aligned("out", out)
         # The kernels index [T, K] densely: the handle's own copy of the ids (contiguous, and the one
         # the dispatch used) and contiguous weights.
         topk_idx = handle.backend_state["topk_idx"]
@@ -198,11 +186,11 @@ class CudaLowLatency:
                 torch.cuda.current_stream(self.device).wait_event(sent)
             code = self.lib.epcomm_ll_combine(
                 self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
-                self._ptr(x), self._ptr(layout_range), self._ptr(topk_idx), self._ptr(topk_weights),
-                self._ptr(slot_map), self._ptr(combined), slot, ctypes.c_int64(self.slot_bytes), self._ptr(mask),
-                self._ptr(wait_stats), phase, self.num_sms, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
-                self._stream())
-            self._check(code, "low_latency_combine")
+                ptr(x), ptr(layout_range), ptr(topk_idx), ptr(topk_weights),
+                ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), ptr(mask),
+                ptr(wait_stats), phase, self.num_sms, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+                stream_ptr(self.device))
+            check(code, "low_latency_combine")
             if phase == 1:
                 sent.record(torch.cuda.current_stream(self.device))
 
