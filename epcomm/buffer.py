@@ -608,7 +608,10 @@ class Buffer:
         if num_tokens > num_max_tokens:
             raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_max_tokens}")
-        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens, values=not self._capturing())
+        # The CUDA kernels check the values themselves (reading them here would sync the host; a bad id
+        # is then reported by the next call); the reference backend checks them here.
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens,
+                       values=self._cuda_ll is None and not self._capturing())
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True requires round_scale=True (UE8M0 holds powers of two only)")
         if use_fp8 and hidden % 128:
@@ -683,7 +686,8 @@ class Buffer:
                      contiguous=True)
         check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk),
                      device=self.device)
-        if not self._capturing() and not torch.equal(topk_idx, handle.backend_state["topk_idx"]):
+        if (self._cuda_ll is None and not self._capturing()
+                and not torch.equal(topk_idx, handle.backend_state["topk_idx"])):  # CUDA: compared on the GPU
             raise ValueError("topk_idx differs from the one passed to the low_latency_dispatch of this handle")
         check_tensor("topk_weights", topk_weights, dtype=torch.float32,
                      shape=(handle.num_tokens, handle.num_topk), device=self.device)
@@ -726,6 +730,8 @@ class Buffer:
         if self._ll_pending:
             raise RuntimeError("clean_low_latency_buffer: a low-latency receive is pending; call its hook() first")
         self._backend.ll_combine_buffers.clear()
+        if self._cuda_ll is not None:
+            self._cuda_ll.reset()
         self._ll_needs_clean = False
 
     # ------------------------------------------------------------------ failed-rank masking

@@ -2,7 +2,7 @@
 # The GPU machine's one job: build the CUDA kernels, run the test suite on NCCL (the same tests as
 # CI, plus the CUDA-kernel tests against the reference backend) and the benchmark, writing logs and
 # JSON under $OUT. Usage on the device machine: bash scripts/gpu_check.sh [bench args...]
-#   TESTS=...           test files to run [tests]
+#   TESTS=...           test files to run [tests];  TEST_K=...  a pytest -k expression
 #   TEST_TIMEOUT_S=...  limit of the test step [420];  BENCH_TIMEOUT_S=... limit of the bench [300]
 #   PRESSURE=N          then the pressure test with N random cases on the CUDA backend (bench --pressure)
 #   SANITIZE=1          then scripts/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
@@ -28,8 +28,11 @@ done
 # Build once here, so a compile error shows plainly instead of inside every rank.
 python3 -c "from epcomm.backends.cuda.build import load_library; load_library(); print('kernels built')" \
   2>&1 | tee "$OUT/build.log" || status=1
-EPCOMM_TEST_BACKEND=nccl timeout "${TEST_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} \
-  2>&1 | tee "$OUT/tests-nccl.log" || status=1
+# -rA: the log names every test that passed, failed or was skipped (the record of what ran).
+K_ARGS=()
+[ -n "${TEST_K:-}" ] && K_ARGS=(-k "$TEST_K")
+EPCOMM_TEST_BACKEND=nccl timeout "${TEST_TIMEOUT_S:-420}" python3 -m pytest -q -rA -p no:cacheprovider ${TESTS:-tests} \
+  ${K_ARGS[@]+"${K_ARGS[@]}"} 2>&1 | tee "$OUT/tests-nccl.log" | grep -v "^PASSED\|^SKIPPED" || status=1
 timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" \
   || status=1
 if [ "${PRESSURE:-0}" -gt 0 ]; then

@@ -17,7 +17,7 @@ status=0
 for tool in memcheck racecheck synccheck; do
   log="$OUT/sanitize-$tool.log"
   timeout "${SANITIZE_TIMEOUT_S:-180}" compute-sanitizer --tool "$tool" --target-processes all \
-    --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider "$TESTS" -k "$SELECT" >"$log" 2>&1
+    --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider $TESTS -k "$SELECT" >"$log" 2>&1
   rc=$?
   summary=$(grep -E "ERROR SUMMARY|passed|failed" "$log" | tail -3 | tr '\n' ' ')
   echo "$tool: exit $rc; $summary" | tee -a "$OUT/sanitize-summary.txt"

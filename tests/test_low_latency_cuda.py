@@ -33,7 +33,11 @@ def _valid_rows(recv_x, recv_count):
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        # a fresh tensor: a "contiguous" one with size-1 dims may keep any stride there, which view() refuses
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t).view(-1).view(torch.uint8)
+
+    return a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
@@ -203,3 +207,46 @@ def rank_combine_before_hook():
 
 def test_ll_cuda_combine_before_hook_is_refused():
     cluster(2).run(rank_combine_before_hook)
+
+
+def rank_invalid_inputs_raise_everywhere():
+    """The kernels check topk_idx on the GPU (a host check would sync): a rank's invalid ids, or a
+    combine given other ids than its dispatch, make every rank raise ValueError at the same later
+    call (the next call of the slot), naming the rank; the entries were dropped, nothing else
+    happened, and the Buffer goes on working."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    buf = _buffer("cuda", n, hidden, num_experts)
+    x, idx, w = (t.to(dev) for t in make_inputs(61, rank, n, hidden, num_experts, 2, num_ranks, "random"))
+
+    def step(ids, combine_ids=None):
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, ids, n, num_experts, use_fp8=False)
+        out, _, _ = buf.low_latency_combine(recv_x, ids if combine_ids is None else combine_ids, w, handle)
+        return out
+
+    want = step(idx).clone()  # identity experts: a reference for the valid calls
+    for bad, culprit in (("id past num_experts", num_experts), ("id below -1", -2), ("combine ids", None)):
+        dispatch_ids, combine_ids = idx.clone(), None
+        if culprit is None:
+            combine_ids = idx.clone()
+            if rank == 1:
+                combine_ids[0, 0] = (combine_ids[0, 0] + 1) % num_experts
+        elif rank == 1:
+            dispatch_ids[3, 1] = culprit
+        step(dispatch_ids, combine_ids)
+        what = "differs from the one of its dispatch" if culprit is None else "invalid topk_idx"
+        # The next call of the faulty call's slot raises: this step's dispatch for a faulty dispatch,
+        # its combine for a faulty combine.
+        with pytest.raises(ValueError, match=rf"rank\(s\) \[1\] .*{what}"):
+            step(idx)
+        step(idx)  # the refused call launched nothing, on every rank: the ranks stay in step
+        torch.cuda.synchronize()
+        assert _bits_equal(step(idx), want), f"rank {rank} after {bad}: the Buffer no longer works"
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ll_cuda_invalid_inputs_raise_on_every_rank(ranks):
+    cluster(ranks).run(rank_invalid_inputs_raise_everywhere)

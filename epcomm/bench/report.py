@@ -88,6 +88,10 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
         if f"{op}_hook_send_s" in per_rank[0]:
             record[f"{op}_send_us"] = _sig(max(r[f"{op}_hook_send_s"] for r in per_rank) * 1e6)
             record[f"{op}_recv_us"] = _sig(max(r[f"{op}_hook_recv_s"] for r in per_rank) * 1e6)
+    for op in ("dispatch", "combine", "step"):  # low latency on the CUDA backend: replayed CUDA graphs
+        if f"{op}_graph_s" in per_rank[0]:
+            key = "dispatch_combine" if op == "step" else op
+            record[f"{key}_graph_us"] = _sig(max(r[f"{op}_graph_s"] for r in per_rank) * 1e6)
     # In memory only (keys starting with "_" are not written): every timed call, and the
     # low-latency waits as each rank observed them; --diagnose turns them into reported keys.
     record["_samples_us"] = {op: [[t * 1e6 for t in r["samples_s"][op]] for r in per_rank]
@@ -127,6 +131,9 @@ _COLUMNS = (
     ("cached us", 10, lambda r: f"{r['cached_dispatch_us']:.1f}" if "cached_dispatch_us" in r else "-"),
     ("comb us", 10, lambda r: f"{r['combine_us']:.1f}"),
     ("GB/s", 7, lambda r: fmt_gbps(r["combine_gbps"])),
+    ("graph d/c/d+c us", 17, lambda r: "/".join(f"{r[k]:.1f}" for k in ("dispatch_graph_us", "combine_graph_us",
+                                                                       "dispatch_combine_graph_us"))
+     if "dispatch_graph_us" in r else ""),
     ("a2a/disp", 8, lambda r: r.get("_vs_a2a", "")),
     ("checked", 7, lambda r: "yes" if r["checked"] else "FAILED"),
 )

@@ -254,6 +254,8 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
 
     hook_split = {op: _time_hook_split(fn, case, buf.device) for op, fn in
                   (("dispatch", dispatch_with_hook), ("combine", combine_with_hook))}
+    graph_times = _time_ll_graphs(case, buf, dispatch, combine, inputs, rank, tag, failures) \
+        if buf.backend_name == "cuda" else {}
 
     num_selections = int((mine.topk_idx >= 0).sum())
     result = {
@@ -266,12 +268,34 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     }
     for op, (send_s, recv_s) in hook_split.items():
         result[f"{op}_hook_send_s"], result[f"{op}_hook_recv_s"] = send_s, recv_s
+    result.update(graph_times)
     if case.diagnose:
         # Mean wait per call for each source rank, as this rank saw it (us).
         for name, stats in wait_stats.items():
             result[f"{name}_wait_us_per_source"] = [v / 1e3 / calls[name] for v in stats.cpu().tolist()]
     buf.destroy()
     return result
+
+
+def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combine: Callable[[], Any],
+                    inputs: list[RankInputs], rank: int, tag: str, failures: list[str]) -> dict[str, float]:
+    """The decode-step way to run the low-latency calls: each captured once in a CUDA graph and
+    replayed (no Python between the kernels). Times the dispatch, the combine, and both in one
+    graph; the dispatch graph's outputs are checked after its timed replays."""
+    graphs, outputs = {}, {}
+    for name, fn in (("dispatch", dispatch), ("combine", combine), ("step", lambda: (dispatch(), combine()))):
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            outputs[name] = fn()
+    times, samples = {}, {}
+    for name, graph in graphs.items():
+        times[f"{name}_graph_s"] = _timed(graph.replay, case, buf.device, None, samples, name)[0]
+    torch.cuda.synchronize(buf.device)
+    recv_x, recv_count, handle = outputs["dispatch"][:3]
+    _guarded(failures, f"{tag} (CUDA-graph dispatch)", checks.check_ll_dispatch, recv_x, recv_count, handle,
+             inputs, rank, case.num_experts)
+    _guarded(failures, f"{tag} (CUDA-graph combine)", checks.check_ll_combine, outputs["combine"][0], inputs[rank])
+    return times
 
 
 def _time_hook_split(call_with_hook: Callable[[], Any], case: Case, device: torch.device) -> tuple[float, float]:

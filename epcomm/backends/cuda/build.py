@@ -20,7 +20,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = sorted((PACKAGE_DIR / "csrc" / "kernels").glob("*.cu"))
 HEADERS = sorted((PACKAGE_DIR / "include").rglob("*.cuh"))
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", *ARCH_FLAGS]
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", *ARCH_FLAGS]
 
 _library: ctypes.CDLL | None = None
 

@@ -10,9 +10,15 @@ the blocks of sources 0..R-1 in rank order, each in ascending (token, top-k slot
 receive side is bitwise equal to the reference (FP8 casts included), and combine sums in fp32 in
 top-k slot order, as the reference does.
 
-Errors found by the kernels (a peer that did not send within EPCOMM_TIMEOUT_S, more rows for one
-expert than N) are written to pinned host memory and raised by the next low-latency call (or
-``check_errors``). With ``enable_shrink=True`` a source that times out is masked instead.
+Errors found by the kernels are written to pinned host memory, one record per slot, and raised
+without a host sync in the common case:
+* invalid inputs (topk_idx values outside [-1, E), or more pairs for one expert than N; a combine
+  whose topk_idx differs from its dispatch's): the sender marks every signal of the call, so every
+  rank records them. A call checks the record of the call before it that used its slot, after
+  waiting for that call's receive to finish (long done in a decode loop), so every rank raises the
+  same ValueError at the same call and none is left waiting for a peer that raised alone;
+* a peer that did not send within EPCOMM_TIMEOUT_S: RuntimeError as soon as any call sees it (the
+  peers are in trouble anyway). With ``enable_shrink=True`` such a source is masked instead.
 """
 
 from __future__ import annotations
@@ -30,9 +36,16 @@ from .capi import check, check_aligned, ptr, stream_ptr
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
-_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
-           6: "a rank sent more rows to one expert than num_max_dispatch_tokens_per_rank (a token names an expert "
-              "twice?); those rows were dropped"}
+_TIMEOUT = 1
+_GAVE_UP_OFFSET = 40  # low_latency.cu kGaveUpOffset: int32 in the buffer's header
+_ERRORS = {_TIMEOUT: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
+           7: "rank(s) {ranks} passed an invalid topk_idx: values outside [-1, num_experts), or one expert named "
+              "more often than num_max_dispatch_tokens_per_rank (a token naming an expert twice); those entries "
+              "were not sent",
+           8: "rank(s) {ranks} passed low_latency_combine a topk_idx that differs from the one of its dispatch "
+              "(the dispatch's was used)"}
+# The caller's mistakes (found on the GPU, without a host sync): ValueError; the rest RuntimeError.
+_INPUT_ERRORS = (7, 8)
 _OPS = {5: "low_latency_dispatch", 6: "low_latency_combine"}
 
 
@@ -71,32 +84,75 @@ class CudaLowLatency:
                              "Buffer.get_low_latency_rdma_size_hint")
         self.shared = SharedBuffer(self.lib, group, device, num_rdma_bytes, "num_rdma_bytes")
         self.slot_bytes = (num_rdma_bytes - self.header) // 2 // 16 * 16
-        self.info = torch.zeros(_INFO_INTS, dtype=torch.int32, pin_memory=True)
+        # One error record per slot; the event marks the end of the receive of the slot's last call.
+        self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
-        self._info_ptr = ctypes.c_void_p(self.info.data_ptr())
+        self._info_ptrs = [ctypes.c_void_p(self.info[s].data_ptr()) for s in range(2)]
+        self._received: list[torch.cuda.Event | None] = [None, None]
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_experts = self.lib.epcomm_ll_max_experts()
+        self._sent_pairs: torch.Tensor | None = None
         dist.barrier(group=group)
 
     def close(self) -> None:
         self.shared.close()
 
+    def reset(self) -> None:
+        """clean_low_latency_buffer: forget recorded errors; zero the pair counters (a call cut short
+        by a timeout may have left them non-zero)."""
+        torch.cuda.synchronize(self.device)
+        self.info_np[:] = 0
+        self.shared.tensor[_GAVE_UP_OFFSET:_GAVE_UP_OFFSET + 4].zero_()  # a timed-out wait's mark
+        if self._sent_pairs is not None:
+            self._sent_pairs.zero_()
+        torch.cuda.synchronize(self.device)
 
+    def check_errors(self, op: str, slot: int) -> None:
+        """Raise what the kernels reported before a call in ``slot`` launches anything: the record of
+        the slot's previous call once its receive has finished (the same verdict on every rank), and
+        a timeout seen in the other slot's record."""
+        event = self._received[slot]
+        if event is not None and not torch.cuda.is_current_stream_capturing():
+            event.synchronize()
+            self._received[slot] = None
+            self._raise(op, slot)
+        if int(self.info_np[1 - slot][0]) == _TIMEOUT:
+            self._raise(op, 1 - slot)
 
-
-    def check_errors(self, op: str) -> None:
-        """Raise what finished kernels reported (pinned memory, read without a sync)."""
-        info = self.info_np
+    def _raise(self, op: str, slot: int) -> None:
+        info = self.info_np[slot]
         code = int(info[0])
         if code == 0:
             return
         ranks = [r for r in range(self.num_ranks) if info[2 + r]]
         failed = _OPS.get(int(info[1]), "a low-latency call")
         info[:] = 0
-        raise RuntimeError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: "
-                           f"{_ERRORS.get(code, f'error {code}').format(ranks=ranks)}. Destroy the Buffer and the "
-                           "process group (or enable failed-rank masking).")
+        what = _ERRORS.get(code, f"error {code}").format(ranks=ranks)
+        if code in _INPUT_ERRORS:
+            raise ValueError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}")
+        raise RuntimeError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}. Destroy the Buffer "
+                           "and the process group (or enable failed-rank masking).")
+
+    def _received_now(self, slot: int) -> None:
+        """After a receive kernel is launched: the event the slot's next call waits on to check errors."""
+        if torch.cuda.is_current_stream_capturing():
+            self._received[slot] = None  # no host wait on a captured event; a later eager call checks
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._received[slot] = event
+
+    def _sent_pairs_of(self, slot: int, num_experts: int) -> torch.Tensor:
+        """The slot's per-expert counters of written pairs (zero between calls: the send kernel
+        returns them to zero). Grown, never shrunk."""
+        if self._sent_pairs is None or self._sent_pairs.shape[1] < num_experts:
+            self._sent_pairs = torch.zeros((2, num_experts), dtype=torch.int32, device=self.device)
+        return self._sent_pairs[slot]
 
     def check_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        if num_experts > self.max_experts:
+            raise ValueError(f"num_experts={num_experts}: the CUDA low-latency kernels support up to "
+                             f"{self.max_experts} experts")
         need = slot_bytes_needed(num_max_tokens, hidden, self.num_ranks, num_experts)
         if need > self.slot_bytes:
             raise ValueError(f"num_rdma_bytes={self.shared.num_bytes} gives two slots of {self.slot_bytes} bytes; "
@@ -109,7 +165,7 @@ class CudaLowLatency:
                  round_scale: bool, use_ue8m0: bool, slot: int, mask: torch.Tensor | None, buffer_uid: str
                  ) -> tuple[object, torch.Tensor, LowLatencyHandle, Callable[[], None]]:
         """Launch the send kernel; returns (recv_x, recv_count, handle, finish), finish launching the receive."""
-        self.check_errors("low_latency_dispatch")
+        self.check_errors("low_latency_dispatch", slot)
         self.check_capacity(num_max_tokens, x.shape[1], num_experts)
         num_tokens, hidden = x.shape
         num_topk = topk_idx.shape[1]
@@ -128,6 +184,7 @@ class CudaLowLatency:
         layout_range = torch.empty((e_local, num_ranks), dtype=torch.int64, device=dev)
         slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
         strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
+        sent_pairs = self._sent_pairs_of(slot, num_experts)
 
         sent = torch.cuda.Event()
         handle_state: dict = {"slot_map": slot_map, "received": False}
@@ -138,16 +195,17 @@ class CudaLowLatency:
             code = self.lib.epcomm_ll_dispatch(
                 self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
                 ptr(x), ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
-                slot, ctypes.c_int64(self.slot_bytes), ptr(mask), ptr(slot_map), ptr(recv_data),
-                ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
+                slot, ctypes.c_int64(self.slot_bytes), ptr(sent_pairs), ptr(mask), ptr(slot_map),
+                ptr(recv_data), ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
                 ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
                 ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
-                self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
+                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
             check(code, "low_latency_dispatch")
             if phase == 1:
                 sent.record(torch.cuda.current_stream(self.device))
             else:
                 handle_state["received"] = True  # layout_range is filled once this kernel has run
+                self._received_now(slot)
 
         launch(1)
         handle = LowLatencyHandle(
@@ -161,7 +219,7 @@ class CudaLowLatency:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None
                 ) -> tuple[torch.Tensor, Callable[[], None]]:
-        self.check_errors("low_latency_combine")
+        self.check_errors("low_latency_combine", slot)
         if not handle.backend_state.get("received"):
             raise ValueError("low_latency_combine: the dispatch of this handle has not been received yet; call its "
                              "receive hook first")
@@ -171,7 +229,9 @@ class CudaLowLatency:
         if out is not None:
             check_aligned("out", out)
         # The kernels index [T, K] densely: the handle's own copy of the ids (contiguous, and the one
-        # the dispatch used) and contiguous weights.
+        # the dispatch used) and contiguous weights. The caller's ids are compared with it on the GPU
+        # (a host comparison would sync).
+        caller_topk_idx = topk_idx.contiguous()
         topk_idx = handle.backend_state["topk_idx"]
         topk_weights = topk_weights.contiguous()
         num_tokens, num_topk = handle.num_tokens, handle.num_topk
@@ -186,13 +246,15 @@ class CudaLowLatency:
                 torch.cuda.current_stream(self.device).wait_event(sent)
             code = self.lib.epcomm_ll_combine(
                 self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
-                ptr(x), ptr(layout_range), ptr(topk_idx), ptr(topk_weights),
+                ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
                 ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), ptr(mask),
-                ptr(wait_stats), phase, self.num_sms, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+                ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
                 stream_ptr(self.device))
             check(code, "low_latency_combine")
             if phase == 1:
                 sent.record(torch.cuda.current_stream(self.device))
+            else:
+                self._received_now(slot)
 
         launch(1)
         return combined, lambda: launch(2)

@@ -2,22 +2,26 @@
 // peers (CUDA IPC), so a sender stores each (token, expert) message straight into the receiver.
 //
 // A call is two kernels, so that no SM is held while data is in flight (the receive hook):
-//   send: one warp per expert (global id). It walks this rank's tokens in ascending order, and for
-//         each (token, top-k slot) routed to the expert it casts the token (FP8 per 128 channels,
-//         or BF16 as is) straight into the expert's rank, at the next row of the (expert, source)
-//         block; then one release store of the block's count (+ the call counter) signals it.
-//         Blocks are laid out by ascending token, so outputs are deterministic.
-//   recv: one warp per (local expert, source): waits for the counts of the sources before it (the
-//         packed layout puts sources in rank order, as the reference backend does), then copies its
-//         block into the outputs; the last source's warp writes recv_count and layout_range.
-// Combine mirrors it: the send kernel returns each block to its source, the recv kernel sums, per
-// token, weight * row over its top-k slots in slot order, in fp32 (the reference's order).
+//   send: block b owns a contiguous range of this rank's tokens. Every block counts, in shared
+//         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
+//         range), which gives each of its pairs the row it takes in the expert's block without any
+//         inter-block traffic: rows follow ascending (token, slot), so outputs are deterministic and
+//         equal to the reference backend's. Each warp then loads 512 channels of a token once, casts
+//         them (FP8 per 128 channels) once, and stores them into every message of the token. A
+//         per-expert counter of written pairs names the last writer, which stores the block's count
+//         (+ the call counter) with one release: the receiver's signal.
+//   recv: one block per (local expert, source): waits for the counts of the sources up to its own
+//         (the packed layout puts sources in rank order), then copies its rows out; the last
+//         source's block writes recv_count and layout_range.
+// Combine mirrors it: a block per (local expert, source) returns the rows to the source, and the
+// receive kernel sums, per token, weight * row over its top-k slots in slot order, in fp32 (the
+// reference's order), with warps splitting the hidden dimension.
 //
 // Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
 // Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
 // (double buffering). In a slot: acks int64[R] (first: their place must not depend on the call's
-// shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area [E_local][R][N] messages (sized for BF16 ones), then the combine area
-// [E][N] rows.
+// shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area [E_local][R][N]
+// messages (sized for BF16 ones), then the combine area [E][N] rows.
 // Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
 // counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
 // that peer has acknowledged the previous call that used the slot (ranks drift apart when hooks are
@@ -40,13 +44,24 @@ constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel
 constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kernel of each slot (hooks may
                                      // run the receives of the two slots at once, on two streams)
 constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
+constexpr int kGaveUpOffset = 40;    // int32: set when a wait of this rank timed out (the others stop waiting);
+                                     // in device memory: the waits poll it, and host memory is far
 constexpr int kSignalShift = 24;
-constexpr int64_t kCountMask = (1LL << kSignalShift) - 1;
-constexpr int kWarpsPerBlock = 16;
+// A sender whose inputs were invalid says so in every signal of the call, so that every rank reports
+// it (and raises at the same call: a rank raising alone would leave its peers waiting for it).
+constexpr int64_t kInvalidInputBit = 1LL << (kSignalShift - 1);
+constexpr int64_t kCountMask = kInvalidInputBit - 1;
+constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
+constexpr int kThreads = kWarpsPerBlock * kWarpSize;
+constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
+constexpr int kUnitThreads = kUnitWarps * kWarpSize;
+constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
+constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
+constexpr int kPieceInt4 = 256;                // one warp copies a message or row in pieces of 4 KB (8 x 16 B a lane)
 
 // Pinned host words, as in the normal-mode kernels (the Python side reads them).
 constexpr int kInfoError = 0, kInfoErrorOp = 1, kInfoErrorRanks = 2;
-constexpr int kErrTimeout = 1, kErrOverflow = 6;
+constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8;
 constexpr int kOpDispatch = 5, kOpCombine = 6;
 
 struct Peers {
@@ -72,6 +87,7 @@ __device__ __forceinline__ bool masked(const int* mask, int r) {
 }
 
 __device__ __forceinline__ int64_t* counter(uint8_t* buf) { return reinterpret_cast<int64_t*>(buf + kCounterOffset); }
+__device__ __forceinline__ int* gave_up_word(uint8_t* buf) { return reinterpret_cast<int*>(buf + kGaveUpOffset); }
 
 // The call counter of a send kernel: every block reads the same value (the previous call's,
 // written by that call's last block), uses one more, and the last block of this call stores it.
@@ -114,17 +130,22 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int src, int* mask, uint64_t timeout_ns, int* info,
-                           int op, uint64_t* waited_ns) {
+                           int* gave_up, int op, uint64_t* waited_ns) {
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
         const int64_t v = ld_acquire_sys(signal);
         if ((v >> kSignalShift) == seq) {
             if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
+            if (v & kInvalidInputBit) {  // the source's inputs were refused (its signals say so)
+                info[kInfoErrorRanks + src] = 1;
+                info[kInfoErrorOp] = op;
+                info[kInfoError] = op == kOpDispatch ? kErrInvalidDispatch : kErrIdsDiffer;
+            }
             return static_cast<int>((v & kCountMask) - 1);
         }
         if ((spin & 63) == 63) {
             if (masked(mask, src)) return -1;
-            if (ld_volatile_int(info + kInfoError) == kErrTimeout) return -2;  // someone gave up already
+            if (ld_volatile_int(gave_up) != 0) return -2;  // another wait of this rank gave up already
             if (global_timer_ns() - start > timeout_ns) {
                 if (mask != nullptr) {  // failed-rank masking: stop waiting for this rank from now on
                     atomicExch(mask + src, 1);
@@ -133,6 +154,7 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int src, int* mas
                 info[kInfoErrorRanks + src] = 1;
                 info[kInfoErrorOp] = op;
                 info[kInfoError] = kErrTimeout;
+                atomicExch(gave_up, 1);
                 return -2;
             }
         }
@@ -143,6 +165,7 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int src, int* mas
 // the slot (`prev`; 0 when none). False (the writes are skipped) when dst is masked or timed out.
 __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t prev, int* mask, uint64_t timeout_ns,
                          int* info, int op) {
+    int* gave_up = gave_up_word(const_cast<uint8_t*>(mine));
     if (prev <= 0) return true;
     const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
     const uint64_t start = global_timer_ns();
@@ -150,7 +173,7 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
         if (ld_acquire_sys(ack) >= prev) return true;
         if ((spin & 63) == 63) {
             if (masked(mask, dst)) return false;
-            if (ld_volatile_int(info + kInfoError) == kErrTimeout) return false;
+            if (ld_volatile_int(gave_up) != 0) return false;
             if (global_timer_ns() - start > timeout_ns) {
                 if (mask != nullptr) {
                     atomicExch(mask + dst, 1);
@@ -159,6 +182,7 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
                 info[kInfoErrorRanks + dst] = 1;
                 info[kInfoErrorOp] = op;
                 info[kInfoError] = kErrTimeout;
+                atomicExch(gave_up, 1);
                 return false;
             }
         }
@@ -208,34 +232,13 @@ __device__ __forceinline__ uint2 cast_fp8x8(const int4& raw, bool valid, const C
     return out;
 }
 
-// One warp writes token row `x` (bf16 [H]) as one message: data, scales, source token index.
-__device__ __forceinline__ void write_message(uint8_t* msg, const __nv_bfloat16* x, int hidden, const CastMode& mode,
-                                              int data_bytes, int token, int lane) {
-    const int num_int4 = hidden / 8;
-    const int4* src = reinterpret_cast<const int4*>(x);
-    if (!mode.fp8) {
-        warp_copy_int4<4>(reinterpret_cast<int4*>(msg), src, num_int4, lane);
-    } else {
-        // Step j: lanes 0-15 hold group 2j, lanes 16-31 group 2j+1 (16 int4 = 128 channels each).
-        for (int base = 0; base < num_int4; base += kWarpSize) {
-            const int i = base + lane;
-            const bool valid = i < num_int4;
-            const int4 raw = valid ? ld_nc_int4(src + i) : make_int4(0, 0, 0, 0);
-            float scale;
-            const uint2 q = cast_fp8x8(raw, valid, mode, scale);
-            if (valid) reinterpret_cast<uint2*>(msg)[i] = q;
-            if (valid && lane % 16 == 0) {
-                const int group = i / 16;
-                if (mode.ue8m0)  // group g in byte g of the packed words (little-endian, 4 per int32)
-                    msg[data_bytes + group] = static_cast<uint8_t>((__float_as_int(scale) >> 23) & 0xff);
-                else
-                    reinterpret_cast<float*>(msg + data_bytes)[group] = scale;
-            }
-        }
-    }
-    if (lane == 0) *reinterpret_cast<int*>(msg + data_bytes + (mode.fp8 ? (mode.ue8m0 ? hidden / 128 : hidden / 32)
-                                                                        : 0)) = token;
+// One warp copies piece `piece` (kPieceInt4 16-byte words) of a `num_int4`-word message or row.
+__device__ __forceinline__ void copy_piece(int4* dst, const int4* src, int num_int4, int piece, int lane) {
+    const int begin = piece * kPieceInt4;
+    warp_copy_int4<8>(dst + begin, src + begin, min(kPieceInt4, num_int4 - begin), lane);
 }
+
+__device__ __forceinline__ int num_pieces(int num_int4) { return (num_int4 + kPieceInt4 - 1) / kPieceInt4; }
 
 // ------------------------------------------------------------------ dispatch
 struct DispatchArgs {
@@ -245,15 +248,17 @@ struct DispatchArgs {
     const int64_t* topk_idx;  // [T, K]
     CastMode mode;
     int data_bytes, msg_bytes;  // message: data | scales | int32 token | padding to 16
+    int num_scale_cols;         // scale words (4 bytes) of a message
     int slot;
     int64_t slot_bytes;
+    int chunk_tokens;         // tokens per block of the send kernel
+    int* sent_pairs;          // [E] written pairs per expert of the running send (0 between calls)
     int* mask;                // [R] int32, or nullptr (no failed-rank masking)
     int* slot_map;            // [T, K] out: the row of (t, k) in its block, -1 when not sent
     // receive side
     uint8_t* recv_data;       // [E_local, N*R, data_bytes]
     uint8_t* recv_scales;     // [E_local, N*R, S] with the strides below (elements of 4 bytes)
     int64_t scale_stride_e, scale_stride_row, scale_stride_col;
-    int num_scale_cols;
     int* src_info;            // [E_local, N*R]
     int* recv_count;          // [E_local]
     int64_t* layout_range;    // [E_local, R]
@@ -263,131 +268,200 @@ struct DispatchArgs {
     uint64_t timeout_ns;
 };
 
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_send(DispatchArgs a) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
-    const int R = a.num_ranks, K = a.num_topk, me = a.rank;
-    const int experts_per_rank = a.num_experts / R;
+__device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int group, float scale, bool ue8m0) {
+    if (ue8m0)  // group g in byte g of the packed words (little-endian, 4 per int32)
+        msg[data_bytes + group] = static_cast<uint8_t>((__float_as_int(scale) >> 23) & 0xff);
+    else
+        reinterpret_cast<float*>(msg + data_bytes)[group] = scale;
+}
+
+// Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
+// 0-15 of each half hold one group): loaded once, cast once, stored into each of the token's
+// messages (`rows`/`experts`: its K pairs; row -1: not sent). Unit 0 also writes the token index.
+__device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& lay, int t, int unit, const int* rows,
+                                          const int* experts, int lane) {
+    const int num_int4 = a.hidden / 8;
+    const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
+    const bool v0 = i0 < num_int4, v1 = i1 < num_int4;
+    const auto* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden);
+    const int4 r0 = v0 ? ld_nc_int4(x + i0) : make_int4(0, 0, 0, 0);
+    const int4 r1 = v1 ? ld_nc_int4(x + i1) : make_int4(0, 0, 0, 0);
+    uint2 q0 = {}, q1 = {};
+    float s0 = 0.f, s1 = 0.f;
+    if (a.mode.fp8) {
+        q0 = cast_fp8x8(r0, v0, a.mode, s0);
+        q1 = cast_fp8x8(r1, v1, a.mode, s1);
+    }
+    const int R = a.num_ranks, experts_per_rank = a.num_experts / R;
+    for (int k = 0; k < a.num_topk; ++k) {
+        const int row = rows[k];
+        if (row < 0) continue;
+        const int e = experts[k], dst = e / experts_per_rank, local_e = e % experts_per_rank;
+        uint8_t* msg = a.peers.bufs[dst] + lay.data +
+                       ((static_cast<int64_t>(local_e) * R + a.rank) * a.num_max_tokens + row) * a.msg_bytes;
+        if (a.mode.fp8) {
+            if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
+            if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
+            if (lane % 16 == 0) {
+                if (v0) store_scale(msg, a.data_bytes, i0 / 16, s0, a.mode.ue8m0);
+                if (v1) store_scale(msg, a.data_bytes, i1 / 16, s1, a.mode.ue8m0);
+            }
+        } else {
+            if (v0) reinterpret_cast<int4*>(msg)[i0] = r0;
+            if (v1) reinterpret_cast<int4*>(msg)[i1] = r1;
+        }
+        if (unit == 0 && lane == 0) *reinterpret_cast<int*>(msg + a.data_bytes + a.num_scale_cols * 4) = t;
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
+    extern __shared__ int expert_counts[];  // [E] pairs before this block's tokens, then [E] all pairs
+    int* before = expert_counts;
+    int* total = expert_counts + a.num_experts;
+    __shared__ int pair_expert[kMaxChunkEntries];  // this block's pairs: expert (-1: none)
+    __shared__ int pair_row[kMaxChunkEntries];     // and row in the expert's block (-1: not sent)
+    __shared__ bool skip_dst[kMaxRanks];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, me = a.rank, N = a.num_max_tokens;
+    const int experts_per_rank = E / R;
     uint8_t* mine = a.peers.bufs[me];
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    const bool me_masked = masked(a.mask, me);
-    for (int e = warp; e < a.num_experts; e += num_warps) {
-        const int dst = e / experts_per_rank, local_e = e % experts_per_rank;
-        bool skip = me_masked || masked(a.mask, dst);
-        if (!skip) skip = !wait_ack(mine, lay.acks, dst, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
-        skip = __any_sync(kFullMask, skip);  // the lanes agree (they poll the same words)
-        uint8_t* block = a.peers.bufs[dst] + lay.data +
-                         (static_cast<int64_t>(local_e) * R + me) * a.num_max_tokens * a.msg_bytes;
-        int count = 0;
-        for (int t0 = 0; t0 < a.num_tokens; t0 += kWarpSize) {
-            const int t = t0 + lane;
-            unsigned hits = 0;  // top-k slots of token t that choose expert e
-            if (t < a.num_tokens)
-                for (int k = 0; k < K; ++k)
-                    if (a.topk_idx[static_cast<int64_t>(t) * K + k] == e) hits |= 1u << k;
-            unsigned tokens = __ballot_sync(kFullMask, hits != 0);
-            while (tokens != 0) {  // ascending token, then ascending slot
-                const int src_lane = __ffs(tokens) - 1;
-                tokens &= tokens - 1;
-                unsigned slots = __shfl_sync(kFullMask, hits, src_lane);
-                const int token = t0 + src_lane;
-                while (slots != 0) {
-                    const int k = __ffs(slots) - 1;
-                    slots &= slots - 1;
-                    const bool fits = count < a.num_max_tokens;
-                    if (lane == 0) a.slot_map[static_cast<int64_t>(token) * K + k] = (skip || !fits) ? -1 : count;
-                    if (skip) continue;
-                    if (!fits) {  // more rows for one expert than N (a token naming it twice): refuse them
-                        if (lane == 0) {
-                            a.info[kInfoErrorOp] = kOpDispatch;
-                            a.info[kInfoError] = kErrOverflow;
-                        }
-                        continue;
-                    }
-                    write_message(block + static_cast<int64_t>(count) * a.msg_bytes,
-                                  a.x + static_cast<int64_t>(token) * a.hidden, a.hidden, a.mode, a.data_bytes, token,
-                                  lane);
-                    ++count;
-                }
-            }
+    const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
+    const int first = blockIdx.x * a.chunk_tokens;
+    const int last = min(a.num_tokens, first + a.chunk_tokens);
+    const int num_pairs = max(0, last - first) * K;
+
+    for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
+    if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
+        skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
+                        !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
+    __syncthreads();
+    bool bad = false;
+    for (int i = tid; i < a.num_tokens * K; i += kThreads) {
+        const int64_t e = a.topk_idx[i];
+        if (e < -1 || e >= E) bad = true;
+        if (e < 0 || e >= E) continue;
+        atomicAdd(total + e, 1);
+        if (i < first * K) atomicAdd(before + e, 1);
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
+    // Every block counted every pair, so all of them agree on this (it goes into every signal).
+    const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int64_t e = a.topk_idx[static_cast<int64_t>(first) * K + j];
+        pair_expert[j] = e >= 0 && e < E ? static_cast<int>(e) : -1;
+    }
+    __syncthreads();
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int e = pair_expert[j];
+        int row = -1;
+        if (e >= 0) {
+            row = before[e];
+            for (int i = 0; i < j; ++i) row += pair_expert[i] == e;
+            if (row >= N || skip_dst[e / experts_per_rank]) row = -1;  // past the block's room: dropped
         }
-        __syncwarp();
-        if (lane == 0 && !skip) {
-            auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) + local_e * R + me;
-            st_release_sys(signal, (seq << kSignalShift) | (count + 1));
-        }
+        pair_row[j] = row;
+        a.slot_map[static_cast<int64_t>(first) * K + j] = row;
+    }
+
+    __syncthreads();  // every pair's row is known
+
+    // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
+    // into every message of the token: no staging, x read once.
+    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
+    for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
+        const int c = u / units_per_token;
+        send_unit(a, lay, first + c, u % units_per_token, pair_row + c * K, pair_expert + c * K, lane);
+    }
+    __syncthreads();
+
+    // Count the pairs; the expert's last one (in any block) signals its count to the expert's rank.
+    // Skipped pairs count too, so the counter always returns to 0 for the next call.
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int e = pair_expert[j];
+        if (e < 0) continue;
+        __threadfence_system();  // this block's stores of the message reach the peer before the count
+        if (atomicAdd(a.sent_pairs + e, 1) != total[e] - 1) continue;
+        a.sent_pairs[e] = 0;
+        const int dst = e / experts_per_rank;
+        if (skip_dst[dst]) continue;
+        __threadfence_system();  // every other writer's stores (they fenced before counting) come first
+        auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
+                       (e % experts_per_rank) * R + me;
+        st_release_sys(signal, (seq << kSignalShift) | invalid | (min(total[e], N) + 1));
+    }
+    // Experts no pair chose still get their (empty) signal, from one block each.
+    for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
+        const int dst = e / experts_per_rank;
+        if (total[e] != 0 || skip_dst[dst]) continue;
+        auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
+                       (e % experts_per_rank) * R + me;
+        st_relaxed_sys(signal, (seq << kSignalShift) | invalid | 1);  // no data to order before it
     }
     finish_send_kernel(mine, seq, a.slot);
 }
 
-__device__ void dispatch_recv_unit(const DispatchArgs& a, const Layout& lay, int64_t seq, int warp, int lane) {
-    const int R = a.num_ranks, me = a.rank;
-    const int rows_per_expert = a.num_max_tokens * R;
+// One block per (local expert, source): its rows go after those of the sources before it.
+__global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a) {
+    __shared__ int counts[kMaxRanks];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
+    const int rows_per_expert = N * R;
     uint8_t* mine = a.peers.bufs[me];
-    const int local_e = warp / R, src = warp % R;
-    // Lane j waits for source j's count of this expert (sources below `src` give the offset).
-    int count = 0;
-    if (lane < R) {
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
+    const int local_e = blockIdx.x / R, src = blockIdx.x % R;
+    if (tid < R) {  // thread j waits for source j's count of this expert
+        int count = 0;
         uint64_t waited = 0;
-        const bool skip = masked(a.mask, me) || masked(a.mask, lane);
-        if (!skip) {
-            const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + lane;
-            count = wait_signal(signal, seq, lane, a.mask, a.timeout_ns, a.info, kOpDispatch, &waited);
+        if (!masked(a.mask, me) && !masked(a.mask, tid)) {
+            const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + tid;
+            count = wait_signal(signal, seq, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
             // masked (or timed out: reported, and nothing to copy); never more than a block's room
-            count = count < 0 ? 0 : min(count, a.num_max_tokens);
+            count = count < 0 ? 0 : min(count, N);
         }
-        if (a.wait_stats != nullptr && local_e == 0 && lane == src) atomicAdd(
+        counts[tid] = count;
+        if (a.wait_stats != nullptr && local_e == 0 && tid == src) atomicAdd(
             reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
     }
-    __syncwarp();  // the lanes that acquired the signals publish them to the rest of the warp
-    int begin = 0, total = 0, mine_count = 0;
+    __syncthreads();
+    int begin = 0, total = 0;
     for (int j = 0; j < R; ++j) {
-        const int c = __shfl_sync(kFullMask, count, j);
-        if (j < src) begin += c;
-        if (j == src) mine_count = c;
-        total += c;
+        if (j < src) begin += counts[j];
+        total += counts[j];
     }
-    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * a.num_max_tokens * a.msg_bytes;
-    const int scale_offset = a.data_bytes;
-    const int token_offset = a.data_bytes + a.num_scale_cols * 4;
-    for (int i = 0; i < mine_count; ++i) {
+    const int mine_count = counts[src];
+    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
+    const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
+    for (int u = warp; u < mine_count * pieces; u += kUnitWarps) {
+        const int i = u / pieces, piece = u % pieces;
         const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
         const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
-        warp_copy_int4<4>(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes),
-                          reinterpret_cast<const int4*>(msg), a.data_bytes / 16, lane);
+        copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(msg),
+                   data_int4, piece, lane);
+        if (piece != 0) continue;
         for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
-            reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e +
-                                                       (begin + i) * a.scale_stride_row + c * a.scale_stride_col] =
-                reinterpret_cast<const uint32_t*>(msg + scale_offset)[c];
-        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + token_offset);
+            reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
+                                                       c * a.scale_stride_col] =
+                reinterpret_cast<const uint32_t*>(msg + a.data_bytes)[c];
+        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + a.data_bytes + a.num_scale_cols * 4);
     }
-    if (src == R - 1) {  // the last source's warp completes the expert's metadata
-        if (lane == 0) {
+    if (src == R - 1) {  // the last source's block completes the expert's metadata
+        if (tid == 0) {
             a.recv_count[local_e] = total;
             if (a.cumulative_stats != nullptr) atomicAdd(a.cumulative_stats + local_e, total);
         }
-        int run = 0;
-        for (int j = 0; j < R; ++j) {
-            const int c = __shfl_sync(kFullMask, count, j);
-            if (lane == j) a.layout_range[static_cast<int64_t>(local_e) * R + j] = (static_cast<int64_t>(run) << 32) | c;
-            run += c;
+        if (tid < R) {
+            int run = 0;
+            for (int j = 0; j < tid; ++j) run += counts[j];
+            a.layout_range[static_cast<int64_t>(local_e) * R + tid] = (static_cast<int64_t>(run) << 32) | counts[tid];
         }
-        for (int r = total + lane; r < rows_per_expert; r += kWarpSize)
+        for (int r = total + tid; r < rows_per_expert; r += kUnitThreads)
             a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
     }
-}
-
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) dispatch_recv(DispatchArgs a) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    if (warp < a.num_experts) dispatch_recv_unit(a, lay, seq, warp, lane);  // one warp per (local expert, source)
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
 }
 
 // ------------------------------------------------------------------ combine
@@ -396,117 +470,138 @@ struct CombineArgs {
     int rank, num_ranks, num_experts, num_max_tokens, hidden, num_tokens, num_topk;
     const __nv_bfloat16* x;        // [E_local, N*R, H] expert outputs, in dispatch's receive layout
     const int64_t* layout_range;   // [E_local, R] of the dispatch
-    const int64_t* topk_idx;       // [T, K]
+    const int64_t* topk_idx;       // [T, K] the dispatch's (the handle's copy)
+    const int64_t* caller_topk_idx;  // [T, K] as passed to combine (must equal the dispatch's), or nullptr
     const float* topk_weights;     // [T, K]
     const int* slot_map;           // [T, K] of the dispatch
     __nv_bfloat16* out;            // [T, H]
     int slot;
     int64_t slot_bytes;
+    int chunk_tokens;              // tokens per block of the receive kernel
     int* mask;
     int64_t* wait_stats;           // [R] or nullptr
     int* info;
     uint64_t timeout_ns;
 };
 
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_send(CombineArgs a) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
-    const int R = a.num_ranks, me = a.rank;
+// One block per (local expert, source): the expert's outputs for that source's rows go back to it.
+__global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
+    __shared__ bool skip;
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
-    const int rows_per_expert = a.num_max_tokens * R;
-    const int row_bytes = a.hidden * 2;
+    const int rows_per_expert = N * R;
+    const int row_int4 = a.hidden / 8;
     uint8_t* mine = a.peers.bufs[me];
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    const bool me_masked = masked(a.mask, me);
-    for (int unit = warp; unit < experts_per_rank * R; unit += num_warps) {  // (local expert, source)
-        const int local_e = unit / R, src = unit % R;
-        bool skip = me_masked || masked(a.mask, src);
-        if (!skip) skip = !wait_ack(mine, lay.acks, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
-        if (__any_sync(kFullMask, skip)) continue;
-        const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
-        // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
-        const int begin = min(static_cast<int>(word >> 32), rows_per_expert);
-        const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(a.num_max_tokens, rows_per_expert - begin)));
-        const int global_e = me * experts_per_rank + local_e;
-        uint8_t* rows =
-            a.peers.bufs[src] + lay.combine_data + static_cast<int64_t>(global_e) * a.num_max_tokens * row_bytes;
-        for (int i = 0; i < count; ++i)
-            warp_copy_int4<4>(reinterpret_cast<int4*>(rows + static_cast<int64_t>(i) * row_bytes),
-                              reinterpret_cast<const int4*>(a.x + (static_cast<int64_t>(local_e) * rows_per_expert +
-                                                                   begin + i) * a.hidden),
-                              row_bytes / 16, lane);
-        __syncwarp();
-        if (lane == 0) {
-            auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[src] + lay.combine_signals) + global_e;
-            st_release_sys(signal, (seq << kSignalShift) | (count + 1));
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
+    const int local_e = blockIdx.x / R, src = blockIdx.x % R;
+    const int global_e = me * experts_per_rank + local_e;
+    if (tid == 0)
+        skip = masked(a.mask, me) || masked(a.mask, src) ||
+               !wait_ack(mine, lay.acks, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+    // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
+    // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
+    // (combine_recv's block 0), so every rank sees the verdict.
+    bool differs = false;
+    if (a.caller_topk_idx != nullptr && local_e == 0)
+        for (int i = tid; i < a.num_tokens * a.num_topk; i += kUnitThreads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
+    const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
+    const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
+    // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
+    const int begin = min(static_cast<int>(word >> 32), rows_per_expert);
+    const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(N, rows_per_expert - begin)));
+    if (!skip) {
+        auto* rows = reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
+                                             static_cast<int64_t>(global_e) * N * row_int4 * 16);
+        const auto* x = reinterpret_cast<const int4*>(a.x) + (static_cast<int64_t>(local_e) * rows_per_expert + begin) *
+                                                              row_int4;
+        const int pieces = num_pieces(row_int4);
+        for (int u = warp; u < count * pieces; u += kUnitWarps) {
+            const int64_t i = u / pieces;
+            copy_piece(rows + i * row_int4, x + i * row_int4, row_int4, u % pieces, lane);
         }
+    }
+    __syncthreads();
+    if (tid == 0 && !skip) {
+        __threadfence_system();  // the block's rows reach the source before the signal
+        auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[src] + lay.combine_signals) + global_e;
+        st_release_sys(signal, (seq << kSignalShift) | invalid | (count + 1));
     }
     finish_send_kernel(mine, seq, a.slot);
 }
 
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_recv(CombineArgs a) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
-    const int R = a.num_ranks, K = a.num_topk, me = a.rank;
+// Block b owns a range of tokens: it waits for the blocks its pairs read, then its warps sum
+// 256-channel columns of its tokens, in top-k slot order, in fp32.
+__global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
+    __shared__ int64_t pair_offset[kMaxChunkEntries];  // 16-byte word of the pair's row; -1: absent
+    __shared__ float pair_weight[kMaxChunkEntries];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, K = a.num_topk, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
-    const int row_bytes = a.hidden * 2;
+    const int row_int4 = a.hidden / 8;
     uint8_t* mine = a.peers.bufs[me];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
-    // Wait-cost statistics: block 0 times the arrival of each source rank's first expert.
-    if (a.wait_stats != nullptr && blockIdx.x == 0 && threadIdx.x < R && !masked(a.mask, me)) {
-        const int src = threadIdx.x;
+    // Block 0 waits for each source's first expert: every source's verdict on its inputs is seen
+    // (whatever this rank's tokens chose), and it times the arrivals (wait-cost statistics).
+    if (blockIdx.x == 0 && tid < R && !masked(a.mask, me) && !masked(a.mask, tid)) {
         uint64_t waited = 0;
-        if (!masked(a.mask, src) &&
-            wait_signal(signals + src * experts_per_rank, seq, src, a.mask, a.timeout_ns, a.info, kOpCombine,
-                        &waited) >= 0)
-            atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src),
-                      static_cast<unsigned long long>(waited));
+        if (wait_signal(signals + tid * experts_per_rank, seq, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine,
+                        &waited) >= 0 && a.wait_stats != nullptr)
+            atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(waited));
     }
-    __syncwarp();  // warp 0's timing lanes rejoin before the warp-wide steps below
-    const int num_int4 = a.hidden / 8;
-    for (int t = warp; t < a.num_tokens; t += num_warps) {
-        // Which slots contribute: valid id, sent at dispatch, and its block has arrived.
-        unsigned present = 0;
-        for (int k = 0; k < K; ++k) {
-            const int64_t e = a.topk_idx[static_cast<int64_t>(t) * K + k];
-            const int s = a.slot_map[static_cast<int64_t>(t) * K + k];
-            if (e < 0 || e >= a.num_experts || s < 0) continue;
+    const int first = blockIdx.x * a.chunk_tokens;
+    const int last = min(a.num_tokens, first + a.chunk_tokens);
+    const int num_pairs = max(0, last - first) * K;
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int64_t i = static_cast<int64_t>(first) * K + j;
+        const int64_t e = a.topk_idx[i];
+        const int s = a.slot_map[i];
+        int64_t offset = -1;  // present: valid id, sent at dispatch, and its block has arrived
+        if (e >= 0 && e < a.num_experts && s >= 0) {
             const int src = static_cast<int>(e / experts_per_rank);
-            if (masked(a.mask, src)) continue;
-            if (wait_signal(signals + e, seq, src, a.mask, a.timeout_ns, a.info, kOpCombine, nullptr) < 0) continue;
-            present |= 1u << k;
+            if (!masked(a.mask, src) &&
+                wait_signal(signals + e, seq, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine, nullptr) >= 0)
+                offset = (e * N + s) * row_int4;
         }
-        present = __reduce_and_sync(kFullMask, present);  // every lane saw every arrival (or drop it)
-        int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
-        for (int c = lane; c < num_int4; c += kWarpSize) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int k = 0; k < K; ++k) {  // slot order, fp32: acc = acc + w * row (no fused multiply-add)
-                if (!(present >> k & 1u)) continue;
-                const int64_t e = a.topk_idx[static_cast<int64_t>(t) * K + k];
-                const int s = a.slot_map[static_cast<int64_t>(t) * K + k];
-                const float w = a.topk_weights[static_cast<int64_t>(t) * K + k];
-                const int4 v = reinterpret_cast<const int4*>(
-                    mine + lay.combine_data + (e * a.num_max_tokens + s) * static_cast<int64_t>(row_bytes))[c];
-                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        pair_offset[j] = offset;
+        pair_weight[j] = a.topk_weights[i];
+    }
+    __syncthreads();
+    const auto* rows = reinterpret_cast<const int4*>(mine + lay.combine_data);
+    const int columns = (row_int4 + kWarpSize - 1) / kWarpSize;
+    for (int u = warp; u < (last - first) * columns; u += kWarpsPerBlock) {
+        const int c = u / columns, col = (u % columns) * kWarpSize + lane;
+        if (col >= row_int4) continue;
+        const int64_t* offsets = pair_offset + c * K;
+        const float* weights = pair_weight + c * K;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < K; k0 += 4) {  // four loads in flight, then the sums in slot order
+            int4 v[4] = {};
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __bfloat1622float2(h[j]);
-                    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, f.x));
-                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, f.y));
+            for (int d = 0; d < 4; ++d)
+                if (k0 + d < K && offsets[k0 + d] >= 0) v[d] = rows[offsets[k0 + d] + col];
+#pragma unroll
+            for (int d = 0; d < 4; ++d) {
+                if (k0 + d >= K || offsets[k0 + d] < 0) continue;
+                const float w = weights[k0 + d];
+                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[d]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // acc = acc + w * row (no fused multiply-add: the reference's rounding)
+                    const float2 f = __bfloat1622float2(h[q]);
+                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, f.x));
+                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, f.y));
                 }
             }
-            int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            out[c] = o;
         }
+        int4 o;
+        auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+        reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden)[col] = o;
     }
     finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
 }
@@ -517,18 +612,40 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize, 1) combine_recv(Co
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
 using namespace epcomm;
 
+namespace {
+
+// Tokens per block of a kernel that owns token ranges: enough blocks to cover the SMs, and a block's
+// (token, slot) pairs fit its shared arrays.
+int chunk_tokens(int num_tokens, int num_topk, int num_sms) {
+    int chunk = (num_tokens + num_sms - 1) / num_sms;
+    const int most = ll::kMaxChunkEntries / (num_topk > 0 ? num_topk : 1);
+    if (chunk > most) chunk = most;
+    return chunk > 0 ? chunk : 1;
+}
+
+int num_blocks(int num_tokens, int chunk) {
+    const int blocks = (num_tokens + chunk - 1) / chunk;
+    return blocks > 0 ? blocks : 1;
+}
+
+}  // namespace
+
 extern "C" {
 
 int epcomm_ll_header_bytes() { return ll::kHeaderBytes; }
+
+int epcomm_ll_max_experts() { return ll::kMaxExperts; }
 
 // phase 1: send (and return); phase 2: receive (the hook). The caller passes the same arguments.
 int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
                        int num_experts, int num_max_tokens, const void* x, const int64_t* topk_idx, int use_fp8,
                        int round_scale, int use_ue8m0, int data_bytes, int msg_bytes, int slot, int64_t slot_bytes,
-                       int* mask, int* slot_map, void* recv_data, void* recv_scales, int64_t scale_stride_e,
-                       int64_t scale_stride_row, int64_t scale_stride_col, int num_scale_cols, int* src_info,
-                       int* recv_count, int64_t* layout_range, int* cumulative_stats, int64_t* wait_stats, int phase,
-                       int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+                       int* sent_pairs, int* mask, int* slot_map, void* recv_data, void* recv_scales,
+                       int64_t scale_stride_e, int64_t scale_stride_row, int64_t scale_stride_col, int num_scale_cols,
+                       int* src_info, int* recv_count, int64_t* layout_range, int* cumulative_stats,
+                       int64_t* wait_stats, int phase, int num_sms, int* info, uint64_t timeout_ns,
+                       cudaStream_t stream) {
+    if (num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
     ll::DispatchArgs a{};
     for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
     a.rank = rank;
@@ -543,8 +660,11 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.mode = {use_fp8 != 0, round_scale != 0, use_ue8m0 != 0};
     a.data_bytes = data_bytes;
     a.msg_bytes = msg_bytes;
+    a.num_scale_cols = num_scale_cols;
     a.slot = slot;
     a.slot_bytes = slot_bytes;
+    a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
+    a.sent_pairs = sent_pairs;
     a.mask = mask;
     a.slot_map = slot_map;
     a.recv_data = static_cast<uint8_t*>(recv_data);
@@ -552,7 +672,6 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.scale_stride_e = scale_stride_e;
     a.scale_stride_row = scale_stride_row;
     a.scale_stride_col = scale_stride_col;
-    a.num_scale_cols = num_scale_cols;
     a.src_info = src_info;
     a.recv_count = recv_count;
     a.layout_range = layout_range;
@@ -560,22 +679,20 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.wait_stats = wait_stats;
     a.info = info;
     a.timeout_ns = timeout_ns;
-    const int threads = ll::kWarpsPerBlock * kWarpSize;
-    const int units_blocks = (num_experts + ll::kWarpsPerBlock - 1) / ll::kWarpsPerBlock;
     if (phase == 1) {
-        const int blocks = units_blocks < num_sms ? units_blocks : num_sms;
-        ll::dispatch_send<<<blocks > 0 ? blocks : 1, threads, 0, stream>>>(a);
+        const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
+        ll::dispatch_send<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
     } else {
-        ll::dispatch_recv<<<units_blocks > 0 ? units_blocks : 1, threads, 0, stream>>>(a);
+        ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     }
     return static_cast<int>(cudaGetLastError());
 }
 
 int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_experts, int num_max_tokens, int hidden,
                       int num_tokens, int num_topk, const void* x, const int64_t* layout_range,
-                      const int64_t* topk_idx, const float* topk_weights, const int* slot_map, void* out, int slot,
-                      int64_t slot_bytes, int* mask, int64_t* wait_stats, int phase, int num_sms, int* info,
-                      uint64_t timeout_ns, cudaStream_t stream) {
+                      const int64_t* topk_idx, const int64_t* caller_topk_idx, const float* topk_weights,
+                      const int* slot_map, void* out, int slot, int64_t slot_bytes, int* mask, int64_t* wait_stats,
+                      int phase, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
     ll::CombineArgs a{};
     for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
     a.rank = rank;
@@ -588,25 +705,21 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
     a.x = static_cast<const __nv_bfloat16*>(x);
     a.layout_range = layout_range;
     a.topk_idx = topk_idx;
+    a.caller_topk_idx = caller_topk_idx;
     a.topk_weights = topk_weights;
     a.slot_map = slot_map;
     a.out = static_cast<__nv_bfloat16*>(out);
     a.slot = slot;
     a.slot_bytes = slot_bytes;
+    a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
     a.mask = mask;
     a.wait_stats = wait_stats;
     a.info = info;
     a.timeout_ns = timeout_ns;
-    const int threads = ll::kWarpsPerBlock * kWarpSize;
-    if (phase == 1) {
-        const int units_blocks = (num_experts + ll::kWarpsPerBlock - 1) / ll::kWarpsPerBlock;
-        const int blocks = units_blocks < num_sms ? units_blocks : num_sms;
-        ll::combine_send<<<blocks > 0 ? blocks : 1, threads, 0, stream>>>(a);
-    } else {
-        const int token_blocks = (num_tokens + ll::kWarpsPerBlock - 1) / ll::kWarpsPerBlock;
-        const int blocks = token_blocks < num_sms ? token_blocks : num_sms;
-        ll::combine_recv<<<blocks > 0 ? blocks : 1, threads, 0, stream>>>(a);
-    }
+    if (phase == 1)
+        ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    else
+        ll::combine_recv<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 

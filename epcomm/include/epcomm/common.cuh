@@ -15,6 +15,11 @@ __device__ __forceinline__ void st_release_sys(int64_t* ptr, int64_t value) {
     asm volatile("st.release.sys.global.s64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
+// A flag that orders no data before it (nothing to release).
+__device__ __forceinline__ void st_relaxed_sys(int64_t* ptr, int64_t value) {
+    asm volatile("st.relaxed.sys.global.s64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* ptr) {
     int64_t value;
     asm volatile("ld.acquire.sys.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");

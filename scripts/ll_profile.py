@@ -1,0 +1,106 @@
+"""Where a low-latency call's time goes on the GPU machine: per-kernel device time (torch.profiler,
+as DeepEP's tests measure) and the host time of an eager call (cProfile), per token count.
+
+Usage (on the GPU machine): python scripts/ll_profile.py [--ranks 2] [--tokens 1,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, ".")
+
+from epcomm import Buffer  # noqa: E402
+from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
+from epcomm.utils.launch import LocalCluster  # noqa: E402
+
+
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int) -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk) for n in tokens)
+
+
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lines = []
+    size = Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn((n, hidden), generator=gen).to(torch.bfloat16).to(dev)
+    idx = make_pattern_topk_idx(gen, n, num_experts, num_topk, num_ranks, "random").to(dev)
+    w = torch.rand((n, num_topk), generator=gen).to(dev)
+    y = torch.randn((num_experts // num_ranks, n * num_ranks, hidden), dtype=torch.bfloat16, device=dev)
+
+    def step():
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
+        buf.low_latency_combine(y, idx, w, handle)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()  # replays keep the ranks in step (no host time between kernels)
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(41)]
+    events[0].record()
+    for i in range(40):
+        graph.replay()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    per_step = sorted(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(40))
+    lines.append(f"rank {rank} T={n}: graph step (dispatch + combine) back to back: median {per_step[20]:.1f} us, "
+                 f"min {per_step[0]:.1f}, max {per_step[-1]:.1f}")
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times.setdefault(e.name, []).append(e.device_time)
+    for name, ts in sorted(times.items()):
+        short = name.split("(")[0].split("::")[-1][:40]
+        ts = sorted(ts)
+        lines.append(f"rank {rank} T={n}: {short:40s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
+                     f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(50):
+        buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(14)
+    if rank == 0:
+        lines.append(f"rank 0 T={n}: host profile of 50 eager dispatches\n" + out.getvalue())
+    dist.barrier()
+    buf.destroy()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--tokens", default="1,128")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with LocalCluster(args.ranks) as cluster:
+        for text in cluster.run(rank_profile, tokens, 7168, 288, 8):
+            print(text)
+
+
+if __name__ == "__main__":
+    main()
