@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from .utils.tensors import dense
+
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 GROUP = 128
@@ -67,7 +69,7 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_ue8m0``: int32 [.., G/4] -> fp32 powers of two [.., G]."""
-    exp_bytes = packed.contiguous().view(torch.uint8).to(torch.int32)
+    exp_bytes = dense(packed).view(torch.uint8).to(torch.int32)
     return (exp_bytes << 23).view(torch.float32)
 
 

@@ -17,6 +17,7 @@ from routing import device, make_inputs
 import epcomm
 from epcomm import Buffer, Config
 from epcomm.backends.reference import allgather
+from epcomm.bench.checks import same_bits
 
 
 def _bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -33,8 +34,7 @@ def _same(a, b) -> bool:
     if a is None or b is None:
         return a is b
     layout = [s for s, n in zip(a.stride(), a.shape) if n > 1] == [s for s, n in zip(b.stride(), b.shape) if n > 1]
-    return a.shape == b.shape and a.dtype == b.dtype and layout and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return layout and same_bits(a, b)
 
 
 def rank_compare(tokens_per_rank, hidden, num_experts, num_topk, routing, seed, fp8, col_major, with_topk,

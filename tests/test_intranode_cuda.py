@@ -15,6 +15,7 @@ from routing import make_inputs
 
 import epcomm
 from epcomm import Buffer
+from epcomm.bench.checks import poison_, same_bits
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -29,7 +30,7 @@ def _same(a, b) -> bool:
         return a is None and b is None
     if not isinstance(a, torch.Tensor):
         return a == b
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and same_bits(a, b)
 
 
 def _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_topk, routing, fp8, col_major, dev):
@@ -159,7 +160,7 @@ def rank_graph_replay(num_tokens, hidden, num_experts, num_topk, num_worst_token
 
 def _poison_outputs(outputs) -> None:
     for t in outputs:
-        t.view(torch.uint8).fill_(0x7F)
+        poison_(t)
 
 
 @pytest.mark.parametrize("ranks", RANKS)

@@ -15,6 +15,7 @@ from conftest import BACKEND, capture_graph, cluster, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer
+from epcomm.bench.checks import poison_, same_bits
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -33,11 +34,7 @@ def _valid_rows(recv_x, recv_count):
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    def as_bytes(t: torch.Tensor) -> torch.Tensor:
-        # a fresh tensor: a "contiguous" one with size-1 dims may keep any stride there, which view() refuses
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t).view(-1).view(torch.uint8)
-
-    return a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+    return a.shape == b.shape and same_bits(a, b)
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
@@ -161,7 +158,7 @@ def rank_ll_graph(n, hidden, num_experts, num_topk):
     for seed in (2, 3, 4):
         load(seed)
         for t in outputs:
-            t.view(torch.uint8).fill_(0x7F)
+            poison_(t)
         graph.replay()
         torch.cuda.synchronize()
         want = step(ref, x_static.clone(), idx_static.clone(), w_static.clone())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
+from ..utils.tensors import as_bytes
 from .workloads import RankInputs
 
 BF16_REL_TOL = 2.0 ** -8
@@ -46,11 +47,18 @@ class Expected:
         self.in_rank = torch.stack([(my_owner == r).any(1) for r in range(num_ranks)], 1)
 
 
+def poison_(t: torch.Tensor, byte: int = 0x7F) -> None:
+    """Fill ``t`` (any dtype, any strides) with the byte pattern ``byte``, so an output the kernels
+    leave unwritten shows."""
+    pattern = torch.full((t.numel() * t.element_size(),), byte, dtype=torch.uint8, device=t.device)
+    t.copy_(pattern.view(t.dtype).view(t.shape))
+
+
 def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bitwise equality (so -0.0 vs 0.0 or a NaN pattern counts as a difference)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    return torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    return torch.equal(as_bytes(got), as_bytes(want))
 
 
 def _close_to_bf16(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:

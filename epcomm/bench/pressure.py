@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
+from .checks import poison_, same_bits
 from .runner import rank_device
 from .workloads import ROUTINGS, make_pattern_topk_idx
 
@@ -59,9 +60,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _same(a: Any, b: Any) -> bool:
     """Bitwise equality of nested outputs (tensors by their bytes, other leaves by ==)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype
-                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
     if isinstance(a, tuple | list) and isinstance(b, tuple | list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
@@ -179,7 +178,7 @@ def _graph_replays(seq: _Sequence, want: tuple, replays: int, failures: list[str
     done = 0
     for _ in range(replays):
         for t in _tensors(outputs):
-            t.view(torch.uint8).fill_(0x7F)
+            poison_(t)
         graph.replay()
         torch.cuda.synchronize(dev)
         done += 1

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ...utils.tensors import dense
 from .transport import Transport
 
 _MAGIC = 0x45504331
@@ -137,7 +138,7 @@ def to_bytes(t: torch.Tensor) -> torch.Tensor:
     row_bytes = _row_numel(t) * t.element_size()
     if t.numel() == 0:  # empty tensors may carry strides that forbid a dtype view
         return torch.empty((t.shape[0], row_bytes), dtype=torch.uint8, device=t.device)
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+    return dense(t).view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def _row_numel(t: torch.Tensor) -> int:
