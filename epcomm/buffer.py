@@ -196,7 +196,8 @@ class Buffer:
         if self._cuda_ll is not None:
             cuda_ll, self._cuda_ll = self._cuda_ll, None
             torch.cuda.synchronize(self.device)  # this rank's kernels are done, hooks' receives included
-            dist.barrier(group=self.group)  # and every peer's: none still writes into a buffer being unmapped
+            if not cuda_ll.gave_up():  # a peer that timed out may be dead: a barrier would wait for it forever
+                dist.barrier(group=self.group)  # every peer's kernels are done: none writes into what is unmapped
             cuda_ll.close()
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None

@@ -247,3 +247,121 @@ def rank_invalid_inputs_raise_everywhere():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ll_cuda_invalid_inputs_raise_on_every_rank(ranks):
     cluster(ranks).run(rank_invalid_inputs_raise_everywhere)
+
+
+def rank_ll_cuda_fuzz(max_examples: int):
+    """Random valid and invalid low-latency arguments on the CUDA backend (one rank): each call is
+    refused at once (ValueError/TypeError: what the host can see), or reported by the next call of
+    its slot (values, found on the GPU), or its outputs equal the reference backend's bit for bit;
+    never an illegal memory access (the session would die)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n_max, h_max, e_max = 24, 1024, 64
+    size = Buffer.get_low_latency_rdma_size_hint(n_max, h_max, 1, e_max)
+    cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
+    ref = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="reference")
+    seen = {"valid": 0, "refused": 0, "reported": 0}
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        n = data.draw(st.integers(1, n_max))
+        t = data.draw(st.integers(0, n))
+        hidden = data.draw(st.sampled_from([128, 512, 640, 1024]))
+        num_experts = data.draw(st.sampled_from([1, 3, 16, 64]))
+        k = data.draw(st.integers(1, 8))
+        mode = data.draw(st.sampled_from(["bf16", "fp8", "fp8-round", "fp8-ue8m0"]))
+        fault = data.draw(st.sampled_from([None, None, None, "id too large", "id below -1", "expert twice",
+                                           "combine ids", "too many tokens", "x dtype", "topk int32",
+                                           "x non-contiguous", "ue8m0 without round", "weights dtype",
+                                           "combine x shape"]))
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16)))
+        x = (torch.randn((t, hidden), generator=gen) * 3).to(torch.bfloat16).to(dev)
+        # Distinct experts per token (a token naming one twice is a fault of its own), ~1/8 dropped.
+        chosen = torch.rand((t, num_experts), generator=gen).argsort(1)[:, :min(k, num_experts)]
+        idx = torch.full((t, k), -1, dtype=torch.int64)
+        idx[:, :chosen.shape[1]] = chosen
+        idx[torch.rand((t, k), generator=gen) < 0.125] = -1
+        idx = idx.to(dev)
+        w = torch.rand((t, k), generator=gen).to(dev)
+        fp8 = mode != "bf16"
+        kwargs = dict(use_fp8=fp8, round_scale=mode in ("fp8-round", "fp8-ue8m0"), use_ue8m0=mode == "fp8-ue8m0")
+        if fp8 and hidden % (512 if kwargs["use_ue8m0"] else 128):
+            fault = "hidden for this mode"  # refused: not a valid shape for the chosen mode
+        needs_tokens = ("id too large", "id below -1", "expert twice", "combine ids", "x non-contiguous",
+                        "weights dtype")
+        if fault in needs_tokens and t == 0 or fault == "expert twice" and (k < 2 or t < n):
+            fault = None
+        x_in, idx_in, w_in, n_in = x, idx, w, n
+        if fault == "id too large":
+            idx[t // 2, 0] = num_experts
+        if fault == "id below -1":
+            idx[t // 2, k - 1] = -3
+        if fault == "expert twice":  # with T = N, an expert named twice by every token needs 2N rows
+            idx[:, 0] = 0
+            idx[:, 1] = 0
+        if fault == "too many tokens":
+            n_in = max(t - 1, 1) if t > 1 else 0
+        if fault == "x dtype":
+            x_in = x.half()
+        if fault == "topk int32":
+            idx_in = idx.int()
+        if fault == "x non-contiguous":
+            x_in = torch.cat([x, x], 1)[:, ::2]
+        if fault == "ue8m0 without round":
+            kwargs["round_scale"] = False
+            kwargs["use_ue8m0"] = True
+        if fault == "weights dtype":
+            w_in = w.double()
+        if fault == "too many tokens" and n_in == 0:
+            fault = None
+            n_in = n
+        value_fault = fault in ("id too large", "id below -1", "expert twice", "combine ids")
+        try:
+            got_x, got_count, handle, _, _ = cuda.low_latency_dispatch(x_in, idx_in, n_in, num_experts, **kwargs)
+            y = (got_x[0].float() if fp8 else got_x.float()).nan_to_num().clamp(-100, 100).to(torch.bfloat16)
+            if fault == "combine x shape":
+                y = y[:, :, : hidden // 2].contiguous()
+            combine_ids = idx.clone() if fault == "combine ids" else idx_in
+            if fault == "combine ids":
+                combine_ids[0, 0] = (combine_ids[0, 0] + 2) % max(num_experts, 1)
+                if torch.equal(combine_ids, idx):
+                    combine_ids[0, 0] = -1 if int(idx[0, 0]) != -1 else 0
+            got = cuda.low_latency_combine(y, combine_ids, w_in, handle)[0]
+        except (ValueError, TypeError) as error:
+            assert fault is not None and not value_fault, f"{fault}: valid arguments refused: {error}"
+            seen["refused"] += 1
+            return
+        if value_fault:  # found on the GPU: the next call of the faulty call's slot raises it
+            with pytest.raises(ValueError, match="invalid topk_idx|differs from the one of its dispatch"):
+                for _ in range(2):  # valid calls (no expert at all), so they leave no error of their own
+                    cuda.low_latency_dispatch(x, torch.full_like(idx, -1), n, num_experts, use_fp8=False)
+            torch.cuda.synchronize()
+            seen["reported"] += 1
+            return
+        assert fault is None, f"{fault} was not refused"
+        want_x, want_count, want_handle, _, _ = ref.low_latency_dispatch(x_in, idx_in, n_in, num_experts, **kwargs)
+        want = ref.low_latency_combine(y, idx_in, w_in, want_handle)[0]
+        tag = f"T={t} N={n} H={hidden} E={num_experts} K={k} {mode}"
+        assert same_bits(got_count, want_count), f"{tag}: recv_count differs"
+        parts = zip(got_x, want_x) if fp8 else [(got_x, want_x)]
+        for a, b in parts:
+            for e in range(a.shape[0]):
+                c = int(want_count[e])
+                assert same_bits(a[e, :c], b[e, :c]), f"{tag}: expert {e} rows differ"
+        assert same_bits(got, want), f"{tag}: combine differs"
+        seen["valid"] += 1
+
+    check()
+    torch.cuda.synchronize()
+    cuda.destroy()
+    ref.destroy()
+    return seen
+
+
+def test_ll_cuda_bad_input_fuzz():
+    (seen,) = cluster(1).run(rank_ll_cuda_fuzz, 80, timeout_s=600)
+    assert seen["valid"] and seen["refused"] and seen["reported"], seen

@@ -8,7 +8,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import tempfile
+import threading
 import time
 
 import pytest
@@ -128,43 +130,202 @@ def test_mismatched_operations_raise_on_both_ranks():
     assert max(elapsed) < 10, elapsed  # found at the barrier, not by waiting out the timeout
 
 
-def rank_dead_peer(timeout_s: float, path: str):
-    """Rank 1 exits before the dispatch; rank 0 raises within the timeout naming it, and nothing keeps
-    running on its GPU afterwards."""
+def _die(how: str) -> None:
+    """End this process the way a crashing rank does: no cleanup, no destroy."""
+    if how == "clean exit":
+        os._exit(0)
+    if how == "non-zero exit":
+        os._exit(3)
+    if how == "abort":
+        os.abort()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _context_is_usable() -> bool:
+    """After a peer's death: this rank's kernels have all ended and its CUDA context still works."""
+    a = torch.randn(256, 256, device=torch.cuda.current_device())
+    ok = bool(torch.isfinite(a @ a).all())
+    torch.cuda.synchronize()
+    return ok
+
+
+def rank_ll_mismatched_shapes(what: str):
+    """Low latency: ranks whose calls disagree on hidden, num_experts or the FP8 format get a
+    RuntimeError on every rank (at the next call of that slot), not garbage and not a hang."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    size = Buffer.get_low_latency_rdma_size_hint(n, 2 * hidden, num_ranks, 2 * num_experts)
+    with peer_timeout(5):
+        buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
+    odd = rank == num_ranks - 1
+    h = 2 * hidden if odd and what == "hidden" else hidden
+    e = 2 * num_experts if odd and what == "num_experts" else num_experts
+    fp8 = odd and what == "fp8"
+    x, idx, _ = (t.to(dev) for t in make_inputs(73, rank, n, h, e, 3, num_ranks, "random"))
+    buf.low_latency_dispatch(x, idx, n, e, use_fp8=fp8)  # slot 0: every rank sees another shape
+    x, idx, _ = (t.to(dev) for t in make_inputs(74, rank, n, hidden, num_experts, 3, num_ranks, "random"))
+    buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)  # slot 1: all agree
+    with pytest.raises(RuntimeError, match=r"made this call with another shape"):
+        buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)  # slot 0 again: reports
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("what", ["hidden", "num_experts", "fp8"])
+def test_ll_mismatched_shapes_raise_on_every_rank(what):
+    cluster(2).run(rank_ll_mismatched_shapes, what)
+
+
+def rank_dead_peer(timeout_s: float, path: str, how: str, when: str):
+    """Rank 1 dies (``how``) before the dispatch, inside it (a timer kills it while its dispatch waits
+    for rank 0, which starts 1 s late), or between the dispatch and the combine. Rank 0 raises a
+    RuntimeError naming rank 1 within the timeout, no kernel of rank 0 outlives twice the timeout,
+    and rank 0's CUDA context stays usable."""
     with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
     x, idx, w, num_experts = _inputs(4)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
     torch.cuda.synchronize()
     dist.barrier()
     if dist.get_rank() == 1:
-        os._exit(3)  # a crash: no cleanup, no destroy
+        if when == "in dispatch":
+            threading.Timer(0.3, _die, (how,)).start()
+        if when == "before combine":
+            buf.dispatch(x, **kwargs)
+            torch.cuda.synchronize()
+        if when != "before dispatch":
+            buf.dispatch(x, **kwargs)  # "in dispatch": dies in here; "before combine": rank 0 is in its combine
+        _die(how)
     outcome = {"error": None}
+    if when == "in dispatch":
+        time.sleep(1.0)
     start = time.monotonic()
     try:
-        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                     topk_idx=idx, topk_weights=w)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kwargs)
+        if when == "before combine":
+            start = time.monotonic()
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+        torch.cuda.synchronize()
+        buf.destroy()  # a call that did not sync (combine, a dispatch's data kernel) reports here
     except RuntimeError as error:
         outcome["error"] = str(error)
     outcome["raised_after_s"] = time.monotonic() - start
     torch.cuda.synchronize()  # every kernel has ended: no wait outlives its bound
     outcome["idle_after_s"] = time.monotonic() - start
+    outcome["context_usable"] = _context_is_usable()
     with open(path, "w") as f:
         json.dump(outcome, f)
 
 
-def test_dead_peer_is_named_within_the_timeout():
+DEATHS = ["clean exit", "non-zero exit", "abort", "SIGKILL"]
+MOMENTS = ["before dispatch", "in dispatch", "before combine"]
+
+
+@pytest.mark.parametrize("when", MOMENTS)
+@pytest.mark.parametrize("how", DEATHS)
+def test_dead_peer_is_named_within_the_timeout(how, when):
     timeout_s = 2.0  # short: the launcher gives the survivors a few seconds once it sees a rank die
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
         with pytest.raises(RankFailure) as failure:
-            cluster(2).run(rank_dead_peer, timeout_s, path, timeout_s=60)
+            cluster(2).run(rank_dead_peer, timeout_s, path, how, when, timeout_s=60)
         assert 1 in failure.value.errors  # rank 1's process died, as planned
         with open(path) as f:
             outcome = json.load(f)
     assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
     assert outcome["raised_after_s"] < timeout_s + 5, outcome
-    assert outcome["idle_after_s"] < 2 * timeout_s, outcome
+    assert outcome["idle_after_s"] < 2 * timeout_s + 5, outcome
+    assert outcome["context_usable"], outcome
+
+
+def rank_ll_dead_peer(timeout_s: float, path: str, how: str):
+    """Low latency without masking: rank 1 dies after its send; rank 0's receive gives up within the
+    timeout and its next low-latency call raises RuntimeError naming rank 1."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    with peer_timeout(timeout_s):
+        buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                     low_latency_mode=True, backend="cuda")
+    x, idx, w = (t.to(dev) for t in make_inputs(71, rank, n, hidden, num_experts, 3, num_ranks, "random"))
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                          return_recv_hook=True)
+    if rank == 1:
+        torch.cuda.synchronize()  # its sends have landed; it dies before its receive and the combine
+        _die(how)
+    hook()
+    outcome = {"error": None}
+    start = time.monotonic()
+    try:
+        buf.low_latency_combine(recv_x, idx, w, handle)  # rank 1 never returns rows: waits, then gives up
+        torch.cuda.synchronize()
+        buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    except RuntimeError as error:
+        outcome["error"] = str(error)
+    outcome["raised_after_s"] = time.monotonic() - start
+    torch.cuda.synchronize()
+    outcome["idle_after_s"] = time.monotonic() - start
+    outcome["context_usable"] = _context_is_usable()
+    buf.destroy()  # does not wait for the dead peer
+    outcome["destroyed_after_s"] = time.monotonic() - start
+    with open(path, "w") as f:
+        json.dump(outcome, f)
+
+
+@pytest.mark.parametrize("how", ["non-zero exit", "SIGKILL"])
+def test_ll_dead_peer_is_named_within_the_timeout(how):
+    timeout_s = 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.json")
+        with pytest.raises(RankFailure) as failure:
+            cluster(2).run(rank_ll_dead_peer, timeout_s, path, how, timeout_s=60)
+        assert 1 in failure.value.errors
+        with open(path) as f:
+            outcome = json.load(f)
+    assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
+    assert outcome["raised_after_s"] < timeout_s + 5, outcome
+    assert outcome["idle_after_s"] < 2 * timeout_s + 5, outcome
+    assert outcome["context_usable"], outcome
+    assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
+
+
+def rank_slow_peer(timeout_s: float):
+    """A peer late by half the timeout is waited for: no error, and the results equal an on-time run's."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with peer_timeout(timeout_s):
+        buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+        n, hidden, num_experts_ll = 16, 512, 4 * num_ranks
+        ll = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts_ll),
+                    low_latency_mode=True, backend="cuda")
+    x, idx, w, num_experts = _inputs(5)
+    xl, il, wl = (t.to(dev) for t in make_inputs(72, rank, n, hidden, num_experts_ll, 3, num_ranks, "random"))
+
+    def both():
+        combined, _ = _round_trip(buf, x, idx, w, num_experts)
+        recv_x, _, handle, _, _ = ll.low_latency_dispatch(xl, il, n, num_experts_ll, use_fp8=False)
+        out, _, _ = ll.low_latency_combine(recv_x, il, wl, handle)
+        torch.cuda.synchronize()
+        return combined.clone(), out.clone()
+
+    on_time = both()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(timeout_s / 2)
+    late = both()
+    for a, b in zip(on_time, late):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"rank {rank}: a late peer changed the results"
+    both()  # and no error was recorded for a later call to raise
+    buf.destroy()
+    ll.destroy()
+
+
+def test_slow_peer_is_not_an_error():
+    cluster(2).run(rank_slow_peer, 4.0)
 
 
 def rank_shrink_after_silent_peer(timeout_s: str):

@@ -43,7 +43,9 @@ _ERRORS = {_TIMEOUT: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
               "more often than num_max_dispatch_tokens_per_rank (a token naming an expert twice); those entries "
               "were not sent",
            8: "rank(s) {ranks} passed low_latency_combine a topk_idx that differs from the one of its dispatch "
-              "(the dispatch's was used)"}
+              "(the dispatch's was used)",
+           9: "rank(s) {ranks} made this call with another shape (hidden, num_experts, "
+              "num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were not read"}
 # The caller's mistakes (found on the GPU, without a host sync): ValueError; the rest RuntimeError.
 _INPUT_ERRORS = (7, 8)
 _OPS = {5: "low_latency_dispatch", 6: "low_latency_combine"}
@@ -58,6 +60,15 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     data = hidden if use_fp8 else hidden * 2
     cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
     return data, cols, _round_up(data + cols * 4 + 4, 16)
+
+
+def shape_tag(*values: int) -> int:
+    """8 bits that differ, most likely, between calls of different shapes: every signal carries them,
+    and a receiver compares them with its own (csrc/kernels/low_latency.cu, make_signal)."""
+    h = 0x811C9DC5
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF  # FNV-1a over 32-bit words
+    return (h ^ (h >> 8) ^ (h >> 16) ^ (h >> 24)) & 0xFF
 
 
 def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
@@ -96,6 +107,12 @@ class CudaLowLatency:
 
     def close(self) -> None:
         self.shared.close()
+
+    def gave_up(self) -> bool:
+        """Whether a wait of this rank timed out or met a call of another shape (syncs the device): its
+        peers may be gone, so destroy must not wait for them."""
+        word = self.shared.tensor[_GAVE_UP_OFFSET:_GAVE_UP_OFFSET + 4].view(torch.int32)
+        return bool(int(word[0]))
 
     def reset(self) -> None:
         """clean_low_latency_buffer: forget recorded errors; zero the pair counters (a call cut short
@@ -185,6 +202,7 @@ class CudaLowLatency:
         slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
         strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
         sent_pairs = self._sent_pairs_of(slot, num_experts)
+        tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
 
         sent = torch.cuda.Event()
         handle_state: dict = {"slot_map": slot_map, "received": False}
@@ -195,7 +213,7 @@ class CudaLowLatency:
             code = self.lib.epcomm_ll_dispatch(
                 self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
                 ptr(x), ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
-                slot, ctypes.c_int64(self.slot_bytes), ptr(sent_pairs), ptr(mask), ptr(slot_map),
+                slot, ctypes.c_int64(self.slot_bytes), tag, ptr(sent_pairs), ptr(mask), ptr(slot_map),
                 ptr(recv_data), ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
                 ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
                 ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
@@ -240,6 +258,7 @@ class CudaLowLatency:
         slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
 
         sent = torch.cuda.Event()
+        tag = shape_tag(2, hidden, num_experts, n)
 
         def launch(phase: int) -> None:
             if phase == 2:
@@ -247,7 +266,7 @@ class CudaLowLatency:
             code = self.lib.epcomm_ll_combine(
                 self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
                 ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
-                ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), ptr(mask),
+                ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), tag, ptr(mask),
                 ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
                 stream_ptr(self.device))
             check(code, "low_latency_combine")

@@ -28,8 +28,9 @@
 // called late, and the next call but one reuses the slot).
 // Separate areas matter when a dispatch and a combine share a slot (two micro-batches in flight):
 // a fast peer's combine then writes while this rank may still be copying the dispatch out.
-// Signals hold (call counter << 24) | (count + 1): counters only grow and are the same on every
-// rank (every rank makes the same calls), so signals never need resetting, CUDA-graph replays too.
+// Signals hold the call counter, the call's shape tag and the count (make_signal): counters only
+// grow and are the same on every rank (every rank makes the same calls), so signals never need
+// resetting, CUDA-graph replays too.
 #include "../../include/epcomm/common.cuh"
 
 #include <cuda_bf16.h>
@@ -46,11 +47,20 @@ constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kerne
 constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
 constexpr int kGaveUpOffset = 40;    // int32: set when a wait of this rank timed out (the others stop waiting);
                                      // in device memory: the waits poll it, and host memory is far
-constexpr int kSignalShift = 24;
+// A signal: [63:32] the call counter (its low 32 bits), [31:24] the call's shape tag, [23] invalid
+// input, [22:0] count + 1. The shape tag (a hash of hidden, experts, N and the message format, made
+// by the host) lets a receiver tell a peer that made a call of another shape: its rows would not
+// fit this rank's layout, so the call is reported instead of returning garbage.
+constexpr int kSeqShift = 32, kTagShift = 24;
 // A sender whose inputs were invalid says so in every signal of the call, so that every rank reports
 // it (and raises at the same call: a rank raising alone would leave its peers waiting for it).
-constexpr int64_t kInvalidInputBit = 1LL << (kSignalShift - 1);
+constexpr int64_t kInvalidInputBit = 1LL << (kTagShift - 1);
 constexpr int64_t kCountMask = kInvalidInputBit - 1;
+
+__device__ __forceinline__ int64_t make_signal(int64_t seq, int tag, int64_t invalid, int count) {
+    return ((seq & 0xffffffffLL) << kSeqShift) | (static_cast<int64_t>(tag & 0xff) << kTagShift) | invalid |
+           (count + 1);
+}
 constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
@@ -61,7 +71,7 @@ constexpr int kPieceInt4 = 256;                // one warp copies a message or r
 
 // Pinned host words, as in the normal-mode kernels (the Python side reads them).
 constexpr int kInfoError = 0, kInfoErrorOp = 1, kInfoErrorRanks = 2;
-constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8;
+constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8, kErrShapeMismatch = 9;
 constexpr int kOpDispatch = 5, kOpCombine = 6;
 
 struct Peers {
@@ -129,13 +139,20 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
 
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
-__device__ int wait_signal(const int64_t* signal, int64_t seq, int src, int* mask, uint64_t timeout_ns, int* info,
-                           int* gave_up, int op, uint64_t* waited_ns) {
+__device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
+                           int* info, int* gave_up, int op, uint64_t* waited_ns) {
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
         const int64_t v = ld_acquire_sys(signal);
-        if ((v >> kSignalShift) == seq) {
+        if ((v >> kSeqShift) == (seq & 0xffffffffLL)) {
             if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
+            if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
+                info[kInfoErrorRanks + src] = 1;
+                info[kInfoErrorOp] = op;
+                info[kInfoError] = kErrShapeMismatch;
+                atomicExch(gave_up, 1);  // signals it laid out elsewhere may never come: stop every wait
+                return -2;
+            }
             if (v & kInvalidInputBit) {  // the source's inputs were refused (its signals say so)
                 info[kInfoErrorRanks + src] = 1;
                 info[kInfoErrorOp] = op;
@@ -252,6 +269,7 @@ struct DispatchArgs {
     int slot;
     int64_t slot_bytes;
     int chunk_tokens;         // tokens per block of the send kernel
+    int shape_tag;            // 8-bit hash of the call's shape (every rank must make the same)
     int* sent_pairs;          // [E] written pairs per expert of the running send (0 between calls)
     int* mask;                // [R] int32, or nullptr (no failed-rank masking)
     int* slot_map;            // [T, K] out: the row of (t, k) in its block, -1 when not sent
@@ -390,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
         __threadfence_system();  // every other writer's stores (they fenced before counting) come first
         auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
                        (e % experts_per_rank) * R + me;
-        st_release_sys(signal, (seq << kSignalShift) | invalid | (min(total[e], N) + 1));
+        st_release_sys(signal, make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
     }
     // Experts no pair chose still get their (empty) signal, from one block each.
     for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
@@ -398,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
         if (total[e] != 0 || skip_dst[dst]) continue;
         auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
                        (e % experts_per_rank) * R + me;
-        st_relaxed_sys(signal, (seq << kSignalShift) | invalid | 1);  // no data to order before it
+        st_relaxed_sys(signal, make_signal(seq, a.shape_tag, invalid, 0));  // no data to order before it
     }
     finish_send_kernel(mine, seq, a.slot);
 }
@@ -418,7 +436,7 @@ __global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a)
         uint64_t waited = 0;
         if (!masked(a.mask, me) && !masked(a.mask, tid)) {
             const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + tid;
-            count = wait_signal(signal, seq, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
+            count = wait_signal(signal, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
             // masked (or timed out: reported, and nothing to copy); never more than a block's room
             count = count < 0 ? 0 : min(count, N);
         }
@@ -478,6 +496,7 @@ struct CombineArgs {
     int slot;
     int64_t slot_bytes;
     int chunk_tokens;              // tokens per block of the receive kernel
+    int shape_tag;                 // 8-bit hash of the call's shape (every rank must make the same)
     int* mask;
     int64_t* wait_stats;           // [R] or nullptr
     int* info;
@@ -527,7 +546,7 @@ __global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
     if (tid == 0 && !skip) {
         __threadfence_system();  // the block's rows reach the source before the signal
         auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[src] + lay.combine_signals) + global_e;
-        st_release_sys(signal, (seq << kSignalShift) | invalid | (count + 1));
+        st_release_sys(signal, make_signal(seq, a.shape_tag, invalid, count));
     }
     finish_send_kernel(mine, seq, a.slot);
 }
@@ -549,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
     // (whatever this rank's tokens chose), and it times the arrivals (wait-cost statistics).
     if (blockIdx.x == 0 && tid < R && !masked(a.mask, me) && !masked(a.mask, tid)) {
         uint64_t waited = 0;
-        if (wait_signal(signals + tid * experts_per_rank, seq, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine,
+        if (wait_signal(signals + tid * experts_per_rank, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine,
                         &waited) >= 0 && a.wait_stats != nullptr)
             atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(waited));
     }
@@ -564,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
         if (e >= 0 && e < a.num_experts && s >= 0) {
             const int src = static_cast<int>(e / experts_per_rank);
             if (!masked(a.mask, src) &&
-                wait_signal(signals + e, seq, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine, nullptr) >= 0)
+                wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine, nullptr) >= 0)
                 offset = (e * N + s) * row_int4;
         }
         pair_offset[j] = offset;
@@ -640,7 +659,7 @@ int epcomm_ll_max_experts() { return ll::kMaxExperts; }
 int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
                        int num_experts, int num_max_tokens, const void* x, const int64_t* topk_idx, int use_fp8,
                        int round_scale, int use_ue8m0, int data_bytes, int msg_bytes, int slot, int64_t slot_bytes,
-                       int* sent_pairs, int* mask, int* slot_map, void* recv_data, void* recv_scales,
+                       int shape_tag, int* sent_pairs, int* mask, int* slot_map, void* recv_data, void* recv_scales,
                        int64_t scale_stride_e, int64_t scale_stride_row, int64_t scale_stride_col, int num_scale_cols,
                        int* src_info, int* recv_count, int64_t* layout_range, int* cumulative_stats,
                        int64_t* wait_stats, int phase, int num_sms, int* info, uint64_t timeout_ns,
@@ -664,6 +683,7 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.slot = slot;
     a.slot_bytes = slot_bytes;
     a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
+    a.shape_tag = shape_tag;
     a.sent_pairs = sent_pairs;
     a.mask = mask;
     a.slot_map = slot_map;
@@ -691,7 +711,8 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
 int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_experts, int num_max_tokens, int hidden,
                       int num_tokens, int num_topk, const void* x, const int64_t* layout_range,
                       const int64_t* topk_idx, const int64_t* caller_topk_idx, const float* topk_weights,
-                      const int* slot_map, void* out, int slot, int64_t slot_bytes, int* mask, int64_t* wait_stats,
+                      const int* slot_map, void* out, int slot, int64_t slot_bytes, int shape_tag, int* mask,
+                      int64_t* wait_stats,
                       int phase, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
     ll::CombineArgs a{};
     for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
@@ -712,6 +733,7 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
     a.slot = slot;
     a.slot_bytes = slot_bytes;
     a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
+    a.shape_tag = shape_tag;
     a.mask = mask;
     a.wait_stats = wait_stats;
     a.info = info;
