@@ -21,6 +21,7 @@ from . import _env
 from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
 from .backends.reference import ReferenceBackend
 from .backends.reference import allgather as ref_allgather
+from .backends.reference import hierarchical as ref_hierarchical
 from .backends.reference import low_latency as ref_ll
 from .backends.reference import normal as ref_normal
 from .backends.reference.backend import Op
@@ -30,7 +31,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 
 _buffer_counter = itertools.count()
 _BACKENDS = ("auto", "cuda", "reference")
-_STRATEGIES = ("alltoall", "allgather")  # [ext] normal-mode algorithm of the reference backend
+_STRATEGIES = ("alltoall", "allgather", "hierarchical")  # [ext] normal-mode algorithm of the reference backend
 # Errors of argument checking: the refusing rank tells its peers before raising.
 _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
 
@@ -75,14 +76,15 @@ class Buffer:
                                  f"{pg_backend}")
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
-            if strategy == "allgather" and backend == "cuda":
-                raise ValueError("strategy='allgather' is implemented by the reference backend only; use "
+            if strategy != "alltoall" and backend == "cuda":
+                raise ValueError(f"strategy={strategy!r} is implemented by the reference backend only; use "
                                  "backend='reference'")
             ranks_per_domain_env = self._ranks_per_domain_from_env()
         except _REFUSALS as e:
             error = e
         # Every rank learns whether a peer refused its arguments (and each rank's host), within the timeout.
         self.ranks_per_domain = self._agree_on_construction(error, ranks_per_domain_env if error is None else 0)
+        self._backend.ranks_per_domain = self.ranks_per_domain
         self.low_latency_mode = bool(low_latency_mode)
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.allow_mnnvl = allow_mnnvl
@@ -91,7 +93,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.comm = comm
         self.strategy = strategy
-        self._normal = ref_allgather if strategy == "allgather" else ref_normal
+        self._normal = {"allgather": ref_allgather, "hierarchical": ref_hierarchical}.get(strategy, ref_normal)
         # 'auto' stays on the reference backend until the CUDA kernels are complete (README "Status").
         self.backend_name = "cuda" if backend == "cuda" else "reference"
         self._cuda = self._cuda_ll = None

@@ -16,7 +16,7 @@ from routing import device, make_inputs
 
 import epcomm
 from epcomm import Buffer, Config
-from epcomm.backends.reference import allgather
+from epcomm.backends.reference.backend import check_strategy, mark_strategy
 from epcomm.bench.checks import same_bits
 
 
@@ -150,9 +150,13 @@ def test_bad_strategy_raises_on_every_rank():
 
 
 def test_strategy_mismatch_names_the_ranks():
+    fields = mark_strategy({}, "allgather")
     headers = torch.zeros((3, 16 + 3), dtype=torch.int64)
-    headers[:, allgather._STRATEGY_FIELD] = allgather._ALLGATHER_CODE
-    allgather._check_strategy(headers, "dispatch")  # all agree: no error
-    headers[1, allgather._STRATEGY_FIELD] = 0
+    for field, code in fields.items():
+        headers[:, field] = code
+    check_strategy(headers, "allgather", "dispatch")  # all agree: no error
+    headers[1, list(fields)[0]] = 0
     with pytest.raises(RuntimeError, match=r"rank 0: allgather, rank 1: alltoall, rank 2: allgather"):
-        allgather._check_strategy(headers, "dispatch")
+        check_strategy(headers, "allgather", "dispatch")
+    with pytest.raises(RuntimeError, match=r"rank 0: allgather, rank 1: alltoall"):
+        check_strategy(headers, "alltoall", "dispatch")  # and the rank using the other strategy raises too

@@ -54,7 +54,8 @@ def run(opts: Options, probe: dict | None = None) -> tuple[list[dict], list[str]
                        opts.ll_experts, opts.num_sms, opts.dtypes, opts.warmup, opts.iters, opts.seed,
                        opts.backend, strategies=opts.strategies, diagnose=opts.diagnose,
                        straggler=opts.straggler, straggler_delay_us=opts.straggler_delay_us,
-                       with_deep_ep=opts.pg_backend == "nccl" and runner.deep_ep_available())
+                       with_deep_ep=opts.pg_backend == "nccl" and runner.deep_ep_available(),
+                       ranks_per_domain=opts.ranks_per_domain, num_groups=opts.groups)
     _log(f"epcomm.bench: {opts.num_ranks} rank(s) on {opts.pg_backend}, {len(cases)} configuration(s), "
          f"{opts.warmup} warm-up(s) + {opts.iters} timed call(s) each")
     records: list[dict] = []
@@ -64,6 +65,8 @@ def run(opts: Options, probe: dict | None = None) -> tuple[list[dict], list[str]
     env = dict(RANK_ENV)
     if "EPCOMM_TIMEOUT_S" in os.environ:  # the launcher sizes its own wait after a rank failure on it
         env["EPCOMM_TIMEOUT_S"] = os.environ["EPCOMM_TIMEOUT_S"]
+    if opts.ranks_per_domain:
+        env["EPCOMM_RANKS_PER_DOMAIN"] = str(opts.ranks_per_domain)
     with LocalCluster(opts.num_ranks, opts.pg_backend, env=env) as cluster:
         try:
             info = cluster.run(runner.device_info)[0]

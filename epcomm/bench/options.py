@@ -17,7 +17,7 @@ import torch
 from ..config import MAX_TOPK
 from . import plot
 from .metrics import DTYPES
-from .workloads import ALLGATHER, LOW_LATENCY, MODES, NORMAL, STRATEGIES
+from .workloads import LOW_LATENCY, MODES, NORMAL, STRATEGIES
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -60,6 +60,8 @@ class Options:
     diagnose: bool = False
     straggler: int | None = None
     straggler_delay_us: float = 0.0
+    ranks_per_domain: int = 0
+    groups: int | None = None
     pressure: int = 0  # > 0: run the pressure test (that many random cases) instead of the timed cases
     pressure_replays: int = 20
 
@@ -149,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="normal-mode Buffer(strategy=...) to measure, with the NCCL collective that moves the "
                         "same data as baseline (allgather: all_gather_into_tensor + reduce_scatter_tensor) "
                         "[alltoall]")
+    p.add_argument("--ranks-per-domain", type=int, default=0, metavar="K",
+                   help="split the ranks into scale-up domains of K consecutive ranks (virtual nodes; "
+                        "EPCOMM_RANKS_PER_DOMAIN of the ranks) [one domain per host]")
+    p.add_argument("--groups", type=int, metavar="G",
+                   help="node-limited routing: each token picks its experts in at most G domains (DeepSeek-V3's "
+                        "group-limited gating) [no limit]")
     p.add_argument("--diagnose", action="store_true",
                    help="also report per-rank latency distributions (p50/p99/max, jitter), per-source waits "
                         "from the low-latency wait-cost statistics (naming straggler ranks), and measured vs "
@@ -217,8 +225,13 @@ def parse_args(argv: list[str] | None) -> Options:
         fail(f"--iters must be >= 1, got {a.iters}")
     if a.plot and not plot.matplotlib_available():
         fail(plot.MISSING_MATPLOTLIB)
-    if ALLGATHER in a.strategies and a.backend == "cuda":
-        fail("--strategies allgather runs on the reference backend only; use --backend reference or auto")
+    if set(a.strategies) - {"alltoall"} and a.backend == "cuda":
+        fail(f"--strategies {','.join(a.strategies)}: only alltoall runs on the CUDA backend so far; use "
+             "--backend reference or auto")
+    if a.ranks_per_domain and (a.ranks_per_domain < 0 or a.num_ranks % a.ranks_per_domain):
+        fail(f"--ranks-per-domain {a.ranks_per_domain} must divide the rank count {a.num_ranks}")
+    if a.groups is not None and a.groups < 1:
+        fail(f"--groups must be >= 1, got {a.groups}")
     if a.pressure < 0 or a.pressure_replays < 1:
         fail(f"--pressure must be >= 0 and --pressure-replays >= 1, got {a.pressure} and {a.pressure_replays}")
     if a.straggler_delay_us is not None and a.straggler is None:
@@ -236,4 +249,4 @@ def parse_args(argv: list[str] | None) -> Options:
                    backend=a.backend, seed=a.seed, json=a.json, plot=a.plot, commit=a.commit,
                    strategies=a.strategies, diagnose=a.diagnose, straggler=a.straggler,
                    straggler_delay_us=a.straggler_delay_us or 0.0, pressure=a.pressure,
-                   pressure_replays=a.pressure_replays)
+                   pressure_replays=a.pressure_replays, ranks_per_domain=a.ranks_per_domain, groups=a.groups)

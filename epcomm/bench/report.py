@@ -84,6 +84,19 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
     })
     if "strategy" in per_rank[0]:
         record["strategy"] = per_rank[0]["strategy"]
+    if "traffic" in per_rank[0]:  # per tier, like DeepEP's internode test: bytes sent / the call's time
+        for op in ("dispatch", "combine"):
+            for tier in ("inter_domain", "intra_domain"):
+                record[f"{op}_{tier}_bytes_per_rank"] = [r["traffic"][f"{op}_{tier}_bytes"] for r in per_rank]
+                record[f"{op}_{tier}_rows_per_rank"] = [r["traffic"][f"{op}_{tier}_rows"] for r in per_rank]
+        slowest = per_rank[d_rank]
+        record["inter_domain_gbps"] = _sig(slowest["traffic"]["dispatch_inter_domain_bytes"]
+                                           / slowest["dispatch_s"] / 1e9)
+        record["intra_domain_gbps"] = _sig(slowest["traffic"]["dispatch_intra_domain_bytes"]
+                                           / slowest["dispatch_s"] / 1e9)
+        record["inter_domain_rows_expected_per_rank"] = [r["inter_domain_rows_expected"] for r in per_rank]
+        record["each_token_crosses_once_per_domain"] = all(
+            r["traffic"]["dispatch_inter_domain_rows"] == r["inter_domain_rows_expected"] for r in per_rank)
     for op in ("dispatch", "combine"):  # low latency: the send half (the call) and the receive (the hook)
         if f"{op}_hook_send_s" in per_rank[0]:
             record[f"{op}_send_us"] = _sig(max(r[f"{op}_hook_send_s"] for r in per_rank) * 1e6)
@@ -120,7 +133,7 @@ def write_json(records: list[dict[str, Any]], path: str) -> None:
 _COLUMNS = (
     # header, width, how to render a record
     ("mode", 11, lambda r: r["mode"]),
-    ("impl", 26, lambda r: r["impl"]),
+    ("impl", 30, lambda r: r["impl"]),
     ("dtype", 5, lambda r: r["dispatch_dtype"]),
     ("tokens", 6, lambda r: str(r["num_tokens"])),
     ("hidden", 6, lambda r: str(r["hidden"])),

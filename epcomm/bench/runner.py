@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import Buffer, per_token_cast_to_fp8
 from . import checks, metrics
 from .timing import time_samples
-from .workloads import A2A, AG, ALLGATHER, DEEP_EP, NORMAL, Case, RankInputs, all_rank_inputs
+from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, NORMAL, Case, RankInputs, all_rank_inputs
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -145,13 +145,15 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     before, samples = _straggle(case, rank, buf.device), {}
     dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch")
     _guarded(failures, f"{tag} (timed dispatch)", checks.check_normal_dispatch, *last[:4], want, case.dtype)
+    traffic = _tier_traffic(buf, "dispatch")  # of a fresh dispatch (the cached one moves less)
     cached_s, last = _timed(cached_dispatch, case, buf.device, before, samples, "cached_dispatch")
     _guarded(failures, f"{tag} (timed cached dispatch)", checks.check_normal_dispatch, last[0], None, None,
              None, want, case.dtype)
     combine_s, last = _timed(combine, case, buf.device, before, samples, "combine")
     _guarded(failures, f"{tag} (timed combine)", checks.check_normal_combine, last[0], mine, want, case.dtype)
+    traffic.update(_tier_traffic(buf, "combine"))
 
-    suffix = "-allgather" if case.strategy == ALLGATHER else ""
+    suffix = "" if case.strategy == ALLTOALL else f"-{case.strategy}"
     result = {
         "impl": DEEP_EP if case.kind == DEEP_EP else f"epcomm-{buf.backend_name}{suffix}", "strategy": case.strategy,
         "samples_s": samples, "num_domains": getattr(buf, "num_domains", 1),
@@ -161,9 +163,25 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
         "combine_bytes": metrics.normal_combine_bytes(want.num_rows, case.hidden),
         "failures": failures,
     }
+    if traffic:
+        # Each token must cross the inter-domain tier at most once per destination domain: the rows
+        # this rank sent there equal its tokens' count of other domains (get_dispatch_layout's).
+        own = rank // buf.ranks_per_domain
+        expected = sum(int(c) for d, c in enumerate(per_rdma_rank.tolist()) if d != own) \
+            if per_rdma_rank is not None else 0
+        result.update(traffic=traffic, inter_domain_rows_expected=expected)
+        if traffic["dispatch_inter_domain_rows"] != expected:
+            failures.append(f"{tag}: {traffic['dispatch_inter_domain_rows']} rows crossed domains, the tokens "
+                            f"need {expected}")
     if hasattr(buf, "destroy"):  # DeepEP frees its buffer on garbage collection unless explicitly_destroy
         buf.destroy()
     return result
+
+
+def _tier_traffic(buf: Any, op: str) -> dict[str, int]:
+    """The rows and bytes each tier moved in the Buffer's latest ``op`` (strategies that count them)."""
+    counted = getattr(getattr(buf, "_backend", None), "traffic", None) or {}
+    return {k: v for k, v in counted.items() if k.startswith(op + "_")}
 
 
 def deep_ep_available() -> bool:

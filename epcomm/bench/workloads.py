@@ -19,8 +19,8 @@ MODES = (NORMAL, LOW_LATENCY)
 EPCOMM, A2A, AG = "epcomm", "a2a", "allgather"
 DEEP_EP = "deep_ep"  # DeepEP's own Buffer (normal mode), run beside epcomm where it is importable
 BASELINES = (A2A, AG)
-ALLTOALL, ALLGATHER = "alltoall", "allgather"
-STRATEGIES = (ALLTOALL, ALLGATHER)  # Buffer(strategy=...) of the normal-mode epcomm cases
+ALLTOALL, ALLGATHER, HIERARCHICAL = "alltoall", "allgather", "hierarchical"
+STRATEGIES = (ALLTOALL, ALLGATHER, HIERARCHICAL)  # Buffer(strategy=...) of the normal-mode epcomm cases
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Case:
     diagnose: bool = False  # also measure the low-latency wait-cost statistics
     straggler: int | None = None  # rank that sleeps before every call (--straggler)
     straggler_delay_us: float = 0.0
+    ranks_per_domain: int = 0  # EPCOMM_RANKS_PER_DOMAIN of the ranks; 0: one domain per host
+    num_groups: int | None = None  # node-limited routing: experts of at most this many domains per token
 
     @property
     def baseline(self) -> bool:
@@ -96,18 +98,30 @@ def make_pattern_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: in
     return idx.to(torch.int64)
 
 
-def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int) -> torch.Tensor:
-    """Random routing of BENCHMARK.md: per token, the top-k of U(0, 1) scores over all experts."""
+def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int,
+                  num_domains: int = 1, num_groups: int | None = None) -> torch.Tensor:
+    """Random routing of BENCHMARK.md: per token, the top-k of U(0, 1) scores over all experts.
+
+    Node-limited (DeepSeek-V3's group-limited gating) with ``num_groups``: the experts are split
+    into ``num_domains`` groups, one per scale-up domain; each token keeps the ``num_groups`` groups
+    whose two best scores sum highest, and picks its top-k among their experts only.
+    """
     scores = torch.rand((num_tokens, num_experts), generator=gen)
+    if num_groups is not None and num_groups < num_domains and num_tokens:
+        grouped = scores.view(num_tokens, num_domains, num_experts // num_domains)
+        best = grouped.topk(min(2, grouped.shape[2]), dim=2).values.sum(2)
+        keep = torch.zeros((num_tokens, num_domains), dtype=torch.bool)
+        keep.scatter_(1, best.topk(num_groups, dim=1).indices, True)
+        scores = torch.where(keep.unsqueeze(2), grouped, torch.full_like(grouped, -1.0)).view(num_tokens, -1)
     return scores.topk(num_topk, dim=1).indices.to(torch.int64)
 
 
 def make_rank_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int,
-                     num_topk: int) -> RankInputs:
+                     num_topk: int, num_domains: int = 1, num_groups: int | None = None) -> RankInputs:
     """Inputs of ``rank``, identical on whichever process builds them (CPU generator, fixed order)."""
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
-    topk_idx = make_topk_idx(gen, num_tokens, num_experts, num_topk)
+    topk_idx = make_topk_idx(gen, num_tokens, num_experts, num_topk, num_domains, num_groups)
     weights = torch.rand((num_tokens, num_topk), generator=gen).to(torch.float32)
     return RankInputs(x, topk_idx, weights)
 
@@ -117,15 +131,17 @@ _cache: dict[tuple, list[RankInputs]] = {}
 
 def all_rank_inputs(case: Case, num_ranks: int, device: torch.device) -> list[RankInputs]:
     """Every rank's inputs on ``device``; the last set is cached because consecutive cases share it."""
+    num_domains = num_ranks // case.ranks_per_domain if case.ranks_per_domain else 1
     key = (case.seed, case.mode, num_ranks, case.num_tokens, case.hidden, case.num_experts, case.num_topk,
-           str(device))
+           num_domains, case.num_groups, str(device))
     if key not in _cache:
         _cache.clear()
         # Low-latency inputs come from another seed stream than normal-mode ones of the same shape.
         seed = case.seed + (7919 if case.mode == LOW_LATENCY else 0)
         built = []
         for r in range(num_ranks):
-            inp = make_rank_inputs(seed, r, case.num_tokens, case.hidden, case.num_experts, case.num_topk)
+            inp = make_rank_inputs(seed, r, case.num_tokens, case.hidden, case.num_experts, case.num_topk,
+                                   num_domains, case.num_groups)
             built.append(RankInputs(inp.x.to(device), inp.topk_idx.to(device), inp.topk_weights.to(device)))
         _cache[key] = built
     return _cache[key]
@@ -135,7 +151,7 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                num_experts: int, ll_experts: int, num_sms: list[int], dtypes: list[str], warmup: int,
                iters: int, seed: int, backend: str, strategies: list[str] | tuple[str, ...] = (ALLTOALL,),
                diagnose: bool = False, straggler: int | None = None, straggler_delay_us: float = 0.0,
-               with_deep_ep: bool = False) -> list[Case]:
+               with_deep_ep: bool = False, ranks_per_domain: int = 0, num_groups: int | None = None) -> list[Case]:
     """Cases in run order: for each shape, the baselines first, then epcomm per SM count, dtype and strategy.
 
     Low-latency dispatch is FP8 as BENCHMARK.md prescribes, whatever ``dtypes`` says; strategies
@@ -153,7 +169,8 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
             for t in counts:
                 common = dict(mode=mode, num_tokens=t, hidden=hidden, num_topk=num_topk, num_experts=experts,
                               warmup=warmup, iters=iters, seed=seed, backend=backend, diagnose=diagnose,
-                              straggler=straggler, straggler_delay_us=straggler_delay_us)
+                              straggler=straggler, straggler_delay_us=straggler_delay_us,
+                              ranks_per_domain=ranks_per_domain, num_groups=num_groups)
                 cases.append(Case(kind=A2A, num_sms=None, dtype="bf16", **common))
                 if ALLGATHER in mode_strategies:
                     cases.append(Case(kind=AG, num_sms=None, dtype="bf16", strategy=ALLGATHER, **common))

@@ -26,9 +26,8 @@ all-to-all of the partial rows plus a local sum in ascending source-rank order
 Cost: every row reaches every rank whether needed or not (R T rows gathered per rank), and the
 combine buffer is ``R * T_max * (H + K) * 4`` bytes per rank.
 
-Every rank of a group must use the same strategy: the handshake carries it, and a rank using this
-strategy raises, naming the ranks, when a peer uses the other one (those peers then time out with
-a message naming the call).
+Every rank of a group must use the same strategy: the handshake carries it, and every rank raises,
+naming each rank's strategy, when they differ.
 """
 
 from __future__ import annotations
@@ -39,32 +38,10 @@ import torch
 
 from ...handle import DispatchHandle
 from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, to_bytes
+from .backend import F, Op, ReferenceBackend, check_strategy, mark_strategy, to_bytes
 from .normal import X_BF16, X_FP8, exchange_expert_counts
 
 STRATEGY = "allgather"
-# Header slot carrying the strategy (the first unused one); 0 = the all-to-all strategy, which
-# leaves it unset. Disabled if a future header field takes every slot.
-_STRATEGY_FIELD = max(F) + 1
-_HEADER_SLOTS = 16
-_ALLGATHER_CODE = 1
-
-
-def _fields(fields: dict) -> dict:
-    if _STRATEGY_FIELD < _HEADER_SLOTS:
-        fields[_STRATEGY_FIELD] = _ALLGATHER_CODE
-    return fields
-
-
-def _check_strategy(headers: torch.Tensor, name: str) -> None:
-    if _STRATEGY_FIELD >= _HEADER_SLOTS:
-        return
-    codes = headers[:, _STRATEGY_FIELD].tolist()
-    if any(c != _ALLGATHER_CODE for c in codes):
-        who = ", ".join(f"rank {r}: {'allgather' if c == _ALLGATHER_CODE else 'alltoall'}"
-                        for r, c in enumerate(codes))
-        raise RuntimeError(f"epcomm {name}: ranks use different normal-mode strategies ({who}); create the "
-                           "Buffer with the same strategy= on every rank")
 
 
 def _pack(x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
@@ -98,12 +75,12 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     else:
         send_counts = num_tokens_per_rank.tolist()
     scale_cols = scales.shape[1] if scales is not None else 0
-    headers = be.handshake(Op.DISPATCH, _fields({
+    headers = be.handshake(Op.DISPATCH, mark_strategy({
         F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
         F.SCALE_COLS: scale_cols, F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
         F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: num_tokens,
-    }), counts=send_counts)
-    _check_strategy(headers, "dispatch")
+    }, STRATEGY), counts=send_counts)
+    check_strategy(headers, STRATEGY, "dispatch")
     count_matrix = headers[:, 16:]  # [src, dst]
     recv_counts = count_matrix[:, rank].tolist()
     tokens_per_rank = headers[:, F.NUM_TOKENS].tolist()
@@ -164,12 +141,12 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     if state.get("strategy") != STRATEGY:
         raise ValueError("handle was made by a dispatch of another strategy; pass this Buffer's handle")
     hidden = x.shape[1]
-    headers = be.handshake(Op.COMBINE, _fields({
+    headers = be.handshake(Op.COMBINE, mark_strategy({
         F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
         F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
         F.NUM_TOKENS: handle.num_tokens,
-    }), counts=handle.recv_counts)
-    _check_strategy(headers, "combine")
+    }, STRATEGY), counts=handle.recv_counts)
+    check_strategy(headers, STRATEGY, "combine")
     count_matrix = headers[:, 16:]
     if count_matrix[:, be.rank].tolist() != handle.send_counts:
         raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "

@@ -68,6 +68,9 @@ class ReferenceBackend:
         self.num_ranks = dist.get_world_size(group)
         self.transport = Transport(group, uid, timeout_s)
         self.seq = 0
+        self.ranks_per_domain = self.num_ranks  # set by the Buffer once the ranks agree on it
+        # Rows and bytes each tier moved in the latest call (strategies that count them).
+        self.traffic: dict[str, int] = {}
         # Low-latency state: combine buffers for zero-copy, one per slot.
         self.ll_combine_buffers: dict[int, torch.Tensor] = {}
 
@@ -124,6 +127,31 @@ class ReferenceBackend:
             return send.new_empty((0, send.shape[1]))
         deadline = time.monotonic() + self.transport.timeout_s
         return self.transport.all_to_all(send, send_rows, recv_rows, op.name.lower(), self.seq, deadline)
+
+
+# Normal-mode strategies mark their handshakes, so ranks using different ones find out (0 = the
+# all-to-all strategy, which leaves the slot unset). The slot is the first header field unused.
+STRATEGY_CODES = {"alltoall": 0, "allgather": 1, "hierarchical": 2}
+_STRATEGY_FIELD = max(F) + 1
+
+
+def mark_strategy(fields: dict, strategy: str) -> dict:
+    if _STRATEGY_FIELD < _HEADER_FIELDS:
+        fields[_STRATEGY_FIELD] = STRATEGY_CODES[strategy]
+    return fields
+
+
+def check_strategy(headers: torch.Tensor, strategy: str, name: str) -> None:
+    """Raise on this rank if a peer's handshake carries another strategy (that peer then raises or
+    times out, naming the call)."""
+    if _STRATEGY_FIELD >= _HEADER_FIELDS:
+        return
+    codes = headers[:, _STRATEGY_FIELD].tolist()
+    if any(c != STRATEGY_CODES[strategy] for c in codes):
+        names = {v: k for k, v in STRATEGY_CODES.items()}
+        who = ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in enumerate(codes))
+        raise RuntimeError(f"epcomm {name}: ranks use different normal-mode strategies ({who}); create the "
+                           "Buffer with the same strategy= on every rank")
 
 
 def _op_name(code: int) -> str:

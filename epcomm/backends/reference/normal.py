@@ -11,7 +11,7 @@ import torch
 
 from ...handle import DispatchHandle
 from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, from_bytes, to_bytes
+from .backend import F, Op, ReferenceBackend, check_strategy, from_bytes, to_bytes
 
 X_BF16, X_FP8 = 0, 1
 
@@ -74,6 +74,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
         F.SCALE_COLS: scale_cols, F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
         F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: num_tokens,
     }, counts=send_counts)
+    check_strategy(headers, "alltoall", "dispatch")  # a peer of another strategy would wait for rows
     count_matrix = headers[:, 16:]  # [src, dst]
     recv_counts = count_matrix[:, rank].tolist()
     if cached and recv_counts != handle.recv_counts:
@@ -113,6 +114,7 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
         F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
         F.NUM_TOKENS: handle.num_tokens,
     }, counts=handle.recv_counts)
+    check_strategy(headers, "alltoall", "combine")
     count_matrix = headers[:, 16:]
     if count_matrix[:, be.rank].tolist() != handle.send_counts:
         raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
