@@ -15,4 +15,16 @@ for src in epcomm/csrc/kernels/*.cu; do
   echo "compile_kernels: $src"
   "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -c "$src" -o "$out/$(basename "$src").o"
 done
+# The NVSHMEM transport: relocatable device code against NVSHMEM's headers (linked on the GPU machine).
+NVSHMEM=$(${PYTHON:-python3} -c "from epcomm.backends.cuda.build import find_nvshmem; print(find_nvshmem())" \
+  2>/dev/null || true)
+if [ -n "$NVSHMEM" ]; then
+  for src in epcomm/csrc/nvshmem/*.cu; do
+    echo "compile_kernels: $src (NVSHMEM $NVSHMEM)"
+    "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Xcompiler -fPIC -rdc=true -I"$NVSHMEM/include" \
+      -c "$src" -o "$out/$(basename "$src").o"
+  done
+else
+  echo "compile_kernels: NVSHMEM not found; epcomm/csrc/nvshmem not compiled"
+fi
 echo "compile_kernels: all kernels built for sm_90"

@@ -14,4 +14,9 @@ done
 if [ -n "$missing" ]; then
   "$PY" -m pip install -q $missing
 fi
+# NVSHMEM (the transport to peers outside the NVLink domain): its headers let CI compile that
+# source too; the version the GPU machines have.
+if ! "$PY" -c "import nvidia.nvshmem" >/dev/null 2>&1; then
+  "$PY" -m pip install -q "nvidia-nvshmem-cu13==3.4.5" >/dev/null 2>&1 || echo "setup_env: NVSHMEM not installed"
+fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true

@@ -1,0 +1,59 @@
+"""The NVSHMEM transport's foundation on GPUs (skipped without them, or without NVSHMEM): unique-id
+bootstrap over the torch.distributed group, the symmetric heap, and a device put with a signal
+around a ring of ranks, checked word by word."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import BACKEND, TEST_ENV
+
+from epcomm.utils.launch import LocalCluster
+
+pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="NVSHMEM: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+
+
+def _nvshmem_found() -> bool:
+    try:
+        from epcomm.backends.cuda.build import find_nvshmem
+
+        find_nvshmem()
+        return True
+    except RuntimeError:
+        return False
+
+
+def rank_probe_ring(num_words: int, rounds: int) -> dict:
+    from epcomm.backends.cuda.nvshmem import NvshmemTeam
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    team = NvshmemTeam(dist.group.WORLD, dev)
+    try:
+        dst, src, signal = team.alloc_words(num_words), team.alloc_words(num_words), team.alloc_words(1)
+        previous = (rank - 1) % num_ranks
+        for r in range(1, rounds + 1):
+            src.fill_((rank + 1) * 1000 + r)
+            torch.cuda.synchronize(dev)
+            dist.barrier()  # every rank's source is ready before any put (the kernel puts at once)
+            assert team.probe_ring(dst, src, signal, r, timeout_s=10), f"rank {rank} round {r}: no signal"
+            torch.cuda.synchronize(dev)
+            want = torch.full_like(dst, (previous + 1) * 1000 + r)
+            assert torch.equal(dst, want), f"rank {rank} round {r}: {dst[:4].tolist()} != {want[:4].tolist()}"
+            dist.barrier()  # nobody overwrites a destination before its owner has read it
+        p2p = [team.is_p2p(dst, peer) for peer in range(num_ranks)]
+    finally:
+        team.close()
+    return {"p2p": p2p}
+
+
+@pytest.mark.skipif(not _nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_nvshmem_put_with_signal_around_a_ring(ranks):
+    if ranks > torch.cuda.device_count():
+        pytest.skip(f"needs {ranks} GPUs")
+    # Fresh processes: NVSHMEM is initialized once per process.
+    with LocalCluster(ranks, backend="nccl", env=TEST_ENV) as cluster:
+        reports = cluster.run(rank_probe_ring, 1 << 12, 3, timeout_s=180)
+    assert all(len(r["p2p"]) == ranks for r in reports)
