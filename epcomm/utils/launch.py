@@ -96,23 +96,32 @@ class LocalCluster:
         import time
 
         deadline = time.monotonic() + timeout_s
-        while len(results) + len(errors) < self.num_ranks:
+        # Peers of a failed or dead rank raise within EPCOMM_TIMEOUT_S; do not wait longer than that.
+        grace = float(self.env.get("EPCOMM_TIMEOUT_S", "100")) + 15
+        dead: list[int] = []
+        while len(results) + len(errors) + len(dead) < self.num_ranks:
             try:
                 rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
+                newly = [r for r, p in enumerate(self._procs)
+                         if not p.is_alive() and r not in dead and r not in results and r not in errors]
+                if newly:  # the survivors still answer (their errors name the dead rank): wait for them
+                    dead += newly
+                    deadline = min(deadline, time.monotonic() + grace)
+                if time.monotonic() > deadline:
                     self.broken = True
-                    missing = sorted(set(range(self.num_ranks)) - set(results) - set(errors))
+                    missing = sorted(set(range(self.num_ranks)) - set(results) - set(errors) - set(dead))
                     self.close()
-                    why = f"rank process(es) {dead} died" if dead else f"no answer after {timeout_s} s"
-                    raise RankFailure({**errors, **{r: why for r in missing}}) from None
+                    raise RankFailure({**errors, **{r: f"no answer after {timeout_s} s" for r in missing},
+                                       **{r: f"rank process(es) {dead} died" for r in dead}}) from None
                 continue
             (results if ok else errors)[rank] = value
             if not ok:
-                # Peers of a failed rank raise within EPCOMM_TIMEOUT_S; do not wait longer than that.
-                grace = float(self.env.get("EPCOMM_TIMEOUT_S", "100")) + 15
                 deadline = min(deadline, time.monotonic() + grace)
+        if dead:
+            self.broken = True
+            self.close()
+            raise RankFailure({**errors, **{r: f"rank process(es) {dead} died" for r in dead}})
         if errors:
             self.broken = True  # peers of a failed rank may hold unfinished collectives
             self.close()

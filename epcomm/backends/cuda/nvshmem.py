@@ -6,7 +6,9 @@ memory that GPU kernels on other ranks can put into and signal (csrc/nvshmem/tra
 RDMA between nodes, over NVLink inside one. One team per process (NVSHMEM is initialized once).
 
 This is the foundation of the transports to peers that CUDA IPC cannot reach; the low-latency and
-hierarchical kernels do not use it yet.
+hierarchical kernels do not use it yet. Note: NVSHMEM ends the process itself when its
+initialization fails (its inline nvshmemx_init_attr exits), so such a failure shows as a rank
+process that died, with NVSHMEM's message on stderr.
 """
 
 from __future__ import annotations

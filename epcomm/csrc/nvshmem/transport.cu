@@ -18,9 +18,9 @@
 
 namespace {
 
-// Each PE puts `num_words` words (its PE id + 1 in every word, times `round`) into the next PE's
-// `dst`, with a signal set to `round` on the next PE's `signal`; then waits until its own signal
-// reaches `round` (from the previous PE), bounded by `timeout_ns`.
+// Each PE puts its `num_words` words of `src` into the next PE's `dst`, with a signal set to
+// `round` on the next PE's `signal`; then waits until its own signal reaches `round` (from the
+// previous PE), bounded by `timeout_ns`.
 __global__ void probe_ring(uint64_t* dst, const uint64_t* src, uint64_t* signal, int num_words, uint64_t round,
                            uint64_t timeout_ns, int* timed_out) {
     const int me = nvshmem_my_pe(), npes = nvshmem_n_pes();
