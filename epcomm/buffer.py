@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -198,18 +199,33 @@ class Buffer:
         if self._cuda_ll is not None:
             cuda_ll, self._cuda_ll = self._cuda_ll, None
             torch.cuda.synchronize(self.device)  # this rank's kernels are done, hooks' receives included
-            if not cuda_ll.gave_up():  # a peer that timed out may be dead: a barrier would wait for it forever
-                dist.barrier(group=self.group)  # every peer's kernels are done: none writes into what is unmapped
-            cuda_ll.close()
+            self._free_when_peers_done(cuda_ll, "low-latency")
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None
             try:
                 cuda.barrier("destroy")  # no peer may still write into a buffer being unmapped
-            finally:
-                cuda.close()
+            except RuntimeError:
+                _LEAKED.append(cuda)  # a peer that did not arrive may still write into it: never free it
+                raise
+            cuda.close()
         self._local_nvl = self._local_rdma = None
         self._backend.ll_combine_buffers.clear()
         self._destroyed = True
+
+    def _free_when_peers_done(self, backend: Any, what: str) -> None:
+        """Free a CUDA backend's shared buffer once every rank has finished with it (each synchronized
+        its device before arriving). A rank that does not arrive within the timeout may be dead, or
+        alive and still writing into this buffer: then it is kept, never freed, and a warning says so."""
+        missing = self._backend.transport.meet(f"destroy-{what}", time.monotonic() + _env.timeout_s())
+        if missing is None:  # no store to meet through: the group's barrier
+            dist.barrier(group=self.group)
+        elif missing:
+            _LEAKED.append(backend)
+            warnings.warn(f"epcomm destroy: rank(s) {missing} did not reach destroy within EPCOMM_TIMEOUT_S; the "
+                          f"{what} buffer ({backend.shared.num_bytes} bytes) is kept, not freed, since a peer "
+                          "still running could write into it", RuntimeWarning, stacklevel=3)
+            return
+        backend.close()
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -757,6 +773,10 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         self._check_shrink()
         self._mask.zero_()
+
+
+# Shared buffers that destroy could not prove unused by every peer: kept alive for the process.
+_LEAKED: list[Any] = []
 
 
 def _nothing() -> None:

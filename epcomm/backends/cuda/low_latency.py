@@ -45,7 +45,10 @@ _ERRORS = {_TIMEOUT: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            8: "rank(s) {ranks} passed low_latency_combine a topk_idx that differs from the one of its dispatch "
               "(the dispatch's was used)",
            9: "rank(s) {ranks} made this call with another shape (hidden, num_experts, "
-              "num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were not read"}
+              "num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were not read",
+           10: "an earlier low-latency call of this rank failed (a timeout or a call of another shape), so this "
+               "one did not wait for its peers and is incomplete"}
+_FATAL = (_TIMEOUT, 9, 10)  # the Buffer is unusable after these (its waits give up from then on)
 # The caller's mistakes (found on the GPU, without a host sync): ValueError; the rest RuntimeError.
 _INPUT_ERRORS = (7, 8)
 _OPS = {5: "low_latency_dispatch", 6: "low_latency_combine"}
@@ -100,19 +103,16 @@ class CudaLowLatency:
         self.info_np = self.info.numpy()
         self._info_ptrs = [ctypes.c_void_p(self.info[s].data_ptr()) for s in range(2)]
         self._received: list[torch.cuda.Event | None] = [None, None]
+        self._captured = False  # a call was captured in a CUDA graph: its replays record errors too
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
-        self._sent_pairs: torch.Tensor | None = None
+        # Per slot, per expert: pairs written by the running send (0 between calls). Allocated once, at
+        # the largest size, so a CUDA graph never holds a pointer to a freed or pool-owned tensor.
+        self._sent_pairs = torch.zeros((2, self.max_experts), dtype=torch.int32, device=device)
         dist.barrier(group=group)
 
     def close(self) -> None:
         self.shared.close()
-
-    def gave_up(self) -> bool:
-        """Whether a wait of this rank timed out or met a call of another shape (syncs the device): its
-        peers may be gone, so destroy must not wait for them."""
-        word = self.shared.tensor[_GAVE_UP_OFFSET:_GAVE_UP_OFFSET + 4].view(torch.int32)
-        return bool(int(word[0]))
 
     def reset(self) -> None:
         """clean_low_latency_buffer: forget recorded errors; zero the pair counters (a call cut short
@@ -120,20 +120,26 @@ class CudaLowLatency:
         torch.cuda.synchronize(self.device)
         self.info_np[:] = 0
         self.shared.tensor[_GAVE_UP_OFFSET:_GAVE_UP_OFFSET + 4].zero_()  # a timed-out wait's mark
-        if self._sent_pairs is not None:
-            self._sent_pairs.zero_()
+        self._sent_pairs.zero_()
         torch.cuda.synchronize(self.device)
 
     def check_errors(self, op: str, slot: int) -> None:
         """Raise what the kernels reported before a call in ``slot`` launches anything: the record of
         the slot's previous call once its receive has finished (the same verdict on every rank), and
         a timeout seen in the other slot's record."""
+        if torch.cuda.is_current_stream_capturing():
+            return  # no host wait inside a capture; the next eager call checks
         event = self._received[slot]
-        if event is not None and not torch.cuda.is_current_stream_capturing():
+        if event is not None:
             event.synchronize()
             self._received[slot] = None
             self._raise(op, slot)
-        if int(self.info_np[1 - slot][0]) == _TIMEOUT:
+        elif self._captured:  # replays of captured calls may have recorded errors: look at both slots
+            torch.cuda.synchronize(self.device)
+            self._captured = False
+            self._raise(op, slot)
+            self._raise(op, 1 - slot)
+        if int(self.info_np[1 - slot][0]) in _FATAL:
             self._raise(op, 1 - slot)
 
     def _raise(self, op: str, slot: int) -> None:
@@ -153,18 +159,12 @@ class CudaLowLatency:
     def _received_now(self, slot: int) -> None:
         """After a receive kernel is launched: the event the slot's next call waits on to check errors."""
         if torch.cuda.is_current_stream_capturing():
-            self._received[slot] = None  # no host wait on a captured event; a later eager call checks
+            self._received[slot] = None  # no host wait on a captured event; the next eager call checks
+            self._captured = True
             return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._received[slot] = event
-
-    def _sent_pairs_of(self, slot: int, num_experts: int) -> torch.Tensor:
-        """The slot's per-expert counters of written pairs (zero between calls: the send kernel
-        returns them to zero). Grown, never shrunk."""
-        if self._sent_pairs is None or self._sent_pairs.shape[1] < num_experts:
-            self._sent_pairs = torch.zeros((2, num_experts), dtype=torch.int32, device=self.device)
-        return self._sent_pairs[slot]
 
     def check_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         if num_experts > self.max_experts:
@@ -201,7 +201,7 @@ class CudaLowLatency:
         layout_range = torch.empty((e_local, num_ranks), dtype=torch.int64, device=dev)
         slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
         strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
-        sent_pairs = self._sent_pairs_of(slot, num_experts)
+        sent_pairs = self._sent_pairs[slot]
         tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
 
         sent = torch.cuda.Event()

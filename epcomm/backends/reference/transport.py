@@ -48,6 +48,21 @@ class Transport:
                 missing.append(r)
         return missing
 
+    def meet(self, tag: str, deadline: float) -> list[int] | None:
+        """A barrier through the store, bounded by ``deadline``: the ranks that did not arrive (None
+        without a store). Safe with a dead peer, unlike a collective of the group."""
+        if self._store is None:
+            return None
+        self._store.set(f"epcomm/{self.uid}/{tag}/{self.rank}", "1")
+        keys = [f"epcomm/{self.uid}/{tag}/{r}" for r in range(self.num_ranks)]
+        pause = 1e-4
+        while True:
+            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
     def wait(self, work: dist.Work, op: str, seq: int, deadline: float) -> None:
         """Poll ``work`` until done; on the deadline raise naming the absent ranks."""
         pause = 2e-5

@@ -57,9 +57,16 @@ constexpr int kSeqShift = 32, kTagShift = 24;
 constexpr int64_t kInvalidInputBit = 1LL << (kTagShift - 1);
 constexpr int64_t kCountMask = kInvalidInputBit - 1;
 
+// Built and compared as unsigned: the counter's bit 31 lands in the sign bit.
 __device__ __forceinline__ int64_t make_signal(int64_t seq, int tag, int64_t invalid, int count) {
-    return ((seq & 0xffffffffLL) << kSeqShift) | (static_cast<int64_t>(tag & 0xff) << kTagShift) | invalid |
-           (count + 1);
+    const uint64_t bits = ((static_cast<uint64_t>(seq) & 0xffffffffull) << kSeqShift) |
+                          (static_cast<uint64_t>(tag & 0xff) << kTagShift) | static_cast<uint64_t>(invalid) |
+                          static_cast<uint64_t>(count + 1);
+    return static_cast<int64_t>(bits);
+}
+
+__device__ __forceinline__ bool signal_of_call(int64_t v, int64_t seq) {
+    return (static_cast<uint64_t>(v) >> kSeqShift) == (static_cast<uint64_t>(seq) & 0xffffffffull);
 }
 constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
@@ -71,7 +78,19 @@ constexpr int kPieceInt4 = 256;                // one warp copies a message or r
 
 // Pinned host words, as in the normal-mode kernels (the Python side reads them).
 constexpr int kInfoError = 0, kInfoErrorOp = 1, kInfoErrorRanks = 2;
-constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8, kErrShapeMismatch = 9;
+constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8, kErrShapeMismatch = 9, kErrAbandoned = 10;
+
+// Record an error of this call (pinned host memory, read by the host after the call). A fatal
+// one (timeout, shape mismatch, abandoned) wins over the caller's input errors, which leave the
+// Buffer usable: the host must not take a fatal call for a refused one.
+__device__ __forceinline__ void record_error(int* info, int code, int op, int rank) {
+    const bool fatal = code != kErrInvalidDispatch && code != kErrIdsDiffer;
+    if (rank >= 0) info[kInfoErrorRanks + rank] = 1;
+    if (fatal || ld_volatile_int(info + kInfoError) == 0) {
+        info[kInfoErrorOp] = op;
+        info[kInfoError] = code;
+    }
+}
 constexpr int kOpDispatch = 5, kOpCombine = 6;
 
 struct Peers {
@@ -144,33 +163,29 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
         const int64_t v = ld_acquire_sys(signal);
-        if ((v >> kSeqShift) == (seq & 0xffffffffLL)) {
+        if (signal_of_call(v, seq)) {
             if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
             if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
-                info[kInfoErrorRanks + src] = 1;
-                info[kInfoErrorOp] = op;
-                info[kInfoError] = kErrShapeMismatch;
+                record_error(info, kErrShapeMismatch, op, src);
                 atomicExch(gave_up, 1);  // signals it laid out elsewhere may never come: stop every wait
                 return -2;
             }
-            if (v & kInvalidInputBit) {  // the source's inputs were refused (its signals say so)
-                info[kInfoErrorRanks + src] = 1;
-                info[kInfoErrorOp] = op;
-                info[kInfoError] = op == kOpDispatch ? kErrInvalidDispatch : kErrIdsDiffer;
-            }
+            if (v & kInvalidInputBit)  // the source's inputs were refused (its signals say so)
+                record_error(info, op == kOpDispatch ? kErrInvalidDispatch : kErrIdsDiffer, op, src);
             return static_cast<int>((v & kCountMask) - 1);
         }
         if ((spin & 63) == 63) {
             if (masked(mask, src)) return -1;
-            if (ld_volatile_int(gave_up) != 0) return -2;  // another wait of this rank gave up already
+            if (ld_volatile_int(gave_up) != 0) {  // an earlier wait of this rank gave up: so does this call
+                record_error(info, kErrAbandoned, op, -1);
+                return -2;
+            }
             if (global_timer_ns() - start > timeout_ns) {
                 if (mask != nullptr) {  // failed-rank masking: stop waiting for this rank from now on
                     atomicExch(mask + src, 1);
                     return -1;
                 }
-                info[kInfoErrorRanks + src] = 1;
-                info[kInfoErrorOp] = op;
-                info[kInfoError] = kErrTimeout;
+                record_error(info, kErrTimeout, op, src);
                 atomicExch(gave_up, 1);
                 return -2;
             }
@@ -190,15 +205,16 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
         if (ld_acquire_sys(ack) >= prev) return true;
         if ((spin & 63) == 63) {
             if (masked(mask, dst)) return false;
-            if (ld_volatile_int(gave_up) != 0) return false;
+            if (ld_volatile_int(gave_up) != 0) {
+                record_error(info, kErrAbandoned, op, -1);
+                return false;
+            }
             if (global_timer_ns() - start > timeout_ns) {
                 if (mask != nullptr) {
                     atomicExch(mask + dst, 1);
                     return false;
                 }
-                info[kInfoErrorRanks + dst] = 1;
-                info[kInfoErrorOp] = op;
-                info[kInfoError] = kErrTimeout;
+                record_error(info, kErrTimeout, op, dst);
                 atomicExch(gave_up, 1);
                 return false;
             }
@@ -529,7 +545,7 @@ __global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
     const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
     // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
-    const int begin = min(static_cast<int>(word >> 32), rows_per_expert);
+    const int begin = max(0, min(static_cast<int>(word >> 32), rows_per_expert));
     const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(N, rows_per_expert - begin)));
     if (!skip) {
         auto* rows = reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
@@ -582,8 +598,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
         int64_t offset = -1;  // present: valid id, sent at dispatch, and its block has arrived
         if (e >= 0 && e < a.num_experts && s >= 0) {
             const int src = static_cast<int>(e / experts_per_rank);
+            // Present only within the rows the source returned (a block it skipped returns none).
             if (!masked(a.mask, src) &&
-                wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine, nullptr) >= 0)
+                s < wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                                kOpCombine, nullptr))
                 offset = (e * N + s) * row_int4;
         }
         pair_offset[j] = offset;
