@@ -49,17 +49,22 @@ def poison_allocator(dev: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def peer_timeout(seconds: float | str):
-    """EPCOMM_TIMEOUT_S for the Buffers built inside (a Buffer reads it when it is constructed)."""
-    previous = os.environ.get("EPCOMM_TIMEOUT_S")
-    os.environ["EPCOMM_TIMEOUT_S"] = str(seconds)
+def env_var(name: str, value: object):
+    """An environment variable set inside the block (Buffers read theirs when they are constructed)."""
+    previous = os.environ.get(name)
+    os.environ[name] = str(value)
     try:
         yield
     finally:
         if previous is None:
-            del os.environ["EPCOMM_TIMEOUT_S"]
+            del os.environ[name]
         else:
-            os.environ["EPCOMM_TIMEOUT_S"] = previous
+            os.environ[name] = previous
+
+
+def peer_timeout(seconds: float | str):
+    """EPCOMM_TIMEOUT_S for the Buffers built inside."""
+    return env_var("EPCOMM_TIMEOUT_S", seconds)
 
 
 def capture_graph(step, *args):

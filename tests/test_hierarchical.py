@@ -5,13 +5,10 @@ destination domain (the rows are counted); node-limited routing bounds that coun
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cluster
+from conftest import cluster, env_var
 from routing import device, make_inputs
 
 import epcomm
@@ -22,18 +19,9 @@ from epcomm.bench.workloads import make_topk_idx
 NVL = 64 << 20
 
 
-@contextlib.contextmanager
 def domains_of(ranks_per_domain: int):
-    """EPCOMM_RANKS_PER_DOMAIN for the Buffers built inside (read at construction)."""
-    previous = os.environ.get("EPCOMM_RANKS_PER_DOMAIN")
-    os.environ["EPCOMM_RANKS_PER_DOMAIN"] = str(ranks_per_domain)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["EPCOMM_RANKS_PER_DOMAIN"]
-        else:
-            os.environ["EPCOMM_RANKS_PER_DOMAIN"] = previous
+    """EPCOMM_RANKS_PER_DOMAIN for the Buffers built inside."""
+    return env_var("EPCOMM_RANKS_PER_DOMAIN", ranks_per_domain)
 
 
 def _inputs(seed: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int, routing: str,

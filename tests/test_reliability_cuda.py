@@ -224,6 +224,20 @@ def rank_dead_peer(timeout_s: float, path: str, how: str, when: str):
         json.dump(outcome, f)
 
 
+def _survivor_outcome(failure: RankFailure, path: str) -> dict:
+    assert "died" in failure.errors.get(1, ""), failure.errors  # rank 1's process died, as planned
+    with open(path) as f:
+        return json.load(f)
+
+
+def _check_survivor(outcome: dict, timeout_s: float) -> None:
+    """Rank 0 named the dead rank within the timeout, no kernel outlived twice it, and the context works."""
+    assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
+    assert outcome["raised_after_s"] < timeout_s + 5, outcome
+    assert outcome["idle_after_s"] < 2 * timeout_s + 5, outcome
+    assert outcome["context_usable"] is True, outcome
+
+
 DEATHS = ["clean exit", "non-zero exit", "abort", "SIGKILL"]
 MOMENTS = ["before dispatch", "in dispatch", "before combine"]
 
@@ -236,13 +250,8 @@ def test_dead_peer_is_named_within_the_timeout(how, when):
         path = os.path.join(tmp, "rank0.json")
         with pytest.raises(RankFailure) as failure:
             cluster(2).run(rank_dead_peer, timeout_s, path, how, when, timeout_s=60)
-        assert "died" in failure.value.errors.get(1, ""), failure.value.errors  # rank 1 died, as planned
-        with open(path) as f:
-            outcome = json.load(f)
-    assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
-    assert outcome["raised_after_s"] < timeout_s + 5, outcome
-    assert outcome["idle_after_s"] < 2 * timeout_s + 5, outcome
-    assert outcome["context_usable"] is True, outcome
+        outcome = _survivor_outcome(failure.value, path)
+    _check_survivor(outcome, timeout_s)
 
 
 def rank_ll_dead_peer(timeout_s: float, path: str, how: str):
@@ -285,13 +294,8 @@ def test_ll_dead_peer_is_named_within_the_timeout(how):
         path = os.path.join(tmp, "rank0.json")
         with pytest.raises(RankFailure) as failure:
             cluster(2).run(rank_ll_dead_peer, timeout_s, path, how, timeout_s=60)
-        assert "died" in failure.value.errors.get(1, ""), failure.value.errors
-        with open(path) as f:
-            outcome = json.load(f)
-    assert outcome["error"] is not None and "rank(s) [1]" in outcome["error"], outcome
-    assert outcome["raised_after_s"] < timeout_s + 5, outcome
-    assert outcome["idle_after_s"] < 2 * timeout_s + 5, outcome
-    assert outcome["context_usable"] is True, outcome
+        outcome = _survivor_outcome(failure.value, path)
+    _check_survivor(outcome, timeout_s)
     assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
 
 

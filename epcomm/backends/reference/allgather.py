@@ -38,8 +38,14 @@ import torch
 
 from ...handle import DispatchHandle
 from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, check_strategy, mark_strategy, to_bytes
-from .normal import X_BF16, X_FP8, exchange_expert_counts
+from .backend import F, ReferenceBackend, to_bytes
+from .normal import (
+    combine_handshake,
+    dispatch_prologue,
+    dispatch_result,
+    exchange_expert_counts,
+    strategy_state,
+)
 
 STRATEGY = "allgather"
 
@@ -65,28 +71,10 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     rank, num_ranks = be.rank, be.num_ranks
     num_tokens, hidden = x.shape
     cached = handle is not None
-    if cached:
-        state = handle.backend_state
-        if state.get("strategy") != STRATEGY:
-            raise ValueError("handle was made by a dispatch of another strategy; pass this Buffer's handle")
-        is_token_in_rank = handle.is_token_in_rank
-        send_counts = list(handle.send_counts)
-        num_worst_tokens = handle.num_worst_tokens
-    else:
-        send_counts = num_tokens_per_rank.tolist()
-    scale_cols = scales.shape[1] if scales is not None else 0
-    headers = be.handshake(Op.DISPATCH, mark_strategy({
-        F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
-        F.SCALE_COLS: scale_cols, F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
-        F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: num_tokens,
-    }, STRATEGY), counts=send_counts)
-    check_strategy(headers, STRATEGY, "dispatch")
-    count_matrix = headers[:, 16:]  # [src, dst]
-    recv_counts = count_matrix[:, rank].tolist()
+    headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
+        be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
+        num_worst_tokens, num_experts)
     tokens_per_rank = headers[:, F.NUM_TOKENS].tolist()
-    if cached and recv_counts != handle.recv_counts:
-        raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
-                           f"but peers now send {recv_counts}; use the handle of the matching dispatch")
     if cached and tokens_per_rank != handle.backend_state["tokens_per_rank"]:
         raise RuntimeError(f"epcomm dispatch: cached handle was made with {handle.backend_state['tokens_per_rank']} "
                            f"tokens per rank but the ranks now have {tokens_per_rank}")
@@ -124,33 +112,18 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
 
     if cached:
         return recv_x_out, None, None, None, handle
-    new_handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden,
-                                num_recv_tokens=num_recv_tokens, num_worst_tokens=num_worst_tokens,
-                                is_token_in_rank=is_token_in_rank, send_counts=send_counts,
-                                recv_counts=recv_counts,
-                                backend_state={"strategy": STRATEGY, "recv_pos": recv_pos,
-                                               "tokens_per_rank": tokens_per_rank, "t_max": t_max})
-    expert_list = num_recv_tokens_per_expert_list if num_recv_tokens_per_expert_list is not None else []
-    return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
+                           buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
+                           recv_counts, {"strategy": STRATEGY, "recv_pos": recv_pos,
+                                         "tokens_per_rank": tokens_per_rank, "t_max": t_max})
 
 
 def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
             biases: tuple[torch.Tensor, ...]):
     """Same arguments and results as ``normal.combine``; see the module docstring for the summation order."""
-    state = handle.backend_state
-    if state.get("strategy") != STRATEGY:
-        raise ValueError("handle was made by a dispatch of another strategy; pass this Buffer's handle")
+    state = strategy_state(handle, STRATEGY)
     hidden = x.shape[1]
-    headers = be.handshake(Op.COMBINE, mark_strategy({
-        F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
-        F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
-        F.NUM_TOKENS: handle.num_tokens,
-    }, STRATEGY), counts=handle.recv_counts)
-    check_strategy(headers, STRATEGY, "combine")
-    count_matrix = headers[:, 16:]
-    if count_matrix[:, be.rank].tolist() != handle.send_counts:
-        raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
-                           "every rank must combine with the handle of the same dispatch")
+    count_matrix = combine_handshake(be, STRATEGY, hidden, handle, topk_weights, len(biases))
     num_tokens, t_max, num_recv = handle.num_tokens, state["t_max"], handle.num_recv_tokens
     k = topk_weights.shape[1] if topk_weights is not None else 0
     if int(count_matrix.sum()) == 0:  # consistent on every rank: nothing moves

@@ -31,8 +31,15 @@ import torch
 
 from ...handle import DispatchHandle
 from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, check_strategy, from_bytes, mark_strategy, to_bytes
-from .normal import X_BF16, X_FP8, exchange_expert_counts
+from .backend import F, Op, ReferenceBackend, from_bytes, to_bytes
+from .normal import (
+    combine_handshake,
+    combine_rows,
+    dispatch_prologue,
+    dispatch_result,
+    exchange_expert_counts,
+    strategy_state,
+)
 
 STRATEGY = "hierarchical"
 
@@ -92,26 +99,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     dom = _Domains(rank, num_ranks, be.ranks_per_domain)
     num_tokens, hidden = x.shape
     cached = handle is not None
-    if cached:
-        if handle.backend_state.get("strategy") != STRATEGY:
-            raise ValueError("handle was made by a dispatch of another strategy; pass this Buffer's handle")
-        is_token_in_rank = handle.is_token_in_rank
-        send_counts = list(handle.send_counts)
-        num_worst_tokens = handle.num_worst_tokens
-    else:
-        send_counts = num_tokens_per_rank.tolist()
-    headers = be.handshake(Op.DISPATCH, mark_strategy({
-        F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
-        F.SCALE_COLS: scales.shape[1] if scales is not None else 0,
-        F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
-        F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: num_tokens,
-    }, STRATEGY), counts=send_counts)
-    check_strategy(headers, STRATEGY, "dispatch")
-    count_matrix = headers[:, 16:]  # [src, dst]
-    recv_counts = count_matrix[:, rank].tolist()
-    if cached and recv_counts != handle.recv_counts:
-        raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
-                           f"but peers now send {recv_counts}; use the handle of the matching dispatch")
+    headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
+        be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
+        num_worst_tokens, num_experts)
     everyone_empty = int(count_matrix.sum()) == 0
     num_recv_tokens_per_expert_list = None if cached else \
         exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
@@ -166,40 +156,24 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
         None if cached else topk_weights, rank, num_experts, num_ranks)
     if cached:
         return recv_x_out, None, None, None, handle
-    new_handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden,
-                                num_recv_tokens=num_recv_tokens, num_worst_tokens=num_worst_tokens,
-                                is_token_in_rank=is_token_in_rank, send_counts=send_counts,
-                                recv_counts=recv_counts, backend_state=plan)
-    expert_list = num_recv_tokens_per_expert_list if num_recv_tokens_per_expert_list is not None else []
-    return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
+                           buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
+                           recv_counts, plan)
 
 
 def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
             biases: tuple[torch.Tensor, ...]):
     """Same arguments and results as ``normal.combine``, summed per domain first (module docstring)."""
-    plan = handle.backend_state
-    if plan.get("strategy") != STRATEGY:
-        raise ValueError("handle was made by a dispatch of another strategy; pass this Buffer's handle")
+    plan = strategy_state(handle, STRATEGY)
     dom = _Domains(be.rank, be.num_ranks, be.ranks_per_domain)
     hidden = x.shape[1]
     k = topk_weights.shape[1] if topk_weights is not None else 0
-    headers = be.handshake(Op.COMBINE, mark_strategy({
-        F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None), F.NUM_TOPK: k if k else -1,
-        F.FLAGS: len(biases), F.NUM_TOKENS: handle.num_tokens,
-    }, STRATEGY), counts=handle.recv_counts)
-    check_strategy(headers, STRATEGY, "combine")
-    count_matrix = headers[:, 16:]
-    if count_matrix[:, be.rank].tolist() != handle.send_counts:
-        raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
-                           "every rank must combine with the handle of the same dispatch")
+    count_matrix = combine_handshake(be, STRATEGY, hidden, handle, topk_weights, len(biases))
     everyone_empty = int(count_matrix.sum()) == 0
     num_recv = handle.num_recv_tokens
 
     # Tier 2 back: every row to the forwarder it came from, in the order it arrived.
-    parts = [to_bytes(x[:num_recv])]
-    if k:
-        parts.append(to_bytes(topk_weights[:num_recv]))
-    rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    rows = combine_rows(x, topk_weights, num_recv)
     arrival = torch.empty_like(plan["order"])
     arrival[plan["order"]] = torch.arange(plan["order"].numel(), device=arrival.device)
     back2 = rows.index_select(0, arrival) if num_recv else rows

@@ -11,7 +11,7 @@ import torch
 
 from ...handle import DispatchHandle
 from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, check_strategy, from_bytes, to_bytes
+from .backend import F, Op, ReferenceBackend, check_strategy, from_bytes, mark_strategy, to_bytes
 
 X_BF16, X_FP8 = 0, 1
 
@@ -54,6 +54,90 @@ def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Te
     return [(c + a - 1) // a * a for c in totals]
 
 
+def dispatch_handshake(be: ReferenceBackend, strategy: str, x: torch.Tensor, scales: torch.Tensor | None,
+                       topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, cached: bool,
+                       num_experts: int, send_counts: list[int]) -> torch.Tensor:
+    """The dispatch handshake of every normal-mode strategy; returns the headers [R, 16 + R]."""
+    headers = be.handshake(Op.DISPATCH, mark_strategy({
+        F.HIDDEN: x.shape[1], F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
+        F.SCALE_COLS: scales.shape[1] if scales is not None else 0,
+        F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
+        F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: x.shape[0],
+    }, strategy), counts=send_counts)
+    check_strategy(headers, strategy, "dispatch")  # a peer of another strategy would wait for other rows
+    return headers
+
+
+def combine_handshake(be: ReferenceBackend, strategy: str, hidden: int, handle: DispatchHandle,
+                      topk_weights: torch.Tensor | None, num_biases: int) -> torch.Tensor:
+    """The combine handshake of every normal-mode strategy; returns the count matrix [src, dst]."""
+    headers = be.handshake(Op.COMBINE, mark_strategy({
+        F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
+        F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: num_biases,
+        F.NUM_TOKENS: handle.num_tokens,
+    }, strategy), counts=handle.recv_counts)
+    check_strategy(headers, strategy, "combine")
+    count_matrix = headers[:, 16:]
+    if count_matrix[:, be.rank].tolist() != handle.send_counts:
+        raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
+                           "every rank must combine with the handle of the same dispatch")
+    return count_matrix
+
+
+def combine_rows(x: torch.Tensor, topk_weights: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """The rows a combine returns, as bytes: bf16 data, then the fp32 top-k weights if any."""
+    parts = [to_bytes(x[:num_rows])]
+    if topk_weights is not None:
+        parts.append(to_bytes(topk_weights[:num_rows]))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def strategy_state(handle: DispatchHandle, strategy: str) -> dict:
+    """The handle's backend state, which must come from a dispatch of ``strategy``."""
+    if handle.backend_state.get("strategy", "alltoall") != strategy:
+        raise ValueError("handle was made by a dispatch of another strategy; pass this Buffer's handle")
+    return handle.backend_state
+
+
+def check_cached_counts(handle: DispatchHandle, recv_counts: list[int]) -> None:
+    if recv_counts != handle.recv_counts:
+        raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
+                           f"but peers now send {recv_counts}; use the handle of the matching dispatch")
+
+
+def dispatch_result(outputs: tuple, expert_list: list[int] | None, buffer_uid: str, x: torch.Tensor,
+                    num_recv_tokens: int, num_worst_tokens: int, is_token_in_rank: torch.Tensor,
+                    send_counts: list[int], recv_counts: list[int], state: dict | None = None):
+    """What a fresh dispatch returns: its outputs, the per-expert counts and a new handle."""
+    handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=x.shape[0], hidden=x.shape[1],
+                            num_recv_tokens=num_recv_tokens, num_worst_tokens=num_worst_tokens,
+                            is_token_in_rank=is_token_in_rank, send_counts=send_counts, recv_counts=recv_counts,
+                            backend_state=state or {})
+    return (*outputs, expert_list if expert_list is not None else [], handle)
+
+
+def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scales: torch.Tensor | None,
+                      handle: DispatchHandle | None, num_tokens_per_rank: torch.Tensor | None,
+                      is_token_in_rank: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                      topk_weights: torch.Tensor | None, num_worst_tokens: int, num_experts: int):
+    """The start of every strategy's dispatch: routing from the handle when cached, the handshake,
+    the counts. Returns (headers, count_matrix [src, dst], recv_counts, is_token_in_rank, send_counts,
+    num_worst_tokens)."""
+    cached = handle is not None
+    if cached:
+        strategy_state(handle, strategy)
+        is_token_in_rank, send_counts = handle.is_token_in_rank, list(handle.send_counts)
+        num_worst_tokens = handle.num_worst_tokens
+    else:
+        send_counts = num_tokens_per_rank.tolist()
+    headers = dispatch_handshake(be, strategy, x, scales, topk_idx, topk_weights, cached, num_experts, send_counts)
+    count_matrix = headers[:, 16:]
+    recv_counts = count_matrix[:, be.rank].tolist()
+    if cached:
+        check_cached_counts(handle, recv_counts)
+    return headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens
+
+
 def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle | None,
              num_tokens_per_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor | None,
              num_tokens_per_expert: torch.Tensor | None, topk_idx: torch.Tensor | None,
@@ -62,24 +146,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     rank, num_ranks = be.rank, be.num_ranks
     num_tokens, hidden = x.shape
     cached = handle is not None
-    if cached:
-        is_token_in_rank = handle.is_token_in_rank
-        send_counts = list(handle.send_counts)
-        num_worst_tokens = handle.num_worst_tokens
-    else:
-        send_counts = num_tokens_per_rank.tolist()
-    scale_cols = scales.shape[1] if scales is not None else 0
-    headers = be.handshake(Op.DISPATCH, {
-        F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
-        F.SCALE_COLS: scale_cols, F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
-        F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: num_tokens,
-    }, counts=send_counts)
-    check_strategy(headers, "alltoall", "dispatch")  # a peer of another strategy would wait for rows
-    count_matrix = headers[:, 16:]  # [src, dst]
-    recv_counts = count_matrix[:, rank].tolist()
-    if cached and recv_counts != handle.recv_counts:
-        raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
-                           f"but peers now send {recv_counts}; use the handle of the matching dispatch")
+    headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
+        be, "alltoall", x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
+        num_worst_tokens, num_experts)
     everyone_empty = int(count_matrix.sum()) == 0
 
     num_recv_tokens_per_expert_list = None if cached else \
@@ -97,34 +166,19 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
 
     if cached:
         return recv_x_out, None, None, None, handle
-    new_handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden,
-                                num_recv_tokens=num_recv_tokens, num_worst_tokens=num_worst_tokens,
-                                is_token_in_rank=is_token_in_rank, send_counts=send_counts,
-                                recv_counts=recv_counts)
-    expert_list = num_recv_tokens_per_expert_list if num_recv_tokens_per_expert_list is not None else []
-    return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
+                           buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
+                           recv_counts)
 
 
 def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
             biases: tuple[torch.Tensor, ...]):
     num_ranks = be.num_ranks
     hidden = x.shape[1]
-    headers = be.handshake(Op.COMBINE, {
-        F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
-        F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
-        F.NUM_TOKENS: handle.num_tokens,
-    }, counts=handle.recv_counts)
-    check_strategy(headers, "alltoall", "combine")
-    count_matrix = headers[:, 16:]
-    if count_matrix[:, be.rank].tolist() != handle.send_counts:
-        raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
-                           "every rank must combine with the handle of the same dispatch")
+    count_matrix = combine_handshake(be, "alltoall", hidden, handle, topk_weights, len(biases))
     everyone_empty = int(count_matrix.sum()) == 0
     num_recv = handle.num_recv_tokens
-    parts = [to_bytes(x[:num_recv])]
-    if topk_weights is not None:
-        parts.append(to_bytes(topk_weights[:num_recv]))
-    send = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    send = combine_rows(x, topk_weights, num_recv)
     recv = be.exchange_rows(send, handle.recv_counts, handle.send_counts, Op.COMBINE, everyone_empty)
 
     num_tokens = handle.num_tokens
