@@ -649,6 +649,8 @@ class Buffer:
             check_tensor("dispatch_wait_recv_cost_stats", wait_stats, dtype=torch.int64,
                          shape=(self.group_size,), device=self.device)
         self._check_ll_buffer(num_max_tokens, hidden, num_experts)
+        if self._cuda_ll is not None:
+            self._cuda_ll.check_dispatch_args(x, topk_idx, num_max_tokens, num_experts)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -723,6 +725,8 @@ class Buffer:
             check_tensor("combine_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(self.group_size,),
                          device=self.device)
         self._check_ll_buffer(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        if self._cuda_ll is not None:
+            self._cuda_ll.check_combine_args(x, handle, out)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The [E_local, N*R, H] bf16 buffer the next low_latency_combine reads when ``zero_copy=True``."""

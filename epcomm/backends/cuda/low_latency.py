@@ -166,6 +166,24 @@ class CudaLowLatency:
         event.record(torch.cuda.current_stream(self.device))
         self._received[slot] = event
 
+    def check_dispatch_args(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
+                            num_experts: int) -> None:
+        """What the kernels need beyond the API's checks; called before the call takes a slot."""
+        self.check_capacity(num_max_tokens, x.shape[1], num_experts)
+        if topk_idx.shape[1] > 32:
+            raise ValueError(f"topk_idx: the CUDA low-latency kernels support up to 32 experts per token, got "
+                             f"{topk_idx.shape[1]}")
+        check_aligned("x", x)
+
+    def check_combine_args(self, x: torch.Tensor, handle: LowLatencyHandle, out: torch.Tensor | None) -> None:
+        if not handle.backend_state.get("received"):
+            raise ValueError("low_latency_combine: the dispatch of this handle has not been received yet; call its "
+                             "receive hook first")
+        self.check_capacity(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        check_aligned("x", x)
+        if out is not None:
+            check_aligned("out", out)
+
     def check_capacity(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         if num_experts > self.max_experts:
             raise ValueError(f"num_experts={num_experts}: the CUDA low-latency kernels support up to "
@@ -183,13 +201,8 @@ class CudaLowLatency:
                  ) -> tuple[object, torch.Tensor, LowLatencyHandle, Callable[[], None]]:
         """Launch the send kernel; returns (recv_x, recv_count, handle, finish), finish launching the receive."""
         self.check_errors("low_latency_dispatch", slot)
-        self.check_capacity(num_max_tokens, x.shape[1], num_experts)
         num_tokens, hidden = x.shape
         num_topk = topk_idx.shape[1]
-        if num_topk > 32:
-            raise ValueError(f"topk_idx: the CUDA low-latency kernels support up to 32 experts per token, got "
-                             f"{num_topk}")
-        check_aligned("x", x)
         num_ranks = self.num_ranks
         e_local = num_experts // num_ranks
         rows = num_max_tokens * num_ranks
@@ -238,14 +251,7 @@ class CudaLowLatency:
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None
                 ) -> tuple[torch.Tensor, Callable[[], None]]:
         self.check_errors("low_latency_combine", slot)
-        if not handle.backend_state.get("received"):
-            raise ValueError("low_latency_combine: the dispatch of this handle has not been received yet; call its "
-                             "receive hook first")
         n, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        self.check_capacity(n, hidden, num_experts)
-        check_aligned("x", x)
-        if out is not None:
-            check_aligned("out", out)
         # The kernels index [T, K] densely: the handle's own copy of the ids (contiguous, and the one
         # the dispatch used) and contiguous weights. The caller's ids are compared with it on the GPU
         # (a host comparison would sync).
