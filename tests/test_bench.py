@@ -171,6 +171,37 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_hierarchical_run_reports_each_tier(tmp_path):
+    """--strategies hierarchical on virtual domains, with node-limited routing: per-tier bytes and the
+    check that no token crossed the slow tier twice for one domain, next to the flat strategy."""
+    out = tmp_path / "tiers.json"
+    assert main(["--num-ranks", "4", "--modes", "normal", "--tokens", "24", "--hidden", "128", "--topk", "4",
+                 "--experts", "16", "--num-sms", "8", "--dtype", "bf16", "--warmup", "1", "--iters", "2",
+                 "--backend", "reference", "--strategies", "alltoall,hierarchical", "--ranks-per-domain", "2",
+                 "--groups", "1", "--json", str(out)]) == 0
+    records = {r["impl"]: r for r in json.loads(out.read_text())}
+    tiered = records["epcomm-reference-hierarchical"]
+    assert tiered["checked"] is True and records["epcomm-reference"]["checked"] is True
+    assert tiered["num_domains"] == 2 and tiered["each_token_crosses_once_per_domain"] is True
+    # One group per token: a token crosses to the other domain at most once, so at most T rows.
+    assert all(0 <= n <= 24 for n in tiered["dispatch_inter_domain_rows_per_rank"])
+    assert tiered["dispatch_inter_domain_rows_per_rank"] == tiered["inter_domain_rows_expected_per_rank"]
+    assert sum(tiered["dispatch_inter_domain_rows_per_rank"]) == sum(tiered["combine_inter_domain_rows_per_rank"])
+    assert tiered["inter_domain_gbps"] > 0 and tiered["intra_domain_gbps"] > 0
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--num-ranks", "4", "--ranks-per-domain", "3"], "--ranks-per-domain"),
+    (["--groups", "0"], "--groups"),
+    (["--backend", "cuda", "--strategies", "hierarchical"], "--strategies"),
+])
+def test_bad_domain_options_name_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert option in capsys.readouterr().err
+
+
 def test_pressure_comparison_is_bitwise():
     from epcomm.bench.pressure import _same
 
