@@ -1344,3 +1344,119 @@ def rank_cuda_tensors_on_cpu_buffer() -> dict[str, tuple]:
         "topk_idx": (*_outcome(lambda: c.dispatch(topk_idx=c.topk_idx.to(cuda))), c.verify()),
         "is_token_in_rank": (*_outcome(lambda: c.dispatch(is_token_in_rank=c.in_rank.to(cuda))), c.verify()),
     }
+
+
+def rank_low_latency_property(max_examples: int) -> dict[str, int]:
+    """Random low-latency and layout arguments on one rank: each call raises ValueError/TypeError
+    (or NotImplementedError for use_logfmt) or returns exactly the direct computation; one Buffer
+    serves every example, so a refused call that spoiled it fails the examples after it."""
+    n_max, h_max, e_max = 8, 512, 8
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n_max, h_max, 1, e_max),
+                 low_latency_mode=True, backend="reference")
+    other = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n_max, h_max, 1, e_max),
+                   low_latency_mode=True, backend="reference")
+    seen = {"valid": 0, "refused": 0}
+    faults = [None, None, None, "x dtype", "x non-contiguous", "topk int32", "topk rows", "id too large",
+              "id below -1", "too many tokens", "ue8m0 without round", "combine x shape", "weights dtype",
+              "weights shape", "combine ids differ", "other buffer's handle", "logfmt", "layout ids"]
+
+    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def check(data):
+        n = data.draw(st.integers(1, n_max), label="N")
+        t = data.draw(st.integers(0, n), label="T")
+        hidden = data.draw(st.sampled_from([128, 256, 512]), label="H")
+        num_experts = data.draw(st.sampled_from([1, 4, 8]), label="E")
+        k = data.draw(st.integers(1, 4), label="K")
+        mode = data.draw(st.sampled_from(["bf16", "fp8", "fp8-ue8m0"]), label="mode")
+        fault = data.draw(st.sampled_from(faults), label="fault")
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16), label="seed"))
+        x = torch.randn((t, hidden), generator=gen).to(torch.bfloat16)
+        chosen = torch.rand((t, num_experts), generator=gen).argsort(1)[:, :min(k, num_experts)]
+        idx = torch.full((t, k), -1, dtype=torch.int64)
+        idx[:, :chosen.shape[1]] = chosen
+        w = torch.rand((t, k), generator=gen)
+        fp8, ue8m0 = mode != "bf16", mode == "fp8-ue8m0"
+        kwargs: dict[str, Any] = dict(use_fp8=fp8, round_scale=ue8m0, use_ue8m0=ue8m0)
+        if ue8m0 and hidden % 512:
+            kwargs.update(round_scale=False, use_ue8m0=False)  # a valid FP8 call instead
+        if fault in ("x non-contiguous", "topk rows", "id too large", "id below -1", "combine ids differ") and t == 0:
+            fault = None
+        if fault == "too many tokens" and t < 2:
+            fault = None
+        x_in, idx_in, w_in, n_in, y_cut = x, idx, w, n, False
+        if fault == "x dtype":
+            x_in = x.half()
+        elif fault == "x non-contiguous":
+            x_in = torch.cat([x, x], 1)[:, ::2]
+        elif fault == "topk int32":
+            idx_in = idx.int()
+        elif fault == "topk rows":
+            idx_in = idx[:-1]
+        elif fault == "id too large":
+            idx_in = idx.clone()
+            idx_in[t // 2, 0] = num_experts
+        elif fault == "id below -1":
+            idx_in = idx.clone()
+            idx_in[0, k - 1] = -2
+        elif fault == "too many tokens":
+            n_in = t - 1
+        elif fault == "ue8m0 without round":
+            kwargs.update(use_ue8m0=True, round_scale=False)
+        elif fault == "weights dtype":
+            w_in = w.double()
+        elif fault == "weights shape":
+            w_in = w[:, :1] if k > 1 else torch.rand((t, 2))
+        elif fault == "combine x shape":
+            y_cut = True
+        tag = f"T={t} N={n} H={hidden} E={num_experts} K={k} {mode} fault={fault}"
+        try:
+            if fault == "layout ids":
+                bad = idx.clone()
+                bad[...] = num_experts  # every id out of range
+                buf.get_dispatch_layout(bad, num_experts)
+                raise AssertionError(f"{tag}: get_dispatch_layout accepted ids past num_experts")
+            recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x_in, idx_in, n_in, num_experts, **kwargs)
+            data_out = recv_x[0].float() if fp8 else recv_x.float()
+            y = data_out.nan_to_num().clamp(-50, 50).to(torch.bfloat16)
+            if y_cut:
+                y = y[:, :, : hidden // 2].contiguous()
+            combine_ids = idx_in
+            if fault == "combine ids differ":
+                combine_ids = idx.clone()
+                combine_ids[0, 0] = -1 if int(idx[0, 0]) != -1 else 0
+            use = other if fault == "other buffer's handle" else buf
+            combined = use.low_latency_combine(y, combine_ids, w_in, handle, use_logfmt=fault == "logfmt")[0]
+        except (ValueError, TypeError, NotImplementedError) as error:
+            assert fault is not None, f"{tag}: valid arguments refused: {type(error).__name__}: {error}"
+            assert not isinstance(error, NotImplementedError) or fault == "logfmt", f"{tag}: {error}"
+            seen["refused"] += 1
+            return
+        assert fault is None, f"{tag}: not refused"
+        # R = 1: every expert is local. Expert e's rows are the tokens choosing it, ascending.
+        for e in range(num_experts):
+            tokens = torch.nonzero((idx == e).any(1)).flatten()
+            assert int(recv_count[e]) == tokens.numel(), tag
+            assert torch.equal(handle.src_info[e, :tokens.numel()], tokens.int()), tag
+            if not fp8:
+                assert torch.equal(recv_x[e, :tokens.numel()].view(torch.int16), x[tokens].view(torch.int16)), tag
+        # Combine: sum over the token's slots of weight * the row its expert returned, in fp32.
+        want = torch.zeros((t, hidden), dtype=torch.float32)
+        for tok in range(t):
+            for slot in range(k):
+                e = int(idx[tok, slot])
+                if e >= 0:
+                    row = int(torch.nonzero(handle.src_info[e] == tok).flatten()[0])
+                    want[tok] += w[tok, slot] * y[e, row].float()
+        assert torch.allclose(combined.float(), want, rtol=2 ** -7, atol=1e-3), tag
+        seen["valid"] += 1
+
+    check()
+    buf.destroy()
+    other.destroy()
+    return seen
+
+
+def test_low_latency_arguments_property():
+    (seen,) = cluster(1).run(rank_low_latency_property, 40, timeout_s=RUN_TIMEOUT_S * 3)
+    assert seen["valid"] and seen["refused"], seen
