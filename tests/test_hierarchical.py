@@ -101,7 +101,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("ranks, ranks_per_domain", [(4, 2), (4, 1), (4, 4)], ids=["2x2", "4x1", "1x4"])
+@pytest.mark.parametrize("ranks, ranks_per_domain", [(2, 1), (4, 2), (4, 1), (4, 4)], ids=["2x1", "2x2", "4x1", "1x4"])
 def test_hierarchical_equals_flat(ranks, ranks_per_domain):
     reports = cluster(ranks).run(rank_hierarchical_vs_flat, ranks_per_domain, CASES)
     for i in range(len(CASES)):  # what crossed the slow tier comes back across it, once per row
