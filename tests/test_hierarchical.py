@@ -139,3 +139,36 @@ def test_node_limited_routing_keeps_each_token_in_its_groups():
     unlimited = make_topk_idx(torch.Generator().manual_seed(0), 500, num_experts, 8)
     again = make_topk_idx(torch.Generator().manual_seed(0), 500, num_experts, 8, num_domains, None)
     assert torch.equal(unlimited, again)  # no limit: the benchmark's routing is unchanged
+
+
+def rank_tier_rows(num_tokens: int, num_experts: int, num_topk: int, ranks_per_domain: int,
+                   num_groups: int | None) -> dict:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(100 + rank)
+    idx = make_topk_idx(gen, num_tokens, num_experts, num_topk, num_ranks // ranks_per_domain, num_groups)
+    x = torch.randn((num_tokens, 8), generator=gen).to(torch.bfloat16)
+    dev = device()
+    with domains_of(ranks_per_domain):
+        buf = Buffer(dist.group.WORLD, NVL, strategy="hierarchical")
+    per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(idx.to(dev), num_experts)
+    buf.dispatch(x.to(dev), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain,
+                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx.to(dev))
+    traffic = dict(buf._backend.traffic)
+    buf.destroy()
+    return traffic
+
+
+@pytest.mark.parametrize("num_groups", [None, 1], ids=["uniform", "node-limited"])
+def test_planner_predicts_the_rows_each_tier_moves(num_groups):
+    """The planner's reach model (epcomm/planner/expectations.py) against the rows the hierarchical
+    strategy really moves, per rank: inter-domain T (D-1) p_domain, intra-domain D T (g-1) p_rank."""
+    from epcomm.planner.expectations import expectations
+
+    num_tokens, num_experts, num_topk, ranks, rpd = 2000, 32, 4, 4, 2
+    reports = cluster(ranks).run(rank_tier_rows, num_tokens, num_experts, num_topk, rpd, num_groups)
+    e = expectations(num_experts, num_topk, ranks, ranks // rpd, num_groups)
+    inter = num_tokens * e.other_domains_per_token
+    intra = e.num_domains * num_tokens * e.same_domain_remote_ranks_per_token
+    for r in reports:
+        assert abs(r["dispatch_inter_domain_rows"] - inter) < 0.05 * inter, (r, inter)
+        assert abs(r["dispatch_intra_domain_rows"] - intra) < 0.05 * intra, (r, intra)
