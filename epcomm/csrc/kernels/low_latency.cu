@@ -383,6 +383,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
     for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
     // Every block counted every pair, so all of them agree on this (it goes into every signal).
     const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
+    // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
+    // so it travels while the messages are written.
+    for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
+        const int dst = e / experts_per_rank;
+        if (total[e] != 0 || skip_dst[dst]) continue;
+        auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
+                       (e % experts_per_rank) * R + me;
+        st_relaxed_sys(signal, make_signal(seq, a.shape_tag, invalid, 0));  // no data to order before it
+    }
     for (int j = tid; j < num_pairs; j += kThreads) {
         const int64_t e = a.topk_idx[static_cast<int64_t>(first) * K + j];
         pair_expert[j] = e >= 0 && e < E ? static_cast<int>(e) : -1;
@@ -425,14 +434,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
         auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
                        (e % experts_per_rank) * R + me;
         st_release_sys(signal, make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
-    }
-    // Experts no pair chose still get their (empty) signal, from one block each.
-    for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
-        const int dst = e / experts_per_rank;
-        if (total[e] != 0 || skip_dst[dst]) continue;
-        auto* signal = reinterpret_cast<int64_t*>(a.peers.bufs[dst] + lay.dispatch_signals) +
-                       (e % experts_per_rank) * R + me;
-        st_relaxed_sys(signal, make_signal(seq, a.shape_tag, invalid, 0));  // no data to order before it
     }
     finish_send_kernel(mine, seq, a.slot);
 }
