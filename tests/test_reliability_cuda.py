@@ -34,11 +34,15 @@ def _inputs(seed: int, num_tokens: int = 64, hidden: int = 1024, num_experts: in
     return x.to(dev), idx.to(dev), w.to(dev), num_experts
 
 
-def _round_trip(buf: Buffer, x, idx, w, num_experts, async_finish: bool = False):
+def _dispatch_kwargs(buf: Buffer, idx, w, num_experts) -> dict:
+    """A fresh dispatch's arguments: the layout of ``idx`` and the top-k ids and weights."""
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
-    recv_x, _, recv_w, _, handle, event = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-        topk_weights=w)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w)
+
+
+def _round_trip(buf: Buffer, x, idx, w, num_experts, async_finish: bool = False):
+    recv_x, _, recv_w, _, handle, event = buf.dispatch(x, **_dispatch_kwargs(buf, idx, w, num_experts))
     combined, _, event = buf.combine(recv_x, handle, topk_weights=recv_w, async_finish=async_finish,
                                      previous_event=None)
     return combined, event
@@ -87,10 +91,7 @@ def rank_destroy_in_flight():
     want, _ = _round_trip(ref, x, idx, w, num_experts)
     ref.destroy()
     buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-        topk_weights=w)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **_dispatch_kwargs(buf, idx, w, num_experts))
     previous = buf.capture()
     combined, _, event = buf.combine(recv_x, handle, topk_weights=recv_w, previous_event=previous,
                                      async_finish=True)
@@ -109,9 +110,7 @@ def rank_mismatched_ops(timeout_s: str):
     with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
     x, idx, w, num_experts = _inputs(3)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
-    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=idx, topk_weights=w)
+    kwargs = _dispatch_kwargs(buf, idx, w, num_experts)
     handle = buf.dispatch(x, **kwargs)[4]
     start = time.monotonic()
     if dist.get_rank() == 0:
@@ -191,9 +190,7 @@ def rank_dead_peer(timeout_s: float, path: str, how: str, when: str):
     with peer_timeout(timeout_s):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
     x, idx, w, num_experts = _inputs(4)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
-    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=idx, topk_weights=w)
+    kwargs = _dispatch_kwargs(buf, idx, w, num_experts)
     torch.cuda.synchronize()
     dist.barrier()
     if dist.get_rank() == 1:

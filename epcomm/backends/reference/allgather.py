@@ -69,7 +69,6 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
              buffer_uid: str):
     """Same arguments and results as ``normal.dispatch`` (the all-to-all strategy)."""
     rank, num_ranks = be.rank, be.num_ranks
-    num_tokens, hidden = x.shape
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
         be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,

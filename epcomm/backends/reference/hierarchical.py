@@ -97,7 +97,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     """Same arguments and results as ``normal.dispatch`` (the all-to-all strategy)."""
     rank, num_ranks = be.rank, be.num_ranks
     dom = _Domains(rank, num_ranks, be.ranks_per_domain)
-    num_tokens, hidden = x.shape
+    num_tokens = x.shape[0]
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
         be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,

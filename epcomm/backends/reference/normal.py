@@ -144,7 +144,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
              topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int, num_experts: int,
              buffer_uid: str):
     rank, num_ranks = be.rank, be.num_ranks
-    num_tokens, hidden = x.shape
+    num_tokens = x.shape[0]
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
         be, "alltoall", x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
