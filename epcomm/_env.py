@@ -18,6 +18,12 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_DISPATCH_SEND_SMS_PCT": ("50", "CUDA backend: percent of a dispatch's SMs that send (the rest "
                                            "receive)"),
     "EPCOMM_COMBINE_SEND_SMS_PCT": ("33", "CUDA backend: percent of a combine's SMs that send (the rest reduce)"),
+    "EPCOMM_LL_TRANSPORT": ("auto", "CUDA low-latency mode: ipc (CUDA IPC, one host), nvshmem (NVSHMEM symmetric "
+                                    "heap; NVLink peers still get direct stores) or auto (ipc on one host, else "
+                                    "nvshmem)"),
+    "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
+                                   "through NVSHMEM puts even where NVLink could map them, to test the "
+                                   "inter-node path on one host; implies the nvshmem transport"),
 }
 
 
@@ -46,3 +52,26 @@ def timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be > 0, got {value}")
     return value
+
+
+def ll_transport() -> str:
+    value = env_str("EPCOMM_LL_TRANSPORT")
+    if value not in ("auto", "ipc", "nvshmem"):
+        raise ValueError(f"EPCOMM_LL_TRANSPORT must be auto, ipc or nvshmem, got {value!r}")
+    return value
+
+
+def ll_remote_ranks(num_ranks: int) -> set[int]:
+    raw = env_str("EPCOMM_LL_REMOTE_RANKS").strip()
+    if not raw:
+        return set()
+    if raw == "all":
+        return set(range(num_ranks))
+    try:
+        ranks = {int(part) for part in raw.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(f"EPCOMM_LL_REMOTE_RANKS must be 'all' or comma-separated ranks, got {raw!r}") from None
+    bad = sorted(r for r in ranks if not 0 <= r < num_ranks)
+    if bad:
+        raise ValueError(f"EPCOMM_LL_REMOTE_RANKS: rank(s) {bad} are not in a group of {num_ranks}")
+    return ranks

@@ -187,6 +187,14 @@ class Buffer:
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         return self._comm_stream
 
+    def low_latency_transport(self) -> tuple[str, list[int]]:
+        """**[ext]** How low-latency calls reach the peers: ("ipc", []) or ("nvshmem", ranks reached by
+        NVSHMEM puts); ("reference", []) on the reference backend (EPCOMM_LL_TRANSPORT,
+        EPCOMM_LL_REMOTE_RANKS)."""
+        if self._cuda_ll is None:
+            return "reference", []
+        return self._cuda_ll.transport, list(getattr(self._cuda_ll.shared, "remote_ranks", []))
+
     def destroy(self) -> None:
         """Free the buffers; the Buffer cannot be used afterwards."""
         if self._destroyed:

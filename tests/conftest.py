@@ -40,6 +40,17 @@ def _close_clusters():
         c.close()
 
 
+def nvshmem_found() -> bool:
+    """Whether NVSHMEM (the nvidia-nvshmem-cu13 package, or NVSHMEM_HOME) is installed."""
+    try:
+        from epcomm.backends.cuda.build import find_nvshmem
+
+        find_nvshmem()
+        return True
+    except RuntimeError:
+        return False
+
+
 def poison_allocator(dev: torch.device) -> None:
     """Fill (then free) a large block, so the next allocations start out as garbage, not zeros: an output
     row a kernel forgets to write cannot pass by luck."""

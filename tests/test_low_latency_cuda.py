@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, capture_graph, cluster, poison_allocator
+from conftest import BACKEND, TEST_ENV, capture_graph, cluster, env_var, nvshmem_found, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer
 from epcomm.bench.checks import poison_, same_bits
+from epcomm.utils.launch import LocalCluster
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -171,6 +172,44 @@ def rank_ll_graph(n, hidden, num_experts, num_topk):
 @pytest.mark.parametrize("ranks", RANKS)
 def test_ll_cuda_graph_replay(ranks):
     cluster(ranks).run(rank_ll_graph, 32, 1024, 8 * ranks, 4)
+
+
+# The NVSHMEM transport: the Buffer in the symmetric heap, with every peer (all), one peer (1) or
+# none of them (NVLink peers mapped, as same-node peers are in a multi-node job) reached by NVSHMEM
+# puts and signals instead of direct stores.
+NVSHMEM_REMOTE = {"all": lambda r, R: set(range(R)) - {r}, "1": lambda r, R: {1} - {r}, "": lambda r, R: set()}
+NVSHMEM_CASES = [(LL_CASES[0], "fp8", False), (LL_CASES[1], "bf16", True), (LL_CASES[2], "fp8-ue8m0", False),
+                 (LL_CASES[3], "fp8-round", True), (LL_CASES[5], "bf16", False), (LL_CASES[6], "fp8", False)]
+
+
+def rank_ll_nvshmem():
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    seen = {}
+    for remote, expected in NVSHMEM_REMOTE.items():
+        with env_var("EPCOMM_LL_TRANSPORT", "nvshmem"), env_var("EPCOMM_LL_REMOTE_RANKS", remote):
+            probe = _buffer("cuda", 8, 512, 2 * num_ranks)
+            seen[remote] = probe.low_latency_transport()
+            probe.destroy()
+            assert seen[remote] == ("nvshmem", sorted(expected(rank, num_ranks))), (remote, seen[remote])
+            for (tokens, n, hidden, per_rank, topk, routing), mode, hook in NVSHMEM_CASES:
+                if mode == "fp8-ue8m0" and hidden % 512:
+                    continue
+                rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=len(seen) + 50,
+                                     use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
+                                     use_ue8m0=mode == "fp8-ue8m0", use_hook=hook, shrink_last=False)
+            rank_ll_graph(32, 1024, 8 * num_ranks, 4)
+    return seen
+
+
+@pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+@pytest.mark.parametrize("ranks", RANKS)
+def test_ll_cuda_nvshmem_transport_matches_reference(ranks):
+    """Bitwise equal to the reference through NVSHMEM puts (all peers, one peer) and through the
+    symmetric heap's NVLink mappings; CUDA-graph replays too."""
+    if ranks > torch.cuda.device_count():
+        pytest.skip(f"needs {ranks} GPUs")
+    with LocalCluster(ranks, backend="nccl", env=TEST_ENV) as fresh:  # NVSHMEM: initialized once per process
+        fresh.run(rank_ll_nvshmem, timeout_s=400)
 
 
 def rank_two_micro_batches():

@@ -7,21 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, TEST_ENV
+from conftest import BACKEND, TEST_ENV, nvshmem_found
 
 from epcomm.utils.launch import LocalCluster
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="NVSHMEM: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
-
-
-def _nvshmem_found() -> bool:
-    try:
-        from epcomm.backends.cuda.build import find_nvshmem
-
-        find_nvshmem()
-        return True
-    except RuntimeError:
-        return False
 
 
 def rank_probe_ring(num_words: int, rounds: int) -> dict:
@@ -47,7 +37,7 @@ def rank_probe_ring(num_words: int, rounds: int) -> dict:
     return {"p2p": p2p}
 
 
-@pytest.mark.skipif(not _nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+@pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_nvshmem_put_with_signal_around_a_ring(ranks):
     if ranks > torch.cuda.device_count():

@@ -84,6 +84,9 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
     })
     if "strategy" in per_rank[0]:
         record["strategy"] = per_rank[0]["strategy"]
+    if "ll_transport" in per_rank[0]:  # CUDA low latency: IPC or NVSHMEM, and the peers reached by puts
+        record["ll_transport"] = per_rank[0]["ll_transport"]
+        record["ll_remote_ranks_per_rank"] = [r["ll_remote_ranks"] for r in per_rank]
     if "traffic" in per_rank[0]:  # per tier, like DeepEP's internode test: bytes sent / the call's time
         for op in ("dispatch", "combine"):
             for tier in ("inter_domain", "intra_domain"):

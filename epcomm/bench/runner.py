@@ -286,6 +286,8 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     }
     for op, (send_s, recv_s) in hook_split.items():
         result[f"{op}_hook_send_s"], result[f"{op}_hook_recv_s"] = send_s, recv_s
+    if buf.backend_name == "cuda":
+        result["ll_transport"], result["ll_remote_ranks"] = buf.low_latency_transport()
     result.update(graph_times)
     if case.diagnose:
         # Mean wait per call for each source rank, as this rank saw it (us).

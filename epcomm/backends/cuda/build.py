@@ -19,7 +19,7 @@ from ... import _env
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = sorted((PACKAGE_DIR / "csrc" / "kernels").glob("*.cu"))
-HEADERS = sorted((PACKAGE_DIR / "include").rglob("*.cuh"))
+HEADERS = sorted([*(PACKAGE_DIR / "include").rglob("*.cuh"), *(PACKAGE_DIR / "csrc").rglob("*.cuh")])
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", *ARCH_FLAGS]
 
@@ -128,5 +128,7 @@ def load_nvshmem_library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.epcomm_nvshmem_malloc.restype = ctypes.c_void_p
         lib.epcomm_nvshmem_malloc.argtypes = [ctypes.c_int64]
+        lib.epcomm_nvshmem_peer_ptr.restype = ctypes.c_void_p
+        lib.epcomm_nvshmem_peer_ptr.argtypes = [ctypes.c_void_p, ctypes.c_int]
         _nvshmem_library = lib
     return _nvshmem_library

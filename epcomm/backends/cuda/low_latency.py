@@ -1,4 +1,9 @@
-"""Low-latency mode inside one NVLink domain with the CUDA kernels (csrc/kernels/low_latency.cu).
+"""Low-latency mode with the CUDA kernels (csrc/kernels/low_latency.cuh).
+
+Two transports (EPCOMM_LL_TRANSPORT): CUDA IPC inside one host (every peer's buffer mapped, direct
+stores), or the NVSHMEM symmetric heap, where peers mapped over NVLink still get direct stores
+and the others (other nodes; or those EPCOMM_LL_REMOTE_RANKS lists, so one host tests the path)
+get NVSHMEM puts and signals. The kernels are the same; only the library differs.
 
 Each call is a send kernel, launched by the call, and a receive kernel, launched by the receive
 hook (or right after the send kernel when there is no hook): between the two no SM is held. Both
@@ -24,20 +29,22 @@ without a host sync in the common case:
 from __future__ import annotations
 
 import ctypes
+import socket
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ... import _env
 from ...handle import LowLatencyHandle
 from ..rows import low_latency_recv_tensors
-from .build import load_library
+from .build import load_library, load_nvshmem_library
 from .capi import check, check_aligned, ptr, stream_ptr
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
 _TIMEOUT = 1
-_GAVE_UP_OFFSET = 40  # low_latency.cu kGaveUpOffset: int32 in the buffer's header
+_GAVE_UP_OFFSET = 40  # low_latency.cuh kGaveUpOffset: int32 in the buffer's header
 _ERRORS = {_TIMEOUT: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            7: "rank(s) {ranks} passed an invalid topk_idx: values outside [-1, num_experts), or one expert named "
               "more often than num_max_dispatch_tokens_per_rank (a token naming an expert twice); those entries "
@@ -67,7 +74,7 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
 
 def shape_tag(*values: int) -> int:
     """8 bits that differ, most likely, between calls of different shapes: every signal carries them,
-    and a receiver compares them with its own (csrc/kernels/low_latency.cu, make_signal)."""
+    and a receiver compares them with its own (csrc/kernels/low_latency.cuh, make_signal)."""
     h = 0x811C9DC5
     for v in values:
         h = ((h ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF  # FNV-1a over 32-bit words
@@ -83,20 +90,42 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
 
 
 
+def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:
+    """EPCOMM_LL_TRANSPORT, with auto resolved: CUDA IPC when every rank is on this host and none is
+    to be treated as remote, else NVSHMEM. Every rank reaches the same answer."""
+    choice = _env.ll_transport()
+    remote = _env.ll_remote_ranks(num_ranks)
+    if choice == "ipc" and remote:
+        raise ValueError("EPCOMM_LL_REMOTE_RANKS needs the NVSHMEM transport, but EPCOMM_LL_TRANSPORT=ipc")
+    if choice != "auto":
+        return choice
+    if remote:
+        return "nvshmem"
+    hosts: list = [None] * num_ranks
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return "ipc" if len(set(hosts)) == 1 else "nvshmem"
+
+
 class CudaLowLatency:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
-        self.lib = load_library()
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         if self.num_ranks > 8:
-            raise RuntimeError(f"the CUDA low-latency kernels support up to 8 ranks in one node, the group has "
-                               f"{self.num_ranks}")
+            raise RuntimeError(f"the CUDA low-latency kernels support up to 8 ranks, the group has {self.num_ranks}")
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
+        self.transport = _choose_transport(group, self.num_ranks)
+        self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         self.header = self.lib.epcomm_ll_header_bytes()
         if num_rdma_bytes <= self.header + 64:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for the low-latency kernels; use "
                              "Buffer.get_low_latency_rdma_size_hint")
-        self.shared = SharedBuffer(self.lib, group, device, num_rdma_bytes, "num_rdma_bytes")
+        if self.transport == "nvshmem":
+            from .nvshmem import SymmetricBuffer
+
+            remote = _env.ll_remote_ranks(self.num_ranks) - {self.rank}
+            self.shared = SymmetricBuffer(group, device, num_rdma_bytes, remote, "num_rdma_bytes")
+        else:
+            self.shared = SharedBuffer(self.lib, group, device, num_rdma_bytes, "num_rdma_bytes")
         self.slot_bytes = (num_rdma_bytes - self.header) // 2 // 16 * 16
         # One error record per slot; the event marks the end of the receive of the slot's last call.
         self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, pin_memory=True)

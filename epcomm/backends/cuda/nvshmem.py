@@ -5,15 +5,18 @@ it and its rank (so NVSHMEM PE == rank in the group). The symmetric heap then gi
 memory that GPU kernels on other ranks can put into and signal (csrc/nvshmem/transport.cu): over
 RDMA between nodes, over NVLink inside one. One team per process (NVSHMEM is initialized once).
 
-This is the foundation of the transports to peers that CUDA IPC cannot reach; the low-latency and
-hierarchical kernels do not use it yet. Note: NVSHMEM ends the process itself when its
-initialization fails (its inline nvshmemx_init_attr exits), so such a failure shows as a rank
-process that died, with NVSHMEM's message on stderr.
+It carries the low-latency kernels to peers that CUDA IPC cannot reach (``SymmetricBuffer``; the
+hierarchical kernels do not use it yet). NVSHMEM is initialized once per process and kept until
+the process ends (``process_team``): Buffers come and go, each allocating its memory from the
+heap and freeing it. Note: NVSHMEM ends the process itself when its initialization fails (its
+inline nvshmemx_init_attr exits), so such a failure shows as a rank process that died, with
+NVSHMEM's message on stderr.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.distributed as dist
@@ -69,6 +72,18 @@ class NvshmemTeam:
         self.lib.epcomm_nvshmem_barrier_all()
         return words
 
+    def free(self, words: torch.Tensor) -> None:
+        """Collective: return an allocation of ``alloc_words`` to the heap (no kernel may still use it)."""
+        address = words.data_ptr()
+        torch.cuda.synchronize(self.device)
+        self.lib.epcomm_nvshmem_barrier_all()
+        self._allocations.remove(address)
+        self.lib.epcomm_nvshmem_free(ctypes.c_void_p(address))
+
+    def peer_ptr(self, words: torch.Tensor, rank: int) -> int:
+        """``rank``'s copy of this symmetric memory as mapped in this process (NVLink), or 0."""
+        return self.lib.epcomm_nvshmem_peer_ptr(ctypes.c_void_p(words.data_ptr()), rank) or 0
+
     def is_p2p(self, words: torch.Tensor, rank: int) -> bool:
         """Whether ``rank``'s copy of this symmetric memory is reachable by loads and stores (NVLink)."""
         return bool(self.lib.epcomm_nvshmem_is_p2p(ctypes.c_void_p(words.data_ptr()), rank))
@@ -94,3 +109,54 @@ class NvshmemTeam:
         self._allocations.clear()
         self.lib.epcomm_nvshmem_finalize()
         NvshmemTeam._active = False
+
+
+_HEAP_MARGIN = 256 << 20
+_process_team: NvshmemTeam | None = None
+
+
+def process_team(group: dist.ProcessGroup, device: torch.device, heap_bytes: int) -> NvshmemTeam:
+    """The process's NVSHMEM team over ``group`` (collective the first time), created with a heap of
+    at least ``heap_bytes`` (NVSHMEM_SYMMETRIC_SIZE, unless the user set it). Kept until the process
+    ends; every later caller must pass the same ranks, since NVSHMEM's PEs are fixed at init."""
+    global _process_team
+    ranks = dist.get_process_group_ranks(group)
+    if _process_team is None:
+        if "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(1 << 30, heap_bytes + _HEAP_MARGIN))
+        _process_team = NvshmemTeam(group, device)
+        _process_team.ranks = ranks
+    elif _process_team.ranks != ranks:
+        raise RuntimeError(f"epcomm: NVSHMEM was initialized in this process for ranks {_process_team.ranks}; a "
+                           f"Buffer over ranks {ranks} cannot use it (one NVSHMEM team per process)")
+    return _process_team
+
+
+class SymmetricBuffer:
+    """A rank's communication buffer in the NVSHMEM symmetric heap, with the peer table the kernels
+    take (csrc/kernels/low_latency.cuh): each peer's copy as mapped here, or 0 for a peer reached by
+    NVSHMEM puts (not mapped, or listed in ``remote_ranks``). The same attributes as ipc.SharedBuffer."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, remote_ranks: set[int],
+                 what: str) -> None:
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        sizes: list = [None] * self.num_ranks
+        dist.all_gather_object(sizes, num_bytes, group=group)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"{what} must be the same on every rank (senders write into the peers' buffers), "
+                             f"got {sizes}")
+        self.team = process_team(group, device, num_bytes)
+        self.num_bytes = num_bytes
+        self._words = self.team.alloc_words((num_bytes + 7) // 8)
+        self.tensor = self._words.view(torch.uint8)[:num_bytes]
+        ptrs = [self.tensor.data_ptr() if r == self.rank else
+                (0 if r in remote_ranks else self.team.peer_ptr(self._words, r)) for r in range(self.num_ranks)]
+        self.remote_ranks = sorted(r for r in range(self.num_ranks) if ptrs[r] == 0)
+        self.ptrs = (ctypes.c_uint64 * self.num_ranks)(*ptrs)
+        self.device = device
+
+    def close(self) -> None:
+        """Collective: free the buffer (the caller makes sure no kernel of any rank still uses it)."""
+        if self._words is not None:
+            self.team.free(self._words)
+            self._words = None

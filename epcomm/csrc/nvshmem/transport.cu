@@ -6,9 +6,9 @@
 // torch.distributed group makes a unique id, the group broadcasts it, and every rank calls
 // nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID) with its rank in the group (= its NVSHMEM PE).
 //
-// What is here so far is the foundation the low-latency and hierarchical transports build on:
-// bootstrap, the symmetric heap, and a probe kernel (a put with a signal to the next PE, then a
-// wait for the previous PE's) that the GPU tests use to check the path end to end.
+// Here: bootstrap, the symmetric heap, and a probe kernel (a put with a signal to the next PE, then
+// a wait for the previous PE's) that the GPU tests use to check the path end to end. The
+// low-latency kernels over this transport are in low_latency.cu.
 #include <cstdint>
 #include <cstring>
 
@@ -77,6 +77,9 @@ void epcomm_nvshmem_barrier_all() { nvshmem_barrier_all(); }
 
 // Whether `pe` is reachable by loads and stores (NVLink P2P) rather than only by the NVSHMEM transport.
 int epcomm_nvshmem_is_p2p(void* symmetric_ptr, int pe) { return nvshmem_ptr(symmetric_ptr, pe) != nullptr; }
+
+// `pe`'s copy of a symmetric address as mapped in this process (NVLink), or null when it is not.
+void* epcomm_nvshmem_peer_ptr(void* symmetric_ptr, int pe) { return nvshmem_ptr(symmetric_ptr, pe); }
 
 int epcomm_nvshmem_probe_ring(void* dst, const void* src, void* signal, int num_words, uint64_t round,
                               uint64_t timeout_ns, int* timed_out, cudaStream_t stream) {

@@ -1,0 +1,851 @@
+// Low-latency (decode) kernels. A peer whose buffer is mapped into this process (CUDA IPC, or an
+// NVSHMEM symmetric heap reachable over NVLink) gets each (token, expert) message stored straight
+// into its buffer; a peer that is not (another node, or one the EPCOMM_LL_REMOTE_RANKS switch
+// treats as remote) gets it by NVSHMEM puts from a staging copy, and its signals by NVSHMEM signal
+// operations. The transport is the class ll::Net, defined by the file that includes this one:
+// kernels/low_latency.cu (direct stores only, the IPC library) and nvshmem/low_latency.cu (the
+// NVSHMEM library, relocatable device code). A remote peer is one whose entry in the peer table is
+// null; receivers always read their own buffer, so only the sending side differs.
+//
+// A call is two kernels, so that no SM is held while data is in flight (the receive hook):
+//   send: block b owns a contiguous range of this rank's tokens. Every block counts, in shared
+//         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
+//         range), which gives each of its pairs the row it takes in the expert's block without any
+//         inter-block traffic: rows follow ascending (token, slot), so outputs are deterministic and
+//         equal to the reference backend's. Each warp then loads 512 channels of a token once, casts
+//         them (FP8 per 128 channels) once, and stores them into every message of the token. A
+//         per-expert counter of written pairs names the last writer, which stores the block's count
+//         (+ the call counter) with one release: the receiver's signal.
+//   recv: one block per (local expert, source): waits for the counts of the sources up to its own
+//         (the packed layout puts sources in rank order), then copies its rows out; the last
+//         source's block writes recv_count and layout_range.
+// Combine mirrors it: a block per (local expert, source) returns the rows to the source, and the
+// receive kernel sums, per token, weight * row over its top-k slots in slot order, in fp32 (the
+// reference's order), with warps splitting the hidden dimension.
+//
+// Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
+// Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
+// (double buffering). In a slot: acks int64[R] (first: their place must not depend on the call's
+// shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area [E_local][R][N]
+// messages (sized for BF16 ones), then the combine area [E][N] rows.
+// Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
+// counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
+// that peer has acknowledged the previous call that used the slot (ranks drift apart when hooks are
+// called late, and the next call but one reuses the slot).
+// Separate areas matter when a dispatch and a combine share a slot (two micro-batches in flight):
+// a fast peer's combine then writes while this rank may still be copying the dispatch out.
+// Signals hold the call counter, the call's shape tag and the count (make_signal): counters only
+// grow and are the same on every rank (every rank makes the same calls), so signals never need
+// resetting, CUDA-graph replays too.
+// Staging for remote peers reuses areas of this rank's own slot that no peer writes during the
+// call (peers write into a slot only after this rank acknowledged the slot's previous call, which
+// it does after its receive, after its puts were completed by a quiet): a dispatch stages each
+// token's message once in its own combine area, a combine stages the rows for a source in its own
+// dispatch area.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "../../include/epcomm/common.cuh"
+
+namespace epcomm {
+namespace ll {
+
+constexpr int kHeaderBytes = 48;
+constexpr int kCounterOffset = 0;    // int64: the last call counter used by this rank
+constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel that have finished
+constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kernel of each slot (hooks may
+                                     // run the receives of the two slots at once, on two streams)
+constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
+constexpr int kGaveUpOffset = 40;    // int32: set when a wait of this rank timed out (the others stop waiting);
+                                     // in device memory: the waits poll it, and host memory is far
+// A signal: [63:32] the call counter (its low 32 bits), [31:24] the call's shape tag, [23] invalid
+// input, [22:0] count + 1. The shape tag (a hash of hidden, experts, N and the message format, made
+// by the host) lets a receiver tell a peer that made a call of another shape: its rows would not
+// fit this rank's layout, so the call is reported instead of returning garbage.
+constexpr int kSeqShift = 32, kTagShift = 24;
+// A sender whose inputs were invalid says so in every signal of the call, so that every rank reports
+// it (and raises at the same call: a rank raising alone would leave its peers waiting for it).
+constexpr int64_t kInvalidInputBit = 1LL << (kTagShift - 1);
+constexpr int64_t kCountMask = kInvalidInputBit - 1;
+
+// Built and compared as unsigned: the counter's bit 31 lands in the sign bit.
+__device__ __forceinline__ int64_t make_signal(int64_t seq, int tag, int64_t invalid, int count) {
+    const uint64_t bits = ((static_cast<uint64_t>(seq) & 0xffffffffull) << kSeqShift) |
+                          (static_cast<uint64_t>(tag & 0xff) << kTagShift) | static_cast<uint64_t>(invalid) |
+                          static_cast<uint64_t>(count + 1);
+    return static_cast<int64_t>(bits);
+}
+
+__device__ __forceinline__ bool signal_of_call(int64_t v, int64_t seq) {
+    return (static_cast<uint64_t>(v) >> kSeqShift) == (static_cast<uint64_t>(seq) & 0xffffffffull);
+}
+constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
+constexpr int kThreads = kWarpsPerBlock * kWarpSize;
+constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
+constexpr int kUnitThreads = kUnitWarps * kWarpSize;
+constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
+constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
+constexpr int kPieceInt4 = 256;                // one warp copies a message or row in pieces of 4 KB (8 x 16 B a lane)
+
+// Pinned host words, as in the normal-mode kernels (the Python side reads them).
+constexpr int kInfoError = 0, kInfoErrorOp = 1, kInfoErrorRanks = 2;
+constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8, kErrShapeMismatch = 9, kErrAbandoned = 10;
+
+// Record an error of this call (pinned host memory, read by the host after the call). The most
+// severe one wins: a peer's timeout or shape mismatch (names the cause) over "abandoned" (this
+// call stopped because another wait gave up) over the caller's input errors, which leave the
+// Buffer usable (the host must not take a fatal call for a refused one). A wait that gives up
+// records its error before it raises gave_up (with a fence between), so the waits that abandon
+// because of it see the cause already recorded and do not cover it.
+__device__ __forceinline__ int error_severity(int code) {
+    if (code == 0) return 0;
+    if (code == kErrInvalidDispatch || code == kErrIdsDiffer) return 1;
+    return code == kErrAbandoned ? 2 : 3;
+}
+
+__device__ __forceinline__ void record_error(int* info, int code, int op, int rank) {
+    if (rank >= 0) info[kInfoErrorRanks + rank] = 1;
+    if (error_severity(code) > error_severity(ld_volatile_int(info + kInfoError))) {
+        info[kInfoErrorOp] = op;
+        info[kInfoError] = code;
+    }
+}
+
+// A wait of this rank gave up (timeout or shape mismatch, recorded): every other wait stops too.
+__device__ __forceinline__ void give_up(int* gave_up) {
+    __threadfence_system();  // the recorded cause is visible before the mark
+    atomicExch(gave_up, 1);
+}
+constexpr int kOpDispatch = 5, kOpCombine = 6;
+
+struct Peers {
+    uint8_t* bufs[kMaxRanks];  // each rank's buffer as mapped here; null: reached through Net (remote)
+};
+
+// Net (defined by the including file) carries data and signals to remote peers:
+//   kRemote                                   whether it can (false: every peer is mapped)
+//   put_warp / put_block(dst, src, bytes, pe) non-blocking copy of local `src` to `pe`'s copy of the
+//                                             symmetric address `dst` (this rank's own), by a warp / block
+//   signal(addr, value, pe)                   set `pe`'s copy of the 8-byte word `addr`, after every put
+//                                             of this rank to `pe` that quiet() completed
+//   quiet()                                   complete every put this rank issued
+__device__ __forceinline__ bool is_remote(const Peers& peers, int r) { return Net::kRemote && peers.bufs[r] == nullptr; }
+
+// Set rank r's copy of the signal word at `offset` of the buffer: a release store when r is mapped
+// (the caller's writes come first), a signal operation when it is remote (the caller completed its
+// puts with Net::quiet first).
+__device__ __forceinline__ void signal_peer(const Peers& peers, int me, int r, int64_t offset, int64_t value) {
+    if (is_remote(peers, r))
+        Net::signal(reinterpret_cast<int64_t*>(peers.bufs[me] + offset), value, r);
+    else
+        st_release_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + offset), value);
+}
+
+struct Layout {  // where things live inside one slot
+    int64_t dispatch_signals, combine_signals, acks, data, combine_data;
+    __device__ Layout(int slot, int64_t slot_bytes, int num_experts, int num_ranks, int num_max_tokens, int hidden) {
+        const int64_t slot_base = kHeaderBytes + slot * slot_bytes;
+        acks = slot_base;  // first, at a place that does not depend on the call's shapes
+        dispatch_signals = acks + (num_ranks * 8 + 15) / 16 * 16;
+        combine_signals = dispatch_signals + num_experts * 8;
+        data = combine_signals + num_experts * 8;
+        // The largest dispatch message (BF16: 2H data + the token index, padded to 16 bytes).
+        combine_data = data + static_cast<int64_t>(num_experts) * num_max_tokens * (hidden * 2 + 16);
+    }
+};
+
+// Failed-rank masking: rank r is masked (treated as gone) when mask[r] != 0.
+__device__ __forceinline__ bool masked(const int* mask, int r) {
+    return mask != nullptr && ld_volatile_int(mask + r) != 0;
+}
+
+__device__ __forceinline__ int64_t* counter(uint8_t* buf) { return reinterpret_cast<int64_t*>(buf + kCounterOffset); }
+__device__ __forceinline__ int* gave_up_word(uint8_t* buf) { return reinterpret_cast<int*>(buf + kGaveUpOffset); }
+
+// The call counter of a send kernel: every block reads the same value (the previous call's,
+// written by that call's last block), uses one more, and the last block of this call stores it.
+__device__ __forceinline__ int64_t next_seq(uint8_t* mine) { return ld_volatile(counter(mine)) + 1; }
+
+// The last block to finish (every block has read the counter and the slot's previous call by then)
+// records this call as the slot's latest and as the rank's last.
+__device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        int* done = reinterpret_cast<int*>(mine + kDoneOffset);
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+            *done = 0;
+            reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
+            *counter(mine) = seq;
+            __threadfence();
+        }
+    }
+}
+
+// The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
+// call to every rank, so their next sends into this slot may start.
+__device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq,
+                                   const int* mask) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        int* done = reinterpret_cast<int*>(peers.bufs[me] + kRecvDoneOffset) + slot;
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+            *done = 0;
+            fence_sys();
+            for (int r = 0; r < num_ranks; ++r)  // not to masked ranks: they may be gone
+                if (r == me || !masked(mask, r)) signal_peer(peers, me, r, acks + 8 * me, seq);
+        }
+    }
+}
+
+
+// Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
+// timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
+__device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
+                           int* info, int* gave_up, int op, uint64_t* waited_ns) {
+    const uint64_t start = global_timer_ns();
+    for (int spin = 0;; ++spin) {
+        const int64_t v = ld_acquire_sys(signal);
+        if (signal_of_call(v, seq)) {
+            if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
+            if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
+                record_error(info, kErrShapeMismatch, op, src);
+                give_up(gave_up);  // signals it laid out elsewhere may never come: stop every wait
+                return -2;
+            }
+            if (v & kInvalidInputBit)  // the source's inputs were refused (its signals say so)
+                record_error(info, op == kOpDispatch ? kErrInvalidDispatch : kErrIdsDiffer, op, src);
+            return static_cast<int>((v & kCountMask) - 1);
+        }
+        if ((spin & 63) == 63) {
+            if (masked(mask, src)) return -1;
+            if (ld_volatile_int(gave_up) != 0) {  // an earlier wait of this rank gave up: so does this call
+                record_error(info, kErrAbandoned, op, -1);
+                return -2;
+            }
+            if (global_timer_ns() - start > timeout_ns) {
+                if (mask != nullptr) {  // failed-rank masking: stop waiting for this rank from now on
+                    atomicExch(mask + src, 1);
+                    return -1;
+                }
+                record_error(info, kErrTimeout, op, src);
+                give_up(gave_up);
+                return -2;
+            }
+        }
+    }
+}
+
+// Before writing into `dst`'s slot: wait until `dst` has acknowledged the previous call that used
+// the slot (`prev`; 0 when none). False (the writes are skipped) when dst is masked or timed out.
+__device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t prev, int* mask, uint64_t timeout_ns,
+                         int* info, int op) {
+    int* gave_up = gave_up_word(const_cast<uint8_t*>(mine));
+    if (prev <= 0) return true;
+    const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
+    const uint64_t start = global_timer_ns();
+    for (int spin = 0;; ++spin) {
+        if (ld_acquire_sys(ack) >= prev) return true;
+        if ((spin & 63) == 63) {
+            if (masked(mask, dst)) return false;
+            if (ld_volatile_int(gave_up) != 0) {
+                record_error(info, kErrAbandoned, op, -1);
+                return false;
+            }
+            if (global_timer_ns() - start > timeout_ns) {
+                if (mask != nullptr) {
+                    atomicExch(mask + dst, 1);
+                    return false;
+                }
+                record_error(info, kErrTimeout, op, dst);
+                give_up(gave_up);
+                return false;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ FP8 cast (the rule of epcomm/fp8.py)
+struct CastMode {
+    bool fp8, round_scale, ue8m0;
+};
+
+// 8 bf16 channels of one lane, cast as members of a 128-channel group spread over 16 lanes
+// (lanes 0-15 or 16-31 of the warp). Returns the group's scale (fp32 bits, or its UE8M0 exponent).
+__device__ __forceinline__ uint2 cast_fp8x8(const int4& raw, bool valid, const CastMode& mode, float& scale_out) {
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(h[k]);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+    if (!valid) amax = 0.f;
+#pragma unroll
+    for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+    amax = fmaxf(amax, 1e-4f);
+    float scale = __fmul_rn(amax, static_cast<float>(1.0 / 448.0));
+    float inv;
+    if (mode.round_scale) {  // smallest power of two >= scale; its inverse is exact
+        const int bits = __float_as_int(scale);
+        const int exponent = ((bits >> 23) & 0xff) + ((bits & 0x7fffff) != 0 ? 1 : 0);
+        scale = __int_as_float(exponent << 23);
+        inv = __fdiv_rn(1.0f, scale);
+    } else {
+        inv = __fdiv_rn(448.0f, amax);
+    }
+    scale_out = scale;
+    uint2 out;
+    auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        q[k] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[2 * k], inv), __fmul_rn(v[2 * k + 1], inv)),
+                                        __NV_SATFINITE, __NV_E4M3);
+    return out;
+}
+
+// One warp copies piece `piece` (kPieceInt4 16-byte words) of a `num_int4`-word message or row.
+__device__ __forceinline__ void copy_piece(int4* dst, const int4* src, int num_int4, int piece, int lane) {
+    const int begin = piece * kPieceInt4;
+    warp_copy_int4<8>(dst + begin, src + begin, min(kPieceInt4, num_int4 - begin), lane);
+}
+
+__device__ __forceinline__ int num_pieces(int num_int4) { return (num_int4 + kPieceInt4 - 1) / kPieceInt4; }
+
+// ------------------------------------------------------------------ dispatch
+struct DispatchArgs {
+    Peers peers;
+    int rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens;
+    const __nv_bfloat16* x;   // [T, H]
+    const int64_t* topk_idx;  // [T, K]
+    CastMode mode;
+    int data_bytes, msg_bytes;  // message: data | scales | int32 token | padding to 16
+    int num_scale_cols;         // scale words (4 bytes) of a message
+    int slot;
+    int64_t slot_bytes;
+    int chunk_tokens;         // tokens per block of the send kernel
+    int shape_tag;            // 8-bit hash of the call's shape (every rank must make the same)
+    int* sent_pairs;          // [E] written pairs per expert of the running send (0 between calls)
+    int* mask;                // [R] int32, or nullptr (no failed-rank masking)
+    int* slot_map;            // [T, K] out: the row of (t, k) in its block, -1 when not sent
+    // receive side
+    uint8_t* recv_data;       // [E_local, N*R, data_bytes]
+    uint8_t* recv_scales;     // [E_local, N*R, S] with the strides below (elements of 4 bytes)
+    int64_t scale_stride_e, scale_stride_row, scale_stride_col;
+    int* src_info;            // [E_local, N*R]
+    int* recv_count;          // [E_local]
+    int64_t* layout_range;    // [E_local, R]
+    int* cumulative_stats;    // [E_local] or nullptr
+    int64_t* wait_stats;      // [R] or nullptr
+    int* info;
+    uint64_t timeout_ns;
+};
+
+__device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int group, float scale, bool ue8m0) {
+    if (ue8m0)  // group g in byte g of the packed words (little-endian, 4 per int32)
+        msg[data_bytes + group] = static_cast<uint8_t>((__float_as_int(scale) >> 23) & 0xff);
+    else
+        reinterpret_cast<float*>(msg + data_bytes)[group] = scale;
+}
+
+// Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
+// 0-15 of each half hold one group): loaded once, cast once, stored into each of the token's
+// messages (`rows`/`experts`: its K pairs; row -1: not sent). Unit 0 also writes the token index.
+// Messages to remote peers are written once, into the token's staging message (`staging`), which
+// the send kernel then puts to each of them.
+__device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& lay, int t, int unit, const int* rows,
+                                          const int* experts, uint8_t* staging, int lane) {
+    const int num_int4 = a.hidden / 8;
+    const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
+    const bool v0 = i0 < num_int4, v1 = i1 < num_int4;
+    const auto* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden);
+    const int4 r0 = v0 ? ld_nc_int4(x + i0) : make_int4(0, 0, 0, 0);
+    const int4 r1 = v1 ? ld_nc_int4(x + i1) : make_int4(0, 0, 0, 0);
+    uint2 q0 = {}, q1 = {};
+    float s0 = 0.f, s1 = 0.f;
+    if (a.mode.fp8) {
+        q0 = cast_fp8x8(r0, v0, a.mode, s0);
+        q1 = cast_fp8x8(r1, v1, a.mode, s1);
+    }
+    const int R = a.num_ranks, experts_per_rank = a.num_experts / R;
+    bool staged = false;
+    for (int k = 0; k < a.num_topk; ++k) {
+        const int row = rows[k];
+        if (row < 0) continue;
+        const int e = experts[k], dst = e / experts_per_rank, local_e = e % experts_per_rank;
+        uint8_t* msg;
+        if (is_remote(a.peers, dst)) {
+            if (staged) continue;
+            staged = true;
+            msg = staging + static_cast<int64_t>(t) * a.msg_bytes;
+        } else {
+            msg = a.peers.bufs[dst] + lay.data +
+                  ((static_cast<int64_t>(local_e) * R + a.rank) * a.num_max_tokens + row) * a.msg_bytes;
+        }
+        if (a.mode.fp8) {
+            if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
+            if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
+            if (lane % 16 == 0) {
+                if (v0) store_scale(msg, a.data_bytes, i0 / 16, s0, a.mode.ue8m0);
+                if (v1) store_scale(msg, a.data_bytes, i1 / 16, s1, a.mode.ue8m0);
+            }
+        } else {
+            if (v0) reinterpret_cast<int4*>(msg)[i0] = r0;
+            if (v1) reinterpret_cast<int4*>(msg)[i1] = r1;
+        }
+        if (unit == 0 && lane == 0) *reinterpret_cast<int*>(msg + a.data_bytes + a.num_scale_cols * 4) = t;
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
+    extern __shared__ int expert_counts[];  // [E] pairs before this block's tokens, then [E] all pairs
+    int* before = expert_counts;
+    int* total = expert_counts + a.num_experts;
+    __shared__ int pair_expert[kMaxChunkEntries];  // this block's pairs: expert (-1: none)
+    __shared__ int pair_row[kMaxChunkEntries];     // and row in the expert's block (-1: not sent)
+    __shared__ bool skip_dst[kMaxRanks];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, me = a.rank, N = a.num_max_tokens;
+    const int experts_per_rank = E / R;
+    uint8_t* mine = a.peers.bufs[me];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
+    const int first = blockIdx.x * a.chunk_tokens;
+    const int last = min(a.num_tokens, first + a.chunk_tokens);
+    const int num_pairs = max(0, last - first) * K;
+
+    for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
+    if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
+        skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
+                        !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
+    __syncthreads();
+    bool bad = false;
+    for (int i = tid; i < a.num_tokens * K; i += kThreads) {
+        const int64_t e = a.topk_idx[i];
+        if (e < -1 || e >= E) bad = true;
+        if (e < 0 || e >= E) continue;
+        atomicAdd(total + e, 1);
+        if (i < first * K) atomicAdd(before + e, 1);
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
+    // Every block counted every pair, so all of them agree on this (it goes into every signal).
+    const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
+    // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
+    // so it travels while the messages are written.
+    for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
+        const int dst = e / experts_per_rank;
+        if (total[e] != 0 || skip_dst[dst]) continue;
+        const int64_t offset = lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me);
+        const int64_t value = make_signal(seq, a.shape_tag, invalid, 0);
+        if (is_remote(a.peers, dst))
+            Net::signal(reinterpret_cast<int64_t*>(mine + offset), value, dst);
+        else
+            st_relaxed_sys(reinterpret_cast<int64_t*>(a.peers.bufs[dst] + offset), value);  // no data to order before it
+    }
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int64_t e = a.topk_idx[static_cast<int64_t>(first) * K + j];
+        pair_expert[j] = e >= 0 && e < E ? static_cast<int>(e) : -1;
+    }
+    __syncthreads();
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int e = pair_expert[j];
+        int row = -1;
+        if (e >= 0) {
+            row = before[e];
+            for (int i = 0; i < j; ++i) row += pair_expert[i] == e;
+            if (row >= N || skip_dst[e / experts_per_rank]) row = -1;  // past the block's room: dropped
+        }
+        pair_row[j] = row;
+        a.slot_map[static_cast<int64_t>(first) * K + j] = row;
+    }
+
+    __syncthreads();  // every pair's row is known
+
+    // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
+    // into every message of the token: no staging, x read once.
+    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
+    uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
+    for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
+        const int c = u / units_per_token;
+        send_unit(a, lay, first + c, u % units_per_token, pair_row + c * K, pair_expert + c * K, staging, lane);
+    }
+    __syncthreads();
+    if constexpr (Net::kRemote) {  // a warp puts each staged message to each remote pair's peer
+        bool put = false;
+        for (int j = warp; j < num_pairs; j += kWarpsPerBlock) {
+            const int row = pair_row[j], e = pair_expert[j];
+            if (row < 0 || !is_remote(a.peers, e / experts_per_rank)) continue;
+            const int64_t offset =
+                lay.data + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * a.msg_bytes;
+            Net::put_warp(mine + offset, staging + static_cast<int64_t>(first + j / K) * a.msg_bytes, a.msg_bytes,
+                          e / experts_per_rank);
+            put = true;
+        }
+        if (__syncthreads_or(put) && tid == 0) Net::quiet();  // delivered before any count is signalled
+        __syncthreads();
+    }
+
+    // Count the pairs; the expert's last one (in any block) signals its count to the expert's rank.
+    // Skipped pairs count too, so the counter always returns to 0 for the next call.
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int e = pair_expert[j];
+        if (e < 0) continue;
+        __threadfence_system();  // this block's stores of the message reach the peer before the count
+        if (atomicAdd(a.sent_pairs + e, 1) != total[e] - 1) continue;
+        a.sent_pairs[e] = 0;
+        const int dst = e / experts_per_rank;
+        if (skip_dst[dst]) continue;
+        __threadfence_system();  // every other writer's stores (they fenced before counting) come first
+        signal_peer(a.peers, me, dst, lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me),
+                    make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
+    }
+    finish_send_kernel(mine, seq, a.slot);
+}
+
+// One block per (local expert, source): its rows go after those of the sources before it.
+__global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a) {
+    __shared__ int counts[kMaxRanks];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
+    const int rows_per_expert = N * R;
+    uint8_t* mine = a.peers.bufs[me];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
+    const int local_e = blockIdx.x / R, src = blockIdx.x % R;
+    if (tid < R) {  // thread j waits for source j's count of this expert
+        int count = 0;
+        uint64_t waited = 0;
+        if (!masked(a.mask, me) && !masked(a.mask, tid)) {
+            const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + tid;
+            count = wait_signal(signal, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
+            // masked (or timed out: reported, and nothing to copy); never more than a block's room
+            count = count < 0 ? 0 : min(count, N);
+        }
+        counts[tid] = count;
+        if (a.wait_stats != nullptr && local_e == 0 && tid == src) atomicAdd(
+            reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
+    }
+    __syncthreads();
+    int begin = 0, total = 0;
+    for (int j = 0; j < R; ++j) {
+        if (j < src) begin += counts[j];
+        total += counts[j];
+    }
+    const int mine_count = counts[src];
+    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
+    const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
+    for (int u = warp; u < mine_count * pieces; u += kUnitWarps) {
+        const int i = u / pieces, piece = u % pieces;
+        const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
+        const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
+        copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(msg),
+                   data_int4, piece, lane);
+        if (piece != 0) continue;
+        for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
+            reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
+                                                       c * a.scale_stride_col] =
+                reinterpret_cast<const uint32_t*>(msg + a.data_bytes)[c];
+        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + a.data_bytes + a.num_scale_cols * 4);
+    }
+    if (src == R - 1) {  // the last source's block completes the expert's metadata
+        if (tid == 0) {
+            a.recv_count[local_e] = total;
+            if (a.cumulative_stats != nullptr) atomicAdd(a.cumulative_stats + local_e, total);
+        }
+        if (tid < R) {
+            int run = 0;
+            for (int j = 0; j < tid; ++j) run += counts[j];
+            a.layout_range[static_cast<int64_t>(local_e) * R + tid] = (static_cast<int64_t>(run) << 32) | counts[tid];
+        }
+        for (int r = total + tid; r < rows_per_expert; r += kUnitThreads)
+            a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
+    }
+    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
+}
+
+// ------------------------------------------------------------------ combine
+struct CombineArgs {
+    Peers peers;
+    int rank, num_ranks, num_experts, num_max_tokens, hidden, num_tokens, num_topk;
+    const __nv_bfloat16* x;        // [E_local, N*R, H] expert outputs, in dispatch's receive layout
+    const int64_t* layout_range;   // [E_local, R] of the dispatch
+    const int64_t* topk_idx;       // [T, K] the dispatch's (the handle's copy)
+    const int64_t* caller_topk_idx;  // [T, K] as passed to combine (must equal the dispatch's), or nullptr
+    const float* topk_weights;     // [T, K]
+    const int* slot_map;           // [T, K] of the dispatch
+    __nv_bfloat16* out;            // [T, H]
+    int slot;
+    int64_t slot_bytes;
+    int chunk_tokens;              // tokens per block of the receive kernel
+    int shape_tag;                 // 8-bit hash of the call's shape (every rank must make the same)
+    int* mask;
+    int64_t* wait_stats;           // [R] or nullptr
+    int* info;
+    uint64_t timeout_ns;
+};
+
+// One block per (local expert, source): the expert's outputs for that source's rows go back to it.
+__global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
+    __shared__ bool skip;
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
+    const int experts_per_rank = a.num_experts / R;
+    const int rows_per_expert = N * R;
+    const int row_int4 = a.hidden / 8;
+    uint8_t* mine = a.peers.bufs[me];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
+    const int local_e = blockIdx.x / R, src = blockIdx.x % R;
+    const int global_e = me * experts_per_rank + local_e;
+    const bool remote = is_remote(a.peers, src);
+    if (tid == 0) {
+        skip = masked(a.mask, me) || masked(a.mask, src) ||
+               !wait_ack(mine, lay.acks, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        // Rows for a remote source are staged in this rank's own dispatch area: its own receive of
+        // the slot's previous call must be done reading it.
+        if (remote && !skip) skip = !wait_ack(mine, lay.acks, me, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+    }
+    // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
+    // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
+    // (combine_recv's block 0), so every rank sees the verdict.
+    bool differs = false;
+    if (a.caller_topk_idx != nullptr && local_e == 0)
+        for (int i = tid; i < a.num_tokens * a.num_topk; i += kUnitThreads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
+    const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
+    const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
+    // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
+    const int begin = max(0, min(static_cast<int>(word >> 32), rows_per_expert));
+    const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(N, rows_per_expert - begin)));
+    const int64_t rows_offset = lay.combine_data + static_cast<int64_t>(global_e) * N * row_int4 * 16;
+    uint8_t* staging = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * row_int4 * 16;
+    if (!skip) {
+        auto* rows = reinterpret_cast<int4*>(remote ? staging : a.peers.bufs[src] + rows_offset);
+        const auto* x = reinterpret_cast<const int4*>(a.x) + (static_cast<int64_t>(local_e) * rows_per_expert + begin) *
+                                                              row_int4;
+        const int pieces = num_pieces(row_int4);
+        for (int u = warp; u < count * pieces; u += kUnitWarps) {
+            const int64_t i = u / pieces;
+            copy_piece(rows + i * row_int4, x + i * row_int4, row_int4, u % pieces, lane);
+        }
+    }
+    __syncthreads();
+    if constexpr (Net::kRemote) {
+        if (remote && !skip && count > 0) {  // skip is the block's (shared): the whole block puts
+            Net::put_block(mine + rows_offset, staging, static_cast<size_t>(count) * row_int4 * 16, src);
+            __syncthreads();
+            if (tid == 0) Net::quiet();  // delivered before the signal
+        }
+    }
+    if (tid == 0 && !skip) {
+        __threadfence_system();  // the block's rows reach the source before the signal
+        signal_peer(a.peers, me, src, lay.combine_signals + 8 * global_e, make_signal(seq, a.shape_tag, invalid, count));
+    }
+    finish_send_kernel(mine, seq, a.slot);
+}
+
+// Block b owns a range of tokens: it waits for the blocks its pairs read, then its warps sum
+// 256-channel columns of its tokens, in top-k slot order, in fp32.
+__global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
+    __shared__ int64_t pair_offset[kMaxChunkEntries];  // 16-byte word of the pair's row; -1: absent
+    __shared__ float pair_weight[kMaxChunkEntries];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, K = a.num_topk, me = a.rank, N = a.num_max_tokens;
+    const int experts_per_rank = a.num_experts / R;
+    const int row_int4 = a.hidden / 8;
+    uint8_t* mine = a.peers.bufs[me];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
+    const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
+    // Block 0 waits for each source's first expert: every source's verdict on its inputs is seen
+    // (whatever this rank's tokens chose), and it times the arrivals (wait-cost statistics).
+    if (blockIdx.x == 0 && tid < R && !masked(a.mask, me) && !masked(a.mask, tid)) {
+        uint64_t waited = 0;
+        if (wait_signal(signals + tid * experts_per_rank, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine,
+                        &waited) >= 0 && a.wait_stats != nullptr)
+            atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(waited));
+    }
+    const int first = blockIdx.x * a.chunk_tokens;
+    const int last = min(a.num_tokens, first + a.chunk_tokens);
+    const int num_pairs = max(0, last - first) * K;
+    for (int j = tid; j < num_pairs; j += kThreads) {
+        const int64_t i = static_cast<int64_t>(first) * K + j;
+        const int64_t e = a.topk_idx[i];
+        const int s = a.slot_map[i];
+        int64_t offset = -1;  // present: valid id, sent at dispatch, and its block has arrived
+        if (e >= 0 && e < a.num_experts && s >= 0) {
+            const int src = static_cast<int>(e / experts_per_rank);
+            // Present only within the rows the source returned (a block it skipped returns none).
+            if (!masked(a.mask, src) &&
+                s < wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                                kOpCombine, nullptr))
+                offset = (e * N + s) * row_int4;
+        }
+        pair_offset[j] = offset;
+        pair_weight[j] = a.topk_weights[i];
+    }
+    __syncthreads();
+    const auto* rows = reinterpret_cast<const int4*>(mine + lay.combine_data);
+    const int columns = (row_int4 + kWarpSize - 1) / kWarpSize;
+    for (int u = warp; u < (last - first) * columns; u += kWarpsPerBlock) {
+        const int c = u / columns, col = (u % columns) * kWarpSize + lane;
+        if (col >= row_int4) continue;
+        const int64_t* offsets = pair_offset + c * K;
+        const float* weights = pair_weight + c * K;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < K; k0 += 4) {  // four loads in flight, then the sums in slot order
+            int4 v[4] = {};
+#pragma unroll
+            for (int d = 0; d < 4; ++d)
+                if (k0 + d < K && offsets[k0 + d] >= 0) v[d] = rows[offsets[k0 + d] + col];
+#pragma unroll
+            for (int d = 0; d < 4; ++d) {
+                if (k0 + d >= K || offsets[k0 + d] < 0) continue;
+                const float w = weights[k0 + d];
+                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[d]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // acc = acc + w * row (no fused multiply-add: the reference's rounding)
+                    const float2 f = __bfloat1622float2(h[q]);
+                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, f.x));
+                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, f.y));
+                }
+            }
+        }
+        int4 o;
+        auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+        reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden)[col] = o;
+    }
+    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
+}
+
+}  // namespace ll
+}  // namespace epcomm
+
+// ---------------------------------------------------------------- host entry points (C ABI, no torch)
+using namespace epcomm;
+
+namespace {
+
+// Tokens per block of a kernel that owns token ranges: enough blocks to cover the SMs, and a block's
+// (token, slot) pairs fit its shared arrays.
+int chunk_tokens(int num_tokens, int num_topk, int num_sms) {
+    int chunk = (num_tokens + num_sms - 1) / num_sms;
+    const int most = ll::kMaxChunkEntries / (num_topk > 0 ? num_topk : 1);
+    if (chunk > most) chunk = most;
+    return chunk > 0 ? chunk : 1;
+}
+
+int num_blocks(int num_tokens, int chunk) {
+    const int blocks = (num_tokens + chunk - 1) / chunk;
+    return blocks > 0 ? blocks : 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int epcomm_ll_header_bytes() { return ll::kHeaderBytes; }
+
+int epcomm_ll_max_experts() { return ll::kMaxExperts; }
+
+// phase 1: send (and return); phase 2: receive (the hook). The caller passes the same arguments.
+int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
+                       int num_experts, int num_max_tokens, const void* x, const int64_t* topk_idx, int use_fp8,
+                       int round_scale, int use_ue8m0, int data_bytes, int msg_bytes, int slot, int64_t slot_bytes,
+                       int shape_tag, int* sent_pairs, int* mask, int* slot_map, void* recv_data, void* recv_scales,
+                       int64_t scale_stride_e, int64_t scale_stride_row, int64_t scale_stride_col, int num_scale_cols,
+                       int* src_info, int* recv_count, int64_t* layout_range, int* cumulative_stats,
+                       int64_t* wait_stats, int phase, int num_sms, int* info, uint64_t timeout_ns,
+                       cudaStream_t stream) {
+    if (num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
+    ll::DispatchArgs a{};
+    for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.num_tokens = num_tokens;
+    a.hidden = hidden;
+    a.num_topk = num_topk;
+    a.num_experts = num_experts;
+    a.num_max_tokens = num_max_tokens;
+    a.x = static_cast<const __nv_bfloat16*>(x);
+    a.topk_idx = topk_idx;
+    a.mode = {use_fp8 != 0, round_scale != 0, use_ue8m0 != 0};
+    a.data_bytes = data_bytes;
+    a.msg_bytes = msg_bytes;
+    a.num_scale_cols = num_scale_cols;
+    a.slot = slot;
+    a.slot_bytes = slot_bytes;
+    a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
+    a.shape_tag = shape_tag;
+    a.sent_pairs = sent_pairs;
+    a.mask = mask;
+    a.slot_map = slot_map;
+    a.recv_data = static_cast<uint8_t*>(recv_data);
+    a.recv_scales = static_cast<uint8_t*>(recv_scales);
+    a.scale_stride_e = scale_stride_e;
+    a.scale_stride_row = scale_stride_row;
+    a.scale_stride_col = scale_stride_col;
+    a.src_info = src_info;
+    a.recv_count = recv_count;
+    a.layout_range = layout_range;
+    a.cumulative_stats = cumulative_stats;
+    a.wait_stats = wait_stats;
+    a.info = info;
+    a.timeout_ns = timeout_ns;
+    if (phase == 1) {
+        const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
+        ll::dispatch_send<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
+    } else {
+        ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    }
+    return static_cast<int>(cudaGetLastError());
+}
+
+int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_experts, int num_max_tokens, int hidden,
+                      int num_tokens, int num_topk, const void* x, const int64_t* layout_range,
+                      const int64_t* topk_idx, const int64_t* caller_topk_idx, const float* topk_weights,
+                      const int* slot_map, void* out, int slot, int64_t slot_bytes, int shape_tag, int* mask,
+                      int64_t* wait_stats,
+                      int phase, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+    ll::CombineArgs a{};
+    for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.num_experts = num_experts;
+    a.num_max_tokens = num_max_tokens;
+    a.hidden = hidden;
+    a.num_tokens = num_tokens;
+    a.num_topk = num_topk;
+    a.x = static_cast<const __nv_bfloat16*>(x);
+    a.layout_range = layout_range;
+    a.topk_idx = topk_idx;
+    a.caller_topk_idx = caller_topk_idx;
+    a.topk_weights = topk_weights;
+    a.slot_map = slot_map;
+    a.out = static_cast<__nv_bfloat16*>(out);
+    a.slot = slot;
+    a.slot_bytes = slot_bytes;
+    a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
+    a.shape_tag = shape_tag;
+    a.mask = mask;
+    a.wait_stats = wait_stats;
+    a.info = info;
+    a.timeout_ns = timeout_ns;
+    if (phase == 1)
+        ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    else
+        ll::combine_recv<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"
