@@ -76,6 +76,19 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
         lines.append(f"rank {rank} T={n}: {short:40s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
                      f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
     dist.barrier()
+    import time
+
+    for name, fn in (("dispatch", lambda: buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)),
+                     ("dispatch+combine", step)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - start) / 50 * 1e6
+        torch.cuda.synchronize()
+        whole = (time.perf_counter() - start) / 50 * 1e6
+        lines.append(f"rank {rank} T={n}: eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
+    dist.barrier()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(50):
@@ -83,7 +96,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(14)
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
     if rank == 0:
         lines.append(f"rank 0 T={n}: host profile of 50 eager dispatches\n" + out.getvalue())
     dist.barrier()
