@@ -112,6 +112,7 @@ class Buffer:
         self._destroyed = False
         # Low-latency double buffering: each call takes the next of two slots.
         self._ll_counter = 0
+        self._ll_cleanings = 0
         self._ll_pending: dict[int, str] = {}
         self._ll_needs_clean = False
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -319,6 +320,15 @@ class Buffer:
             return result, EventOverlap(event, extra_tensors=(keep_alive, tuple(outputs)))
         compute.wait_event(event)
         return result, EventOverlap(None)
+
+    def _run_low_latency(self, fn: Callable[[], Any], async_finish: bool,
+                         keep_alive: tuple) -> tuple[Any, EventOverlap]:
+        """A low-latency call: on the caller's stream, unless ``async_finish`` asks for the communication
+        stream and an event (the calls are latency-bound: a stream switch, events and record_stream
+        per call would cost more host time than the kernels take)."""
+        if async_finish:
+            return self._run(fn, None, True, False, keep_alive)
+        return fn(), EventOverlap(None)
 
     def _capturing(self) -> bool:
         """Inside a CUDA graph capture: checks that read values on the host are skipped (they would sync)."""
@@ -617,7 +627,7 @@ class Buffer:
 
             return recv_x, recv_count, handle, complete
 
-        (recv_x, recv_count, handle, complete), event = self._run(run, None, async_finish, False, (x, topk_idx))
+        (recv_x, recv_count, handle, complete), event = self._run_low_latency(run, async_finish, (x, topk_idx))
         if return_recv_hook:
             return recv_x, recv_count, handle, event, self._make_hook(slot, "low_latency_dispatch", complete)
         complete()
@@ -697,7 +707,7 @@ class Buffer:
 
             return combined, complete
 
-        (combined, complete), event = self._run(run, None, async_finish, False, (x, topk_idx, topk_weights))
+        (combined, complete), event = self._run_low_latency(run, async_finish, (x, topk_idx, topk_weights))
         if return_recv_hook:
             return combined, event, self._make_hook(slot, "low_latency_combine", complete)
         complete()
@@ -751,7 +761,9 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Reset the low-latency buffers (required after normal-mode use of a low-latency Buffer)."""
+        """Reset the low-latency buffers (required after normal-mode use of a low-latency Buffer).
+        Collective on the CUDA backend (every rank calls it): it also brings ranks whose low-latency
+        calls diverged back in step, e.g. a masked rank that comes back (then clean the mask too)."""
         self._check_alive()
         if not self.low_latency_mode:
             raise RuntimeError("clean_low_latency_buffer needs Buffer(..., low_latency_mode=True)")
@@ -761,9 +773,21 @@ class Buffer:
         if self._ll_pending:
             raise RuntimeError("clean_low_latency_buffer: a low-latency receive is pending; call its hook() first")
         self._backend.ll_combine_buffers.clear()
-        if self._cuda_ll is not None:
-            self._cuda_ll.reset()
+        if self._cuda_ll is not None:  # collective: every rank's buffer is zeroed, calls restart from 1
+            self._ll_cleanings += 1
+            self._cuda_ll.reset(lambda step: self._meet_all(f"clean-{self._ll_cleanings}-{step}",
+                                                            "clean_low_latency_buffer"))
+            self._ll_counter = 0
         self._ll_needs_clean = False
+
+    def _meet_all(self, tag: str, op: str) -> None:
+        """Every rank arrives (through the store, bounded by EPCOMM_TIMEOUT_S), or RuntimeError naming
+        the ranks that did not."""
+        missing = self._backend.transport.meet(tag, time.monotonic() + _env.timeout_s())
+        if missing is None:  # no store to meet through: the group's barrier
+            dist.barrier(group=self.group)
+        elif missing:
+            raise RuntimeError(f"epcomm {op}: rank(s) {missing} did not arrive within EPCOMM_TIMEOUT_S")
 
     # ------------------------------------------------------------------ failed-rank masking
     def _check_shrink(self) -> None:

@@ -20,6 +20,7 @@ from conftest import BACKEND, cluster, peer_timeout
 from routing import make_inputs
 
 from epcomm import Buffer
+from epcomm.bench.checks import same_bits
 from epcomm.utils.launch import RankFailure
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
@@ -337,7 +338,7 @@ def test_slow_peer_is_not_an_error():
 def rank_shrink_after_silent_peer(timeout_s: str):
     """Failed-rank masking: rank 1 stops making low-latency calls; rank 0 masks it on timeout and goes
     on; its outputs equal the reference restricted to the live ranks; query returns exactly the masked
-    set, and clean restores full operation."""
+    set, and cleaning (the mask, then the buffer on every rank) restores full operation."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     n, hidden, num_experts = 16, 512, 4 * num_ranks
@@ -360,7 +361,21 @@ def rank_shrink_after_silent_peer(timeout_s: str):
         buf.low_latency_query_mask_buffer(status)
         assert status.tolist() == [0] * num_ranks
     dist.barrier()
+    # The silent rank comes back: every rank cleans (collective; the calls diverged: rank 0 made two
+    # that rank 1 did not), and full operation is restored: outputs bitwise as the reference's.
+    buf.clean_low_latency_buffer(n, hidden, num_experts)
+    ref = Buffer(dist.group.WORLD, 0, buf.num_rdma_bytes, low_latency_mode=True, backend="reference")
+    outs = []
+    for b in (buf, ref):
+        for _ in range(3):  # both slots, and back to the first
+            recv_x, count, handle, _, _ = b.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            out, _, _ = b.low_latency_combine(recv_x, idx, w, handle)
+        torch.cuda.synchronize()
+        outs.append((count.clone(), out.clone()))
+    for a, b in zip(*outs):
+        assert same_bits(a, b), f"rank {rank}: after clean, outputs differ from the reference backend"
     buf.destroy()
+    ref.destroy()
 
 
 def test_shrink_masks_a_silent_peer():

@@ -29,6 +29,7 @@ without a host sync in the common case:
 from __future__ import annotations
 
 import ctypes
+import functools
 import socket
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ from ... import _env
 from ...handle import LowLatencyHandle
 from ..rows import low_latency_recv_tensors
 from .build import load_library, load_nvshmem_library
-from .capi import check, check_aligned, ptr, stream_ptr
+from .capi import check, check_aligned, ptr
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
@@ -65,6 +66,7 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+@functools.lru_cache(maxsize=256)
 def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int, int]:
     """(data bytes, scale columns, message bytes) of one dispatched (token, expert) pair."""
     data = hidden if use_fp8 else hidden * 2
@@ -72,6 +74,7 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     return data, cols, _round_up(data + cols * 4 + 4, 16)
 
 
+@functools.lru_cache(maxsize=256)
 def shape_tag(*values: int) -> int:
     """8 bits that differ, most likely, between calls of different shapes: every signal carries them,
     and a receiver compares them with its own (csrc/kernels/low_latency.cuh, make_signal)."""
@@ -131,7 +134,12 @@ class CudaLowLatency:
         self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
         self._info_ptrs = [ctypes.c_void_p(self.info[s].data_ptr()) for s in range(2)]
-        self._received: list[torch.cuda.Event | None] = [None, None]
+        # Per slot: whether the receive of its last call was recorded in _received_events (the host
+        # waits on it before reading the slot's error record), and the event the hook's receive waits
+        # on (the send). Reused: a slot's next call starts only after these were consumed.
+        self._received: list[bool] = [False, False]
+        self._received_events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._sent_events = [torch.cuda.Event(), torch.cuda.Event()]
         self._captured = False  # a call was captured in a CUDA graph: its replays record errors too
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
@@ -143,14 +151,21 @@ class CudaLowLatency:
     def close(self) -> None:
         self.shared.close()
 
-    def reset(self) -> None:
-        """clean_low_latency_buffer: forget recorded errors; zero the pair counters (a call cut short
-        by a timeout may have left them non-zero)."""
+    def reset(self, meet: Callable[[str], None]) -> None:
+        """clean_low_latency_buffer, collective: every rank's kernels are done (first meeting), the
+        whole buffer is zeroed (signals, acknowledgements, call counters) with the error records and
+        pair counters, and nobody sends again before every rank has zeroed (second meeting). Every
+        rank then starts again from call 1: ranks whose calls diverged (a peer masked after a
+        timeout that comes back) are in step again."""
         torch.cuda.synchronize(self.device)
-        self.info_np[:] = 0
-        self.shared.tensor[_GAVE_UP_OFFSET:_GAVE_UP_OFFSET + 4].zero_()  # a timed-out wait's mark
+        meet("zero")
+        self.shared.tensor.zero_()
         self._sent_pairs.zero_()
+        self.info_np[:] = 0
+        self._received = [False, False]
+        self._captured = False
         torch.cuda.synchronize(self.device)
+        meet("zeroed")
 
     def check_errors(self, op: str, slot: int) -> None:
         """Raise what the kernels reported before a call in ``slot`` launches anything: the record of
@@ -158,10 +173,9 @@ class CudaLowLatency:
         a timeout seen in the other slot's record."""
         if torch.cuda.is_current_stream_capturing():
             return  # no host wait inside a capture; the next eager call checks
-        event = self._received[slot]
-        if event is not None:
-            event.synchronize()
-            self._received[slot] = None
+        if self._received[slot]:
+            self._received_events[slot].synchronize()
+            self._received[slot] = False
             self._raise(op, slot)
         elif self._captured:  # replays of captured calls may have recorded errors: look at both slots
             torch.cuda.synchronize(self.device)
@@ -185,15 +199,14 @@ class CudaLowLatency:
         raise RuntimeError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}. Destroy the Buffer "
                            "and the process group (or enable failed-rank masking).")
 
-    def _received_now(self, slot: int) -> None:
+    def _received_now(self, slot: int, stream: torch.cuda.Stream) -> None:
         """After a receive kernel is launched: the event the slot's next call waits on to check errors."""
         if torch.cuda.is_current_stream_capturing():
-            self._received[slot] = None  # no host wait on a captured event; the next eager call checks
+            self._received[slot] = False  # no host wait on a captured event; the next eager call checks
             self._captured = True
             return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._received[slot] = event
+        self._received_events[slot].record(stream)
+        self._received[slot] = True
 
     def check_dispatch_args(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
                             num_experts: int) -> None:
@@ -246,12 +259,16 @@ class CudaLowLatency:
         sent_pairs = self._sent_pairs[slot]
         tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
 
-        sent = torch.cuda.Event()
+        sent = self._sent_events[slot]
         handle_state: dict = {"slot_map": slot_map, "received": False}
+        send_stream = torch.cuda.current_stream(self.device)
 
         def launch(phase: int) -> None:
-            if phase == 2:  # the hook may run on another stream: the receive follows the send
-                torch.cuda.current_stream(self.device).wait_event(sent)
+            stream = send_stream
+            if phase == 2:
+                stream = torch.cuda.current_stream(self.device)
+                if stream != send_stream:  # the hook runs on another stream: the receive follows the send
+                    stream.wait_event(sent)
             code = self.lib.epcomm_ll_dispatch(
                 self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
                 ptr(x), ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
@@ -259,13 +276,13 @@ class CudaLowLatency:
                 ptr(recv_data), ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
                 ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
                 ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
-                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
+                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), ctypes.c_void_p(stream.cuda_stream))
             check(code, "low_latency_dispatch")
             if phase == 1:
-                sent.record(torch.cuda.current_stream(self.device))
+                sent.record(stream)
             else:
                 handle_state["received"] = True  # layout_range is filled once this kernel has run
-                self._received_now(slot)
+                self._received_now(slot, stream)
 
         launch(1)
         handle = LowLatencyHandle(
@@ -292,23 +309,27 @@ class CudaLowLatency:
                                                            device=self.device)
         slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
 
-        sent = torch.cuda.Event()
+        sent = self._sent_events[slot]
         tag = shape_tag(2, hidden, num_experts, n)
+        send_stream = torch.cuda.current_stream(self.device)
 
         def launch(phase: int) -> None:
+            stream = send_stream
             if phase == 2:
-                torch.cuda.current_stream(self.device).wait_event(sent)
+                stream = torch.cuda.current_stream(self.device)
+                if stream != send_stream:  # the hook runs on another stream: the receive follows the send
+                    stream.wait_event(sent)
             code = self.lib.epcomm_ll_combine(
                 self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
                 ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
                 ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), tag, ptr(mask),
                 ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
-                stream_ptr(self.device))
+                ctypes.c_void_p(stream.cuda_stream))
             check(code, "low_latency_combine")
             if phase == 1:
-                sent.record(torch.cuda.current_stream(self.device))
+                sent.record(stream)
             else:
-                self._received_now(slot)
+                self._received_now(slot, stream)
 
         launch(1)
         return combined, lambda: launch(2)
