@@ -46,8 +46,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <cstdlib>
-
 #include "../../include/epcomm/common.cuh"
 
 namespace epcomm {
@@ -84,7 +82,8 @@ __device__ __forceinline__ bool signal_of_call(int64_t v, int64_t seq) {
 }
 constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
-// The per-(expert, source) kernels take their warps as a template argument (unit_warps() below).
+constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
+constexpr int kUnitThreads = kUnitWarps * kWarpSize;
 constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
 constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
 constexpr int kPieceInt4 = 256;                // one warp copies a message or row in pieces of 4 KB (8 x 16 B a lane)
@@ -512,9 +511,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
 }
 
 // One block per (local expert, source): its rows go after those of the sources before it.
-template <int kUnitWarps>
-__global__ void __launch_bounds__(kUnitWarps * kWarpSize, 1) dispatch_recv(DispatchArgs a) {
-    constexpr int kUnitThreads = kUnitWarps * kWarpSize;
+__global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a) {
     __shared__ int counts[kMaxRanks];
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
@@ -596,9 +593,7 @@ struct CombineArgs {
 };
 
 // One block per (local expert, source): the expert's outputs for that source's rows go back to it.
-template <int kUnitWarps>
-__global__ void __launch_bounds__(kUnitWarps * kWarpSize, 1) combine_send(CombineArgs a) {
-    constexpr int kUnitThreads = kUnitWarps * kWarpSize;
+__global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
     __shared__ bool skip;
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
@@ -750,12 +745,6 @@ int chunk_tokens(int num_tokens, int num_topk, int num_sms) {
     return chunk > 0 ? chunk : 1;
 }
 
-// Warps of a per-(expert, source) block: EPCOMM_LL_UNIT_WARPS (8, 16 or 32; a tuning experiment).
-int unit_warps() {
-    const char* raw = std::getenv("EPCOMM_LL_UNIT_WARPS");
-    return raw != nullptr ? std::atoi(raw) : 8;
-}
-
 int num_blocks(int num_tokens, int chunk) {
     const int blocks = (num_tokens + chunk - 1) / chunk;
     return blocks > 0 ? blocks : 1;
@@ -817,12 +806,7 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
         const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
         ll::dispatch_send<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
     } else {
-        const int blocks = num_experts > 0 ? num_experts : 1;
-        switch (unit_warps()) {
-            case 32: ll::dispatch_recv<32><<<blocks, 32 * kWarpSize, 0, stream>>>(a); break;
-            case 16: ll::dispatch_recv<16><<<blocks, 16 * kWarpSize, 0, stream>>>(a); break;
-            default: ll::dispatch_recv<8><<<blocks, 8 * kWarpSize, 0, stream>>>(a);
-        }
+        ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     }
     return static_cast<int>(cudaGetLastError());
 }
@@ -858,11 +842,7 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
     a.info = info;
     a.timeout_ns = timeout_ns;
     if (phase == 1)
-        switch (unit_warps()) {
-            case 32: ll::combine_send<32><<<num_experts > 0 ? num_experts : 1, 32 * kWarpSize, 0, stream>>>(a); break;
-            case 16: ll::combine_send<16><<<num_experts > 0 ? num_experts : 1, 16 * kWarpSize, 0, stream>>>(a); break;
-            default: ll::combine_send<8><<<num_experts > 0 ? num_experts : 1, 8 * kWarpSize, 0, stream>>>(a);
-        }
+        ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     else
         ll::combine_recv<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
