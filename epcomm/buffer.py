@@ -603,7 +603,7 @@ class Buffer:
             recv_x, recv_count, handle, finish = self._cuda_ll.dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, slot,
-                self._mask if self.enable_shrink else None, self.uid)
+                self._mask if self.enable_shrink else None, self.uid, return_recv_hook)
             handle.backend_state["topk_idx"] = topk_idx.clone()
             if not return_recv_hook:  # receive on the communication stream too, so the event covers it
                 finish()
@@ -692,7 +692,7 @@ class Buffer:
             if self._cuda_ll is not None:
                 combined, finish = self._cuda_ll.combine(x, topk_idx, topk_weights, handle, out, slot,
                                                          self._mask if self.enable_shrink else None,
-                                                         combine_wait_recv_cost_stats)
+                                                         combine_wait_recv_cost_stats, return_recv_hook)
                 if not return_recv_hook:  # receive on the communication stream too, so the event covers it
                     finish()
                     return combined, _nothing

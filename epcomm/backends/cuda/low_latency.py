@@ -239,9 +239,10 @@ class CudaLowLatency:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
                  cumulative_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, use_fp8: bool,
-                 round_scale: bool, use_ue8m0: bool, slot: int, mask: torch.Tensor | None, buffer_uid: str
-                 ) -> tuple[object, torch.Tensor, LowLatencyHandle, Callable[[], None]]:
-        """Launch the send kernel; returns (recv_x, recv_count, handle, finish), finish launching the receive."""
+                 round_scale: bool, use_ue8m0: bool, slot: int, mask: torch.Tensor | None, buffer_uid: str,
+                 hook: bool) -> tuple[object, torch.Tensor, LowLatencyHandle, Callable[[], None]]:
+        """Launch the send kernel; returns (recv_x, recv_count, handle, finish), finish launching the
+        receive. Without ``hook``, one kernel sends and receives, and finish does nothing."""
         self.check_errors("low_latency_dispatch", slot)
         num_tokens, hidden = x.shape
         num_topk = topk_idx.shape[1]
@@ -284,18 +285,18 @@ class CudaLowLatency:
                 handle_state["received"] = True  # layout_range is filled once this kernel has run
                 self._received_now(slot, stream)
 
-        launch(1)
+        launch(1 if hook else 0)
         handle = LowLatencyHandle(
             buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
             num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
             layout_range=layout_range, backend_state=handle_state)
         # The receive keeps the inputs alive until it is launched (its closure holds them).
-        return recv_x, recv_count, handle, lambda: launch(2)
+        return recv_x, recv_count, handle, (lambda: launch(2)) if hook else _nothing
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None
-                ) -> tuple[torch.Tensor, Callable[[], None]]:
+                out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None,
+                hook: bool) -> tuple[torch.Tensor, Callable[[], None]]:
         self.check_errors("low_latency_combine", slot)
         n, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         # The kernels index [T, K] densely: the handle's own copy of the ids (contiguous, and the one
@@ -331,5 +332,9 @@ class CudaLowLatency:
             else:
                 self._received_now(slot, stream)
 
-        launch(1)
-        return combined, lambda: launch(2)
+        launch(1 if hook else 0)  # without a hook: one kernel sends and receives
+        return combined, (lambda: launch(2)) if hook else _nothing
+
+
+def _nothing() -> None:
+    pass

@@ -403,7 +403,9 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
     }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
+// The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
+// returns the call counter.
+__device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     extern __shared__ int expert_counts[];  // [E] pairs before this block's tokens, then [E] all pairs
     int* before = expert_counts;
     int* total = expert_counts + a.num_experts;
@@ -508,18 +510,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
                     make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
     }
     finish_send_kernel(mine, seq, a.slot);
+    return seq;
 }
 
-// One block per (local expert, source): its rows go after those of the sources before it.
-__global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a) {
+// The receive role of a dispatch for one (local expert, source) unit, run by a whole block (any
+// number of warps): its rows go after those of the sources before it.
+__device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit) {
     __shared__ int counts[kMaxRanks];
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int num_threads = blockDim.x, num_warps = num_threads / kWarpSize;
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int rows_per_expert = N * R;
     uint8_t* mine = a.peers.bufs[me];
-    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
-    const int local_e = blockIdx.x / R, src = blockIdx.x % R;
+    const int local_e = unit / R, src = unit % R;
     if (tid < R) {  // thread j waits for source j's count of this expert
         int count = 0;
         uint64_t waited = 0;
@@ -542,7 +545,7 @@ __global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a)
     const int mine_count = counts[src];
     const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
     const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
-    for (int u = warp; u < mine_count * pieces; u += kUnitWarps) {
+    for (int u = warp; u < mine_count * pieces; u += num_warps) {
         const int i = u / pieces, piece = u % pieces;
         const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
         const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
@@ -565,10 +568,31 @@ __global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a)
             for (int j = 0; j < tid; ++j) run += counts[j];
             a.layout_range[static_cast<int64_t>(local_e) * R + tid] = (static_cast<int64_t>(run) << 32) | counts[tid];
         }
-        for (int r = total + tid; r < rows_per_expert; r += kUnitThreads)
+        for (int r = total + tid; r < rows_per_expert; r += num_threads)
             a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
     }
-    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
+    __syncthreads();  // counts[] is reused by the block's next unit
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
+
+// The receive hook's kernel: one block per (local expert, source).
+__global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    receive_dispatch_unit(a, seq, lay, blockIdx.x);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+}
+
+// Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
+// (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
+// cooperatively (every block resident at once; see the launcher).
+__global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
+    const int64_t seq = send_dispatch_messages(a);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) receive_dispatch_unit(a, seq, lay, unit);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
 }
 
 // ------------------------------------------------------------------ combine
@@ -592,19 +616,18 @@ struct CombineArgs {
     uint64_t timeout_ns;
 };
 
-// One block per (local expert, source): the expert's outputs for that source's rows go back to it.
-__global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
+// The send role of a combine for one (local expert, source) unit, run by a whole block (any number
+// of warps): the expert's outputs for that source's rows go back to it.
+__device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t prev, const Layout& lay, int unit) {
     __shared__ bool skip;
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int num_threads = blockDim.x, num_warps = num_threads / kWarpSize;
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
     const int rows_per_expert = N * R;
     const int row_int4 = a.hidden / 8;
     uint8_t* mine = a.peers.bufs[me];
-    const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
-    const int local_e = blockIdx.x / R, src = blockIdx.x % R;
+    const int local_e = unit / R, src = unit % R;
     const int global_e = me * experts_per_rank + local_e;
     const bool remote = is_remote(a.peers, src);
     if (tid == 0) {
@@ -619,7 +642,7 @@ __global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
     // (combine_recv's block 0), so every rank sees the verdict.
     bool differs = false;
     if (a.caller_topk_idx != nullptr && local_e == 0)
-        for (int i = tid; i < a.num_tokens * a.num_topk; i += kUnitThreads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
+        for (int i = tid; i < a.num_tokens * a.num_topk; i += num_threads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
     const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
     // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
@@ -632,7 +655,7 @@ __global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
         const auto* x = reinterpret_cast<const int4*>(a.x) + (static_cast<int64_t>(local_e) * rows_per_expert + begin) *
                                                               row_int4;
         const int pieces = num_pieces(row_int4);
-        for (int u = warp; u < count * pieces; u += kUnitWarps) {
+        for (int u = warp; u < count * pieces; u += num_warps) {
             const int64_t i = u / pieces;
             copy_piece(rows + i * row_int4, x + i * row_int4, row_int4, u % pieces, lane);
         }
@@ -649,12 +672,13 @@ __global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
         __threadfence_system();  // the block's rows reach the source before the signal
         signal_peer(a.peers, me, src, lay.combine_signals + 8 * global_e, make_signal(seq, a.shape_tag, invalid, count));
     }
-    finish_send_kernel(mine, seq, a.slot);
+    __syncthreads();  // skip is reused by the block's next unit
 }
 
-// Block b owns a range of tokens: it waits for the blocks its pairs read, then its warps sum
-// 256-channel columns of its tokens, in top-k slot order, in fp32.
-__global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
+// The receive role of a combine: block b owns a range of tokens (a.chunk_tokens each): it waits for
+// the blocks its pairs read, then its warps sum 256-channel columns of its tokens, in top-k slot
+// order, in fp32.
+__device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const Layout& lay) {
     __shared__ int64_t pair_offset[kMaxChunkEntries];  // 16-byte word of the pair's row; -1: absent
     __shared__ float pair_weight[kMaxChunkEntries];
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
@@ -662,8 +686,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
     const int experts_per_rank = a.num_experts / R;
     const int row_int4 = a.hidden / 8;
     uint8_t* mine = a.peers.bufs[me];
-    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, R, N, a.hidden);
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
     // Block 0 waits for each source's first expert: every source's verdict on its inputs is seen
     // (whatever this rank's tokens chose), and it times the arrivals (wait-cost statistics).
@@ -725,7 +747,38 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
         for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
         reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden)[col] = o;
     }
-    finish_recv_kernel(a.peers, R, me, a.slot, lay.acks, seq, a.mask);
+}
+
+// The call's send kernel: one block per (local expert, source).
+__global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    send_combine_unit(a, seq, prev, lay, blockIdx.x);
+    finish_send_kernel(mine, seq, a.slot);
+}
+
+// The receive hook's kernel.
+__global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    receive_combined_tokens(a, seq, lay);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+}
+
+// Without a hook, one cooperative kernel: each block sends (local expert, source) units in turn,
+// then sums its range of tokens.
+__global__ void __launch_bounds__(kThreads, 1) combine_fused(CombineArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) send_combine_unit(a, seq, prev, lay, unit);
+    finish_send_kernel(mine, seq, a.slot);
+    receive_combined_tokens(a, seq, lay);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
 }
 
 }  // namespace ll
@@ -750,6 +803,34 @@ int num_blocks(int num_tokens, int chunk) {
     return blocks > 0 ? blocks : 1;
 }
 
+// Whether `blocks` blocks of a fused kernel (kThreads each) can all be resident at once: its blocks
+// wait for each other's signals, so all must run together (the cooperative launch guarantees it,
+// or refuses).
+// Asked once per kernel, with the most shared memory a call may use (the calls stay fast).
+template <auto kKernel>
+bool fits_at_once(int blocks, size_t most_shared, int num_sms) {
+    static const int per_sm = [&] {
+        int n = 0;
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, ll::kThreads, most_shared) == cudaSuccess ? n : 0;
+    }();
+    return blocks <= per_sm * num_sms;
+}
+
+template <class Args>
+cudaError_t launch_cooperative(void (*kernel)(Args), int blocks, size_t shared, cudaStream_t stream, const Args& a) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(ll::kThreads);
+    config.dynamicSmemBytes = shared;
+    config.stream = stream;
+    cudaLaunchAttribute cooperative = {};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, a);
+}
+
 }  // namespace
 
 extern "C" {
@@ -758,7 +839,8 @@ int epcomm_ll_header_bytes() { return ll::kHeaderBytes; }
 
 int epcomm_ll_max_experts() { return ll::kMaxExperts; }
 
-// phase 1: send (and return); phase 2: receive (the hook). The caller passes the same arguments.
+// phase 1: send (and return); phase 2: receive (the hook), with the same arguments; phase 0: both
+// in one kernel (no hook), or one after the other where its blocks cannot all be resident.
 int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
                        int num_experts, int num_max_tokens, const void* x, const int64_t* topk_idx, int use_fp8,
                        int round_scale, int use_ue8m0, int data_bytes, int msg_bytes, int slot, int64_t slot_bytes,
@@ -802,12 +884,14 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.wait_stats = wait_stats;
     a.info = info;
     a.timeout_ns = timeout_ns;
-    if (phase == 1) {
-        const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
+    const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
+    if (phase == 0 && num_blocks(num_tokens, a.chunk_tokens) <= num_sms &&
+        fits_at_once<ll::dispatch_fused>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms))
+        return static_cast<int>(launch_cooperative(ll::dispatch_fused, num_sms, shared, stream, a));
+    if (phase != 2)
         ll::dispatch_send<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
-    } else {
+    if (phase != 1)
         ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
-    }
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -817,6 +901,7 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
                       const int* slot_map, void* out, int slot, int64_t slot_bytes, int shape_tag, int* mask,
                       int64_t* wait_stats,
                       int phase, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+    // phases as in epcomm_ll_dispatch
     ll::CombineArgs a{};
     for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
     a.rank = rank;
@@ -841,10 +926,11 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
     a.wait_stats = wait_stats;
     a.info = info;
     a.timeout_ns = timeout_ns;
-    if (phase == 1)
-        ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
-    else
-        ll::combine_recv<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+    if (phase == 0 && num_blocks(num_tokens, a.chunk_tokens) <= num_sms &&
+        fits_at_once<ll::combine_fused>(num_sms, 0, num_sms))
+        return static_cast<int>(launch_cooperative(ll::combine_fused, num_sms, 0, stream, a));
+    if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    if (phase != 1) ll::combine_recv<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
