@@ -116,6 +116,8 @@ def run_pressure(opts: Options) -> tuple[dict | None, list[str]]:
         "mode": "pressure", "impl": f"epcomm-{opts.backend}", "num_ranks": opts.num_ranks,
         "cases": per_rank[0]["cases"], "replays": per_rank[0]["replays"],
         "graph_replays": per_rank[0]["graph_replays"], "buffers_created": per_rank[0]["buffers_created"],
+        "ll_cases": per_rank[0]["ll_cases"], "ll_replays": per_rank[0]["ll_replays"],
+        "ll_graph_replays": per_rank[0]["ll_graph_replays"],
         "seconds": max(r["seconds"] for r in per_rank), "checked": not failures, "failures": failures[:50],
         "device": report.device_string(info, opts.num_ranks), "commit": opts.commit or report.git_commit(),
         "date": report.today(), "seed": opts.seed,
@@ -133,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         record, errors = run_pressure(opts)
         if record is not None:
             print(f"epcomm bench --pressure: {record['device']}, commit {record['commit'][:12]}: {record['cases']} "
-                  f"case(s), {record['replays']} replay(s), {record['graph_replays']} CUDA-graph replay(s), "
-                  f"{record['buffers_created']} Buffer(s) created, {record['seconds']:.1f} s: "
+                  f"case(s), {record['replays']} replay(s), {record['graph_replays']} CUDA-graph replay(s); low "
+                  f"latency: {record['ll_cases']} case(s), {record['ll_replays']} replay(s), "
+                  f"{record['ll_graph_replays']} CUDA-graph replay(s); {record['buffers_created']} Buffer(s) "
+                  f"created, {record['seconds']:.1f} s: "
                   + ("every output bitwise equal to the reference and across replays" if record["checked"]
                      else f"{len(record['failures'])} FAILURE(S)"), flush=True)
             for failure in record["failures"][:10]:

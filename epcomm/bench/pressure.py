@@ -11,7 +11,12 @@ two biases. A case then:
   on GPUs while a **compute stream** runs matrix products beside it;
 * on the CUDA backend with ``num_worst_tokens``, captures dispatch + combine in a **CUDA graph**
   and replays it, again bitwise identical to the first result;
-* **reuses** the previous case's Buffer or **recreates** it, alternately.
+* **reuses** the previous case's Buffer or **recreates** it, alternately;
+* then the same in **low-latency mode** (an LL Buffer of its own, sized once for the largest draw):
+  dispatch, dispatch, combine, combine of the case's tokens (N = the largest count), FP8 (plain,
+  rounded scales, or UE8M0) or BF16, with or without receive hooks; the valid rows of every
+  dispatch output and the combined tokens compared bitwise with the reference backend, replayed
+  beside the compute stream, and replayed from a CUDA graph on the CUDA backend.
 
 Every rank makes the same calls in the same order whatever its checks find; failures are reported,
 never a hang. The result is one record per run (the slowest rank's wall time, and the failures).
@@ -46,6 +51,7 @@ def _draw(rng: random.Random, num_ranks: int) -> dict[str, Any]:
         "hidden": rng.choice(HIDDENS), "num_topk": num_topk, "num_experts": num_experts,
         "routing": rng.choice(ROUTINGS), "fp8": rng.random() < 0.5, "col_major": rng.random() < 0.5,
         "worst": rng.random() < 0.3, "num_biases": rng.randint(0, 2), "seed": rng.randrange(1 << 30),
+        "ll_format": rng.choice(("bf16", "fp8", "fp8-round", "fp8-ue8m0")), "ll_hook": rng.random() < 0.5,
     }
 
 
@@ -105,6 +111,64 @@ class _Sequence:
         return first[:4], second[:4], c1[:2], c2[:2]
 
 
+def _valid_ll_outputs(recv_x, recv_count: torch.Tensor, handle) -> tuple:
+    """What a low-latency dispatch defines: the counts, each expert's rows [0, count) (data and
+    scales), the layout and source of those rows (the rest of the packed tensors is unspecified)."""
+    parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+    counts = recv_count.tolist()
+    rows = tuple(t[e, :c].contiguous() for t in parts for e, c in enumerate(counts))
+    src = tuple(handle.src_info[e, :c].clone() for e, c in enumerate(counts))
+    return recv_count.clone(), rows, handle.layout_range.clone(), src
+
+
+class _LowLatencySequence:
+    """dispatch, dispatch, combine, combine of one case in low-latency mode."""
+
+    def __init__(self, buf: Buffer, draw: dict, normal: _Sequence, num_ranks: int, hook: bool) -> None:
+        self.buf, self.x, self.topk_idx, self.weights = buf, normal.x, normal.topk_idx, normal.weights
+        self.n = max(1, max(draw["tokens"]))
+        self.num_experts = draw["num_experts"]
+        self.fp8, self.hook = draw["ll_format"] != "bf16", hook
+        self.round_scale = draw["ll_format"] in ("fp8-round", "fp8-ue8m0")
+        self.ue8m0 = draw["ll_format"] == "fp8-ue8m0"
+        self.expert_scale = normal.expert_scale
+
+    def _dispatch(self):
+        recv_x, count, handle, _, hook = self.buf.low_latency_dispatch(
+            self.x, self.topk_idx, self.n, self.num_experts, use_fp8=self.fp8, round_scale=self.round_scale,
+            use_ue8m0=self.ue8m0, return_recv_hook=self.hook)
+        if hook is not None:
+            hook()
+        return recv_x, count, handle
+
+    def _combine(self, recv_x, handle) -> torch.Tensor:
+        data = recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()
+        y = (torch.nan_to_num(data) * self.expert_scale).to(torch.bfloat16)  # rows past the counts: garbage
+        combined, _, hook = self.buf.low_latency_combine(y, self.topk_idx, self.weights, handle,
+                                                         return_recv_hook=self.hook)
+        if hook is not None:
+            hook()
+        return combined
+
+    def launch(self) -> tuple:
+        """The four calls; their raw results (valid_outputs reads what they define)."""
+        first, second = self._dispatch(), self._dispatch()  # two results alive at once
+        return first, second, self._combine(first[0], first[2]), self._combine(second[0], second[2])
+
+    @staticmethod
+    def valid_outputs(raw: tuple) -> tuple:
+        first, second, c1, c2 = raw
+        return _valid_ll_outputs(*first), _valid_ll_outputs(*second), c1.clone(), c2.clone()
+
+    def run(self) -> tuple:
+        return self.valid_outputs(self.launch())
+
+
+def _ll_buffer_bytes(num_ranks: int) -> int:
+    """Room for the largest draw (one size: NVSHMEM's heap is sized by the first Buffer)."""
+    return Buffer.get_low_latency_rdma_size_hint(300, max(HIDDENS), num_ranks, 16 * num_ranks)
+
+
 def _compute_load(dev: torch.device):
     """A stream of matrix products beside the communication (GPU only), to stress overlap."""
     if dev.type != "cuda":
@@ -119,9 +183,10 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
     dev = rank_device()
     rng = random.Random(seed)
     failures: list[str] = []
-    counts = {"cases": 0, "replays": 0, "graph_replays": 0, "buffers_created": 0}
+    counts = {"cases": 0, "replays": 0, "graph_replays": 0, "buffers_created": 0, "ll_cases": 0, "ll_replays": 0,
+              "ll_graph_replays": 0}
     load = _compute_load(dev)
-    buf = ref = None
+    buf = ref = ll_buf = ll_ref = None
     start = time.monotonic()
     for i in range(num_cases):
         draw = _draw(rng, num_ranks)
@@ -154,9 +219,41 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
         if dev.type == "cuda" and buf.backend_name == "cuda" and seq.worst:
             counts["graph_replays"] += _graph_replays(seq, got, replays, failures, f"rank {rank} {tag}", dev)
         counts["cases"] += 1
+
+        # Low-latency mode, same tokens and routing.
+        if draw["ll_format"] == "fp8-ue8m0" and draw["hidden"] % 512:
+            draw["ll_format"] = "fp8-round"  # UE8M0 packs 4 scales per int32
+        if ll_buf is None or i % 2 == 0:
+            if ll_buf is not None:
+                ll_buf.destroy()
+            ll_buf = Buffer(dist.group.WORLD, 0, _ll_buffer_bytes(num_ranks), low_latency_mode=True, backend=backend)
+            counts["buffers_created"] += 1
+        if ll_ref is None:
+            ll_ref = Buffer(dist.group.WORLD, 0, _ll_buffer_bytes(num_ranks), low_latency_mode=True,
+                            backend="reference")
+        ll_want = _LowLatencySequence(ll_ref, draw, seq, num_ranks, draw["ll_hook"]).run()
+        ll_seq = _LowLatencySequence(ll_buf, draw, seq, num_ranks, draw["ll_hook"])
+        ll_got = ll_seq.run()
+        if not _same(ll_got, ll_want):
+            failures.append(f"rank {rank} {tag}: low latency differs from the reference backend")
+        for _ in range(replays):
+            if load is not None:
+                stream, a = load
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):
+                    a = (a @ a).clamp_(-1, 1)
+                load = (stream, a)
+            counts["ll_replays"] += 1
+            if not _same(ll_seq.run(), ll_got):
+                failures.append(f"rank {rank} {tag}: a low-latency replay differs from the first run")
+                break
+        if dev.type == "cuda" and ll_buf.backend_name == "cuda":
+            counts["ll_graph_replays"] += _ll_graph_replays(ll_seq, ll_got, replays, failures, f"rank {rank} {tag}",
+                                                            dev)
+        counts["ll_cases"] += 1
     if load is not None:
         torch.cuda.current_stream(dev).wait_stream(load[0])
-    for b in (buf, ref):
+    for b in (buf, ref, ll_buf, ll_ref):
         if b is not None:
             b.destroy()
     if dev.type == "cuda":
@@ -184,5 +281,26 @@ def _graph_replays(seq: _Sequence, want: tuple, replays: int, failures: list[str
         done += 1
         if not _same(outputs, want):
             failures.append(f"{tag}: a CUDA-graph replay differs from the first run")
+            break
+    return done
+
+
+def _ll_graph_replays(seq: _LowLatencySequence, want: tuple, replays: int, failures: list[str], tag: str,
+                      dev: torch.device) -> int:
+    """Capture the low-latency sequence once (no hooks: a decode step) and replay it."""
+    hook, seq.hook = seq.hook, False
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        raw = seq.launch()
+    seq.hook = hook
+    done = 0
+    for _ in range(replays):
+        for t in _tensors(raw):
+            poison_(t)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        done += 1
+        if not _same(seq.valid_outputs(raw), want):
+            failures.append(f"{tag}: a low-latency CUDA-graph replay differs from the first run")
             break
     return done
