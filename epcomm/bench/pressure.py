@@ -272,17 +272,7 @@ def _graph_replays(seq: _Sequence, want: tuple, replays: int, failures: list[str
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = seq.run()
-    done = 0
-    for _ in range(replays):
-        for t in _tensors(outputs):
-            poison_(t)
-        graph.replay()
-        torch.cuda.synchronize(dev)
-        done += 1
-        if not _same(outputs, want):
-            failures.append(f"{tag}: a CUDA-graph replay differs from the first run")
-            break
-    return done
+    return _replay(graph, outputs, lambda: outputs, want, replays, failures, f"{tag}: a CUDA-graph replay", dev)
 
 
 def _ll_graph_replays(seq: _LowLatencySequence, want: tuple, replays: int, failures: list[str], tag: str,
@@ -293,14 +283,21 @@ def _ll_graph_replays(seq: _LowLatencySequence, want: tuple, replays: int, failu
     with torch.cuda.graph(graph):
         raw = seq.launch()
     seq.hook = hook
+    return _replay(graph, raw, lambda: seq.valid_outputs(raw), want, replays, failures,
+                   f"{tag}: a low-latency CUDA-graph replay", dev)
+
+
+def _replay(graph: torch.cuda.CUDAGraph, outputs: Any, read: Any, want: tuple, replays: int, failures: list[str],
+            what: str, dev: torch.device) -> int:
+    """Replay ``graph`` with its ``outputs`` poisoned before each replay; ``read()`` must equal ``want``."""
     done = 0
     for _ in range(replays):
-        for t in _tensors(raw):
+        for t in _tensors(outputs):
             poison_(t)
         graph.replay()
         torch.cuda.synchronize(dev)
         done += 1
-        if not _same(seq.valid_outputs(raw), want):
-            failures.append(f"{tag}: a low-latency CUDA-graph replay differs from the first run")
+        if not _same(read(), want):
+            failures.append(f"{what} differs from the first run")
             break
     return done

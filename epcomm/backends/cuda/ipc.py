@@ -16,16 +16,22 @@ import torch.distributed as dist
 from .capi import check
 
 
+def check_same_size(group: dist.ProcessGroup, num_bytes: int, what: str) -> None:
+    """Collective: every rank's buffer has the same size (senders compute places in their peers'
+    buffers from their own layout)."""
+    sizes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, num_bytes, group=group)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"{what} must be the same on every rank (senders write into the peers' buffers), "
+                         f"got {sizes}")
+
+
 class SharedBuffer:
     def __init__(self, lib: ctypes.CDLL, group: dist.ProcessGroup, device: torch.device, num_bytes: int,
                  what: str) -> None:
         self.lib = lib
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        sizes: list = [None] * self.num_ranks
-        dist.all_gather_object(sizes, num_bytes, group=group)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"{what} must be the same on every rank (senders write into the peers' buffers), "
-                             f"got {sizes}")
+        check_same_size(group, num_bytes, what)
         self.num_bytes = num_bytes
         self.tensor = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         handle = ctypes.create_string_buffer(64)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .build import load_nvshmem_library
 from .capi import stream_ptr
+from .ipc import check_same_size
 
 
 class _SymmetricArray:
@@ -140,11 +141,7 @@ class SymmetricBuffer:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, remote_ranks: set[int],
                  what: str) -> None:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        sizes: list = [None] * self.num_ranks
-        dist.all_gather_object(sizes, num_bytes, group=group)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"{what} must be the same on every rank (senders write into the peers' buffers), "
-                             f"got {sizes}")
+        check_same_size(group, num_bytes, what)
         self.team = process_team(group, device, num_bytes)
         self.num_bytes = num_bytes
         self._words = self.team.alloc_words((num_bytes + 7) // 8)
