@@ -7,7 +7,7 @@
 // NVSHMEM library, relocatable device code). A remote peer is one whose entry in the peer table is
 // null; receivers always read their own buffer, so only the sending side differs.
 //
-// A call is two kernels, so that no SM is held while data is in flight (the receive hook):
+// With the receive hook a call is two kernels, so that no SM is held while data is in flight:
 //   send: block b owns a contiguous range of this rank's tokens. Every block counts, in shared
 //         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
 //         range), which gives each of its pairs the row it takes in the expert's block without any
