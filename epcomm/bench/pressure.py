@@ -283,7 +283,8 @@ def _ll_graph_replays(seq: _LowLatencySequence, want: tuple, replays: int, failu
     with torch.cuda.graph(graph):
         raw = seq.launch()
     seq.hook = hook
-    return _replay(graph, raw, lambda: seq.valid_outputs(raw), want, replays, failures,
+    handles = tuple(t for dispatched in raw[:2] for t in (dispatched[2].src_info, dispatched[2].layout_range))
+    return _replay(graph, (raw, handles), lambda: seq.valid_outputs(raw), want, replays, failures,
                    f"{tag}: a low-latency CUDA-graph replay", dev)
 
 
