@@ -186,6 +186,38 @@ def test_ll_mismatched_shapes_raise_on_every_rank(what):
     cluster(2).run(rank_ll_mismatched_shapes, what)
 
 
+def rank_ll_mismatched_operations():
+    """Low latency: rank 0 combines while rank 1 dispatches. They wait on different signals, so both
+    time out; within the next calls each raises a RuntimeError naming the other, well before the
+    test's bound, and the Buffer can still be destroyed."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    with peer_timeout(2):
+        buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                     low_latency_mode=True, backend="cuda")
+    x, idx, w = (t.to(dev) for t in make_inputs(75, rank, n, hidden, num_experts, 3, num_ranks, "random"))
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)  # together
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"timed out waiting for rank\(s\) \[{1 - rank}\]"):
+        if rank == 0:
+            buf.low_latency_combine(recv_x, idx, w, handle)
+        else:
+            buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        for _ in range(3):  # the error is raised by one of the next calls (the GPU records it after 2 s)
+            buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    buf.destroy()
+    return elapsed
+
+
+def test_ll_mismatched_operations_raise_on_both_ranks():
+    elapsed = cluster(2).run(rank_ll_mismatched_operations)
+    assert max(elapsed) < 10, elapsed
+
+
 def rank_dead_peer(timeout_s: float, path: str, how: str, when: str):
     """Rank 1 dies (``how``) before the dispatch, inside it (a timer kills it while its dispatch waits
     for rank 0, which starts 1 s late), or between the dispatch and the combine. Rank 0 raises a
