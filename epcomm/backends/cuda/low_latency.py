@@ -332,7 +332,7 @@ class CudaLowLatency:
             else:
                 self._received_now(slot, stream)
 
-        launch(1 if hook else 0)  # without a hook: one kernel sends and receives
+        launch(1 if hook else 0)  # without a hook: the send and the receive kernels at once
         return combined, (lambda: launch(2)) if hook else _nothing
 
 
