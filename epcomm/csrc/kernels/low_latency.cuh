@@ -876,8 +876,12 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.timeout_ns = timeout_ns;
     const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
     if (phase == 0 && num_blocks(num_tokens, a.chunk_tokens) <= num_sms &&
-        fits_at_once<ll::dispatch_fused>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms))
-        return static_cast<int>(launch_cooperative(ll::dispatch_fused, num_sms, shared, stream, a));
+        fits_at_once<ll::dispatch_fused>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms)) {
+        const cudaError_t launched = launch_cooperative(ll::dispatch_fused, num_sms, shared, stream, a);
+        if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
+        // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
+        (void)cudaGetLastError();
+    }
     if (phase != 2)
         ll::dispatch_send<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
     if (phase != 1)
