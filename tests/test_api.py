@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
-from conftest import cluster
+from conftest import cluster, env_var
 from routing import device, make_inputs
 
 import epcomm
-from epcomm import Buffer, Config, EventOverlap
+from epcomm import Buffer, Config, EventOverlap, _env
 from epcomm.fp8 import pack_ue8m0, quantize_groups, unpack_ue8m0
 
 
@@ -106,3 +107,23 @@ def test_is_sm90_compiled_needs_a_hopper_gpu_and_nvcc():
         assert Buffer.is_sm90_compiled() is False
     elif shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc"):
         assert Buffer.is_sm90_compiled() is True
+
+
+def test_low_latency_transport_settings():
+    """EPCOMM_LL_TRANSPORT and EPCOMM_LL_REMOTE_RANKS are parsed strictly (a typo is an error, not the
+    default)."""
+    with env_var("EPCOMM_LL_REMOTE_RANKS", " 1, 3"):
+        assert _env.ll_remote_ranks(4) == {1, 3}
+    with env_var("EPCOMM_LL_REMOTE_RANKS", "all"):
+        assert _env.ll_remote_ranks(3) == {0, 1, 2}
+    with env_var("EPCOMM_LL_REMOTE_RANKS", ""):
+        assert _env.ll_remote_ranks(3) == set()
+    for bad, message in (("4", r"rank\(s\) \[4\] are not in a group of 4"), ("one", "comma-separated ranks")):
+        with env_var("EPCOMM_LL_REMOTE_RANKS", bad), pytest.raises(ValueError, match=message):
+            _env.ll_remote_ranks(4)
+    for good in ("auto", "ipc", "nvshmem"):
+        with env_var("EPCOMM_LL_TRANSPORT", good):
+            assert _env.ll_transport() == good
+    with env_var("EPCOMM_LL_TRANSPORT", "rdma"), pytest.raises(ValueError, match="auto, ipc or nvshmem"):
+        _env.ll_transport()
+    assert _env.env_str("EPCOMM_LL_TRANSPORT") == "auto"
