@@ -127,3 +127,22 @@ def test_low_latency_transport_settings():
     with env_var("EPCOMM_LL_TRANSPORT", "rdma"), pytest.raises(ValueError, match="auto, ipc or nvshmem"):
         _env.ll_transport()
     assert _env.env_str("EPCOMM_LL_TRANSPORT") == "auto"
+
+
+def rank_choose_transport() -> dict:
+    from epcomm.backends.cuda.low_latency import _choose_transport
+
+    group, num_ranks = dist.group.WORLD, dist.get_world_size()
+    seen = {"auto": _choose_transport(group, num_ranks)}  # every rank on this host: CUDA IPC
+    with env_var("EPCOMM_LL_REMOTE_RANKS", "1"):
+        seen["remote"] = _choose_transport(group, num_ranks)  # a remote peer implies NVSHMEM
+        with env_var("EPCOMM_LL_TRANSPORT", "ipc"), pytest.raises(ValueError, match="needs the NVSHMEM transport"):
+            _choose_transport(group, num_ranks)
+    with env_var("EPCOMM_LL_TRANSPORT", "nvshmem"):
+        seen["forced"] = _choose_transport(group, num_ranks)
+    return seen
+
+
+def test_low_latency_transport_choice():
+    for seen in cluster(2).run(rank_choose_transport):
+        assert seen == {"auto": "ipc", "remote": "nvshmem", "forced": "nvshmem"}, seen
