@@ -225,10 +225,8 @@ class Buffer:
         """Free a CUDA backend's shared buffer once every rank has finished with it (each synchronized
         its device before arriving). A rank that does not arrive within the timeout may be dead, or
         alive and still writing into this buffer: then it is kept, never freed, and a warning says so."""
-        missing = self._backend.transport.meet(f"destroy-{what}", time.monotonic() + _env.timeout_s())
-        if missing is None:  # no store to meet through: the group's barrier
-            dist.barrier(group=self.group)
-        elif missing:
+        missing = self._meet(f"destroy-{what}")
+        if missing:
             _LEAKED.append(backend)
             warnings.warn(f"epcomm destroy: rank(s) {missing} did not reach destroy within EPCOMM_TIMEOUT_S; the "
                           f"{what} buffer ({backend.shared.num_bytes} bytes) is kept, not freed, since a peer "
@@ -780,13 +778,19 @@ class Buffer:
             self._ll_counter = 0
         self._ll_needs_clean = False
 
-    def _meet_all(self, tag: str, op: str) -> None:
-        """Every rank arrives (through the store, bounded by EPCOMM_TIMEOUT_S), or RuntimeError naming
-        the ranks that did not."""
+    def _meet(self, tag: str) -> list[int]:
+        """Every rank meets here (through the store, bounded by EPCOMM_TIMEOUT_S); returns the ranks
+        that did not arrive. Without a store, the group's barrier (unbounded)."""
         missing = self._backend.transport.meet(tag, time.monotonic() + _env.timeout_s())
-        if missing is None:  # no store to meet through: the group's barrier
+        if missing is None:
             dist.barrier(group=self.group)
-        elif missing:
+            return []
+        return missing
+
+    def _meet_all(self, tag: str, op: str) -> None:
+        """``_meet``, or RuntimeError naming the ranks that did not arrive."""
+        missing = self._meet(tag)
+        if missing:
             raise RuntimeError(f"epcomm {op}: rank(s) {missing} did not arrive within EPCOMM_TIMEOUT_S")
 
     # ------------------------------------------------------------------ failed-rank masking

@@ -260,38 +260,28 @@ class CudaLowLatency:
         sent_pairs = self._sent_pairs[slot]
         tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
 
-        sent = self._sent_events[slot]
         handle_state: dict = {"slot_map": slot_map, "received": False}
-        send_stream = torch.cuda.current_stream(self.device)
 
-        def launch(phase: int) -> None:
-            stream = send_stream
-            if phase == 2:
-                stream = torch.cuda.current_stream(self.device)
-                if stream != send_stream:  # the hook runs on another stream: the receive follows the send
-                    stream.wait_event(sent)
-            code = self.lib.epcomm_ll_dispatch(
+        def kernel(phase: int, stream: ctypes.c_void_p) -> int:
+            return self.lib.epcomm_ll_dispatch(
                 self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
                 ptr(x), ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
                 slot, ctypes.c_int64(self.slot_bytes), tag, ptr(sent_pairs), ptr(mask), ptr(slot_map),
                 ptr(recv_data), ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
                 ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
                 ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
-                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), ctypes.c_void_p(stream.cuda_stream))
-            check(code, "low_latency_dispatch")
-            if phase == 1:
-                sent.record(stream)
-            else:
-                handle_state["received"] = True  # layout_range is filled once this kernel has run
-                self._received_now(slot, stream)
+                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), stream)
 
-        launch(1 if hook else 0)
+        def received() -> None:
+            handle_state["received"] = True  # layout_range is filled once the receive has run
+
+        receive = self._launch(kernel, "low_latency_dispatch", slot, hook, received)
         handle = LowLatencyHandle(
             buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
             num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
             layout_range=layout_range, backend_state=handle_state)
         # The receive keeps the inputs alive until it is launched (its closure holds them).
-        return recv_x, recv_count, handle, (lambda: launch(2)) if hook else _nothing
+        return recv_x, recv_count, handle, receive
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
@@ -310,30 +300,43 @@ class CudaLowLatency:
                                                            device=self.device)
         slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
 
-        sent = self._sent_events[slot]
         tag = shape_tag(2, hidden, num_experts, n)
+
+        def kernel(phase: int, stream: ctypes.c_void_p) -> int:
+            return self.lib.epcomm_ll_combine(
+                self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
+                ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
+                ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), tag, ptr(mask),
+                ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
+                stream)
+
+        return combined, self._launch(kernel, "low_latency_combine", slot, hook)
+
+    def _launch(self, kernel: Callable[[int, ctypes.c_void_p], int], op: str, slot: int, hook: bool,
+                received: Callable[[], None] = lambda: None) -> Callable[[], None]:
+        """Launch a call's send (phase 1, with a hook) or send and receive (phase 0) on the current
+        stream; returns what launches the receive (phase 2): the hook's work, or nothing.
+        ``kernel(phase, stream)`` calls the library; ``received()`` runs once the receive is launched.
+        The receive follows the send when the hook runs on another stream, and records the event the
+        slot's next call waits on to check errors."""
+        sent = self._sent_events[slot]
         send_stream = torch.cuda.current_stream(self.device)
 
         def launch(phase: int) -> None:
             stream = send_stream
             if phase == 2:
                 stream = torch.cuda.current_stream(self.device)
-                if stream != send_stream:  # the hook runs on another stream: the receive follows the send
+                if stream != send_stream:
                     stream.wait_event(sent)
-            code = self.lib.epcomm_ll_combine(
-                self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
-                ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
-                ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), tag, ptr(mask),
-                ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
-                ctypes.c_void_p(stream.cuda_stream))
-            check(code, "low_latency_combine")
+            check(kernel(phase, ctypes.c_void_p(stream.cuda_stream)), op)
             if phase == 1:
                 sent.record(stream)
             else:
+                received()
                 self._received_now(slot, stream)
 
-        launch(1 if hook else 0)  # without a hook: the send and the receive kernels at once
-        return combined, (lambda: launch(2)) if hook else _nothing
+        launch(1 if hook else 0)
+        return (lambda: launch(2)) if hook else _nothing
 
 
 def _nothing() -> None:
