@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster, peer_timeout
+from conftest import BACKEND, TEST_ENV, cluster, env_var, nvshmem_found, peer_timeout
 from routing import make_inputs
 
 from epcomm import Buffer
 from epcomm.bench.checks import same_bits
-from epcomm.utils.launch import RankFailure
+from epcomm.utils.launch import LocalCluster, RankFailure
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -287,13 +287,15 @@ def test_dead_peer_is_named_within_the_timeout(how, when):
     _check_survivor(outcome, timeout_s)
 
 
-def rank_ll_dead_peer(timeout_s: float, path: str, how: str):
+def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "ipc"):
     """Low latency without masking: rank 1 dies after its send; rank 0's receive gives up within the
-    timeout and its next low-latency call raises RuntimeError naming rank 1."""
+    timeout and its next low-latency call raises RuntimeError naming rank 1. ``transport`` "nvshmem"
+    treats the peer as remote, so the survivor's sends and waits go through NVSHMEM."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     n, hidden, num_experts = 16, 512, 4 * num_ranks
-    with peer_timeout(timeout_s):
+    with peer_timeout(timeout_s), env_var("EPCOMM_LL_TRANSPORT", transport), \
+            env_var("EPCOMM_LL_REMOTE_RANKS", "all" if transport == "nvshmem" else ""):
         buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
                      low_latency_mode=True, backend="cuda")
     x, idx, w = (t.to(dev) for t in make_inputs(71, rank, n, hidden, num_experts, 3, num_ranks, "random"))
@@ -303,7 +305,7 @@ def rank_ll_dead_peer(timeout_s: float, path: str, how: str):
         torch.cuda.synchronize()  # its sends have landed; it dies before its receive and the combine
         _die(how)
     hook()
-    outcome = {"error": None}
+    outcome = {"error": None, "transport": buf.low_latency_transport()[0]}
     start = time.monotonic()
     try:
         buf.low_latency_combine(recv_x, idx, w, handle)  # rank 1 never returns rows: waits, then gives up
@@ -329,6 +331,22 @@ def test_ll_dead_peer_is_named_within_the_timeout(how):
             cluster(2).run(rank_ll_dead_peer, timeout_s, path, how, timeout_s=60)
         outcome = _survivor_outcome(failure.value, path)
     _check_survivor(outcome, timeout_s)
+    assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
+
+
+@pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+def test_ll_dead_peer_over_nvshmem_is_named_within_the_timeout():
+    """The same on the NVSHMEM transport (the path to other hosts): the survivor is not aborted by
+    NVSHMEM, names the rank, and its context stays usable."""
+    timeout_s = 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.json")
+        with pytest.raises(RankFailure) as failure:
+            with LocalCluster(2, backend="nccl", env=TEST_ENV) as fresh:  # NVSHMEM: once per process
+                fresh.run(rank_ll_dead_peer, timeout_s, path, "SIGKILL", "nvshmem", timeout_s=60)
+        outcome = _survivor_outcome(failure.value, path)
+    _check_survivor(outcome, timeout_s)
+    assert outcome["transport"] == "nvshmem", outcome
     assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
 
 
