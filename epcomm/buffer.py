@@ -77,9 +77,16 @@ class Buffer:
                                  f"{pg_backend}")
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
-            if strategy != "alltoall" and backend == "cuda":
+            if strategy == "allgather" and backend == "cuda":
                 raise ValueError(f"strategy={strategy!r} is implemented by the reference backend only; use "
                                  "backend='reference'")
+            if strategy == "hierarchical" and backend == "cuda" and low_latency_mode:
+                raise ValueError("strategy='hierarchical' on the CUDA backend is a normal-mode Buffer: its NVSHMEM "
+                                 "buffer is num_rdma_bytes, which low_latency_mode=True also claims; use two Buffers")
+            if strategy == "hierarchical" and backend == "cuda" and num_nvl_bytes and not num_rdma_bytes:
+                raise ValueError("strategy='hierarchical' on the CUDA backend needs num_rdma_bytes for the "
+                                 "inter-domain (NVSHMEM) buffer: see epcomm.backends.cuda.hierarchical."
+                                 "rdma_bytes_needed")
             ranks_per_domain_env = self._ranks_per_domain_from_env()
         except _REFUSALS as e:
             error = e
@@ -102,7 +109,12 @@ class Buffer:
             from .backends.cuda.intranode import CudaIntranode
             from .backends.cuda.low_latency import CudaLowLatency
 
-            if self.num_nvl_bytes > 0:
+            if self.num_nvl_bytes > 0 and strategy == "hierarchical":
+                from .backends.cuda.hierarchical import CudaHierarchical
+
+                self._cuda = CudaHierarchical(self.group, self.device, self.num_nvl_bytes, self.num_rdma_bytes,
+                                              self.ranks_per_domain, _env.timeout_s())
+            elif self.num_nvl_bytes > 0:
                 self._cuda = CudaIntranode(self.group, self.device, self.num_nvl_bytes, _env.timeout_s())
             if low_latency_mode and self.num_rdma_bytes > 0:
                 self._cuda_ll = CudaLowLatency(self.group, self.device, self.num_rdma_bytes, _env.timeout_s())

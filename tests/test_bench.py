@@ -193,7 +193,7 @@ def test_hierarchical_run_reports_each_tier(tmp_path):
 @pytest.mark.parametrize("argv, option", [
     (["--num-ranks", "4", "--ranks-per-domain", "3"], "--ranks-per-domain"),
     (["--groups", "0"], "--groups"),
-    (["--backend", "cuda", "--strategies", "hierarchical"], "--strategies"),
+    (["--backend", "cuda", "--strategies", "allgather"], "--strategies"),
 ])
 def test_bad_domain_options_name_the_option(argv, option, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import Buffer, per_token_cast_to_fp8
 from . import checks, metrics
 from .timing import time_samples
-from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, NORMAL, Case, RankInputs, all_rank_inputs
+from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -114,7 +114,14 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
         buf = buffer_class(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes)
     else:
         if case.backend == "cuda":  # one pass of the CUDA kernels holds every row: size for this routing
-            num_nvl_bytes = max(num_nvl_bytes, _cuda_nvl_bytes(case, inputs))
+            rpd = _ranks_per_domain(case, num_ranks)
+            num_nvl_bytes = max(num_nvl_bytes, _cuda_nvl_bytes(case, inputs, rpd))
+            if case.strategy == HIERARCHICAL:
+                from ..backends.cuda.hierarchical import rdma_bytes_needed
+
+                num_rdma_bytes = max(num_rdma_bytes, rdma_bytes_needed(
+                    max(m.topk_idx.shape[0] for m in inputs), case.hidden, 2, num_ranks, rpd, case.num_topk,
+                    -(-case.hidden // 128)))
         buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend, strategy=case.strategy)
     mine = inputs[rank]
     want = checks.Expected(inputs, rank, case.num_experts)
@@ -180,6 +187,9 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
 
 def _tier_traffic(buf: Any, op: str) -> dict[str, int]:
     """The rows and bytes each tier moved in the Buffer's latest ``op`` (strategies that count them)."""
+    cuda = getattr(buf, "_cuda", None)
+    if hasattr(cuda, "traffic"):  # the CUDA hierarchical kernels count their rows on the device
+        return cuda.traffic(op)
     counted = getattr(getattr(buf, "_backend", None), "traffic", None) or {}
     return {k: v for k, v in counted.items() if k.startswith(op + "_")}
 
@@ -195,9 +205,18 @@ def _deep_ep_buffer_class():
     return deep_ep.Buffer
 
 
-def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs]) -> int:
+def _ranks_per_domain(case: Case, num_ranks: int) -> int:
+    """The domain size a hierarchical Buffer will use (EPCOMM_RANKS_PER_DOMAIN; one host by default)."""
+    if case.strategy != HIERARCHICAL:
+        return num_ranks
+    return int(os.environ.get("EPCOMM_RANKS_PER_DOMAIN") or num_ranks)
+
+
+def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs], ranks_per_domain: int) -> int:
     """Bytes the CUDA intranode kernels need for these inputs: the most rows any rank receives in
-    dispatch or gets back in combine, times the larger row slot (BF16 with top-k ids and weights)."""
+    dispatch or gets back in combine, times the larger row slot (BF16 with top-k ids and weights).
+    Hierarchical: the kernels run inside each domain, where a forwarder sends the rows of every
+    source with its local index."""
     from ..backends.cuda import intranode
 
     num_ranks = len(inputs)
@@ -209,6 +228,11 @@ def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs]) -> int:
         hit = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool).scatter_(1, dest, True)[:, :num_ranks]
         matrix[src] = hit.sum(0)
     rows = int(max(matrix.sum(0).max(), matrix.sum(1).max(), 1))
+    if ranks_per_domain < num_ranks:
+        rpd = ranks_per_domain
+        for f in range(num_ranks):  # forwarder f: sources with its local index, to f's domain's ranks
+            first = f // rpd * rpd
+            rows = max(rows, int(matrix[f % rpd::rpd, first:first + rpd].sum()))
     k = case.num_topk
     row = max(intranode.dispatch_row_bytes(case.hidden, 2, k, -(-case.hidden // 128)),
               intranode.combine_row_bytes(case.hidden, k))

@@ -71,6 +71,25 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 
 
 
+def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                    ranks_per_domain: int):
+    """get_dispatch_layout on the device: tokens per rank, per domain (None with one domain), per
+    expert, and is_token_in_rank [T, R] (csrc/kernels/intranode.cu layout_kernel)."""
+    num_tokens, num_topk = topk_idx.shape
+    if num_experts + num_ranks + num_ranks // ranks_per_domain > 12 * 1024:
+        raise ValueError(f"num_experts={num_experts}: the CUDA layout kernel counts up to 12K experts")
+    num_domains = num_ranks // ranks_per_domain
+    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+    per_domain = torch.zeros(num_domains, dtype=torch.int32, device=device) if num_domains > 1 else None
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=device)
+    code = lib.epcomm_get_dispatch_layout(
+        ptr(topk_idx), num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, ptr(per_rank),
+        ptr(per_domain), ptr(per_expert), ptr(in_rank), stream_ptr(device))
+    check(code, "get_dispatch_layout")
+    return per_rank, per_domain, per_expert, in_rank
+
+
 class CudaIntranode:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
@@ -164,20 +183,7 @@ class CudaIntranode:
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_domain: int):
-        num_tokens, num_topk = topk_idx.shape
-        num_ranks = self.num_ranks
-        if num_experts + num_ranks + num_ranks // ranks_per_domain > 12 * 1024:
-            raise ValueError(f"num_experts={num_experts}: the CUDA layout kernel counts up to 12K experts")
-        num_domains = num_ranks // ranks_per_domain
-        per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=self.device)
-        per_domain = torch.zeros(num_domains, dtype=torch.int32, device=self.device) if num_domains > 1 else None
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
-        in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=self.device)
-        code = self.lib.epcomm_get_dispatch_layout(
-            ptr(topk_idx), num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, ptr(per_rank),
-            ptr(per_domain), ptr(per_expert), ptr(in_rank), stream_ptr(self.device))
-        check(code, "get_dispatch_layout")
-        return per_rank, per_domain, per_expert, in_rank
+        return dispatch_layout(self.lib, self.device, topk_idx, num_experts, self.num_ranks, ranks_per_domain)
 
     # ------------------------------------------------------------------ dispatch / combine
     def dispatch(self, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -309,10 +315,12 @@ class CudaIntranode:
             self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
         check(code, "dispatch")
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
+    def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms, out=None, out_w=None):
+        """``out`` / ``out_w`` given: the sums go there; an fp32 ``out`` gets them unrounded (the
+        hierarchical mode's partial sums, which other domains' add to)."""
         st = handle.backend_state
         if "rounds" in st:
-            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms)
+            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms, out, out_w)
         num_tokens, hidden = handle.num_tokens, x.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         if num_topk > 32:
@@ -325,14 +333,17 @@ class CudaIntranode:
         if st["max_send"] > cap_rows:
             self._raise_capacity("combine", st["max_send"], row_bytes, cap_rows)
         self._notify_barrier(self.c["op_combine"], "combine")
-        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
-        out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
+        if out is None:
+            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        if out_w is None and num_topk:
+            out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         bias0 = biases[0] if len(biases) > 0 else None
         bias1 = biases[1] if len(biases) > 1 else None
         code = self.lib.epcomm_combine(
             self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, ptr(x), ptr(topk_weights),
             ptr(st["in_rank"]), ptr(st["slot"]), ptr(st["layout"]), row_bytes,
-            ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), ptr(out_w), num_sms,
+            ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), int(out.dtype == torch.float32),
+            ptr(out_w if num_topk else None), num_sms,
             self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns),
             stream_ptr(self.device))
         check(code, "combine")
@@ -431,21 +442,18 @@ class CudaIntranode:
         col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1
         return self._assemble(parts, st["round_rows"], col_major), None, None, None, handle
 
-    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
+    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms, out=None, out_w=None):
         st = handle.backend_state
         step = st["round_step"]
-        out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
+        if out is None:
+            out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-        out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk \
-            else None
+        if out_w is None and num_topk:
+            out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device)
         for j, (sub, rows) in enumerate(zip(st["rounds"], st["round_rows"])):
             lo, hi = min(j * step, handle.num_tokens), min((j + 1) * step, handle.num_tokens)
-            part, part_w = self.combine(x.index_select(0, rows),
-                                        sub, topk_weights.index_select(0, rows) if num_topk else None,
-                                        tuple(b[lo:hi] for b in biases), num_sms)
-            out[lo:hi] = part
-            if out_w is not None:
-                out_w[lo:hi] = part_w
+            self.combine(x.index_select(0, rows), sub, topk_weights.index_select(0, rows) if num_topk else None,
+                         tuple(b[lo:hi] for b in biases), num_sms, out[lo:hi], out_w[lo:hi] if num_topk else None)
         return out, out_w
 
     # ------------------------------------------------------------------ errors raised on every rank alike

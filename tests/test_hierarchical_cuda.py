@@ -1,0 +1,144 @@
+"""The hierarchical strategy on the CUDA kernels (NVSHMEM between domains, CUDA IPC inside) against
+the reference backend's hierarchical strategy, on GPUs (skipped without them): every dispatch output
+bit for bit, combine bit for bit too (the same fp32 additions in the same order), the rows that
+crossed the slow tier counted, and a dispatch + combine captured in a CUDA graph and replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import BACKEND, TEST_ENV, capture_graph, env_var, nvshmem_found
+from test_hierarchical import CASES, _flat, _inputs
+
+import epcomm
+from epcomm import Buffer
+from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
+from epcomm.bench.checks import same_bits
+from epcomm.utils.launch import LocalCluster
+
+pytestmark = [
+    pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs"),
+    pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)"),
+]
+
+NVL = 64 << 20
+HIDDEN, NUM_TOPK = 256, 4
+
+
+def _buffers(ranks_per_domain: int, num_tokens: int):
+    num_ranks = dist.get_world_size()
+    rdma = rdma_bytes_needed(num_tokens, HIDDEN, 2, num_ranks, ranks_per_domain, NUM_TOPK, HIDDEN // 128)
+    with env_var("EPCOMM_RANKS_PER_DOMAIN", ranks_per_domain):
+        ref = Buffer(dist.group.WORLD, NVL, backend="reference", strategy="hierarchical")
+        cuda = Buffer(dist.group.WORLD, NVL, rdma, backend="cuda", strategy="hierarchical")
+    return ref, cuda
+
+
+def _round_trip(buf: Buffer, x, idx, w, num_experts: int, fp8: bool, col_major: bool, worst: int, bias):
+    per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    x_in = epcomm.per_token_cast_to_fp8(x) if fp8 else x
+    if fp8 and col_major:
+        x_in = (x_in[0], x_in[1].t().contiguous().t())
+    recv_x, recv_idx, recv_w, expert_list, handle, _ = buf.dispatch(
+        x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
+    cached = buf.dispatch(x_in, handle=handle)[0]
+    rows = handle.num_recv_tokens
+    data = recv_x[0].float() if fp8 else recv_x.float()
+    y = (data * 0.75).to(torch.bfloat16)
+    if worst:  # padding rows hold whatever the kernels left: give both backends the same
+        y[rows:] = 0
+        recv_w = recv_w.clone()
+        recv_w[rows:] = 0
+    combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=bias)
+    return (recv_x, recv_idx, recv_w, expert_list, cached, combined, combined_w), rows, per_domain
+
+
+def rank_cuda_vs_reference(ranks_per_domain: int):
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    num_experts = 4 * num_ranks
+    ref, cuda = _buffers(ranks_per_domain, 64)
+    cases = [*CASES, ([48, 21], "random", True, 0, True, 6)]  # col-major scales (below)
+    for i, (tokens, routing, fp8, worst, with_bias, seed) in enumerate(cases):
+        col_major = i == len(cases) - 1
+        num_tokens = tokens[rank % len(tokens)]
+        x, idx, w = _inputs(seed, num_tokens, HIDDEN, num_experts, NUM_TOPK, routing, ranks_per_domain)
+        bias = (torch.randn((num_tokens, HIDDEN), generator=torch.Generator().manual_seed(seed + rank))
+                .to(torch.bfloat16).to(x.device)) if with_bias else None
+        want, rows, per_domain = _round_trip(ref, x, idx, w, num_experts, fp8, col_major, worst * num_tokens, bias)
+        got, _, _ = _round_trip(cuda, x, idx, w, num_experts, fp8, col_major, worst * num_tokens, bias)
+        tag = f"rank {rank} {ranks_per_domain}/{num_ranks} T={num_tokens} {routing} fp8={fp8} worst={worst}"
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "cached recv_x"),
+                              want[:3] + want[4:5], got[:3] + got[4:5]):
+            for pa, pb in zip(_flat(a), _flat(b)):
+                if worst and pa.dim() and pa.shape[0] >= rows:  # only the received rows are defined
+                    pa, pb = pa[:rows], pb[:rows]
+                assert pa.stride() == pb.stride() or pa.shape[0] <= 1, f"{tag}: {name} layout differs"
+                assert same_bits(pa, pb), f"{tag}: {name} differs from the reference backend"
+        assert want[3] == got[3], f"{tag}: num_recv_tokens_per_expert_list differs ({want[3]} vs {got[3]})"
+        assert same_bits(want[5], got[5]), f"{tag}: combine differs from the reference backend"
+        assert same_bits(want[6], got[6]), f"{tag}: combined weights differ"
+        own = rank // ranks_per_domain
+        expected = sum(c for d, c in enumerate(per_domain.tolist()) if d != own) if per_domain is not None else 0
+        traffic = cuda._cuda.traffic("dispatch")
+        assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
+    ref.destroy()
+    cuda.destroy()
+
+
+def rank_graph_replay(ranks_per_domain: int):
+    """num_worst_tokens: dispatch + combine captured once, replayed with new routing and data."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    num_experts, num_tokens = 4 * num_ranks, 32
+    ref, cuda = _buffers(ranks_per_domain, num_tokens)
+    worst = num_tokens * num_ranks
+    x, idx, w = _inputs(11, num_tokens, HIDDEN, num_experts, NUM_TOPK, "random", ranks_per_domain)
+    static = {"x": x.clone(), "idx": idx.clone(), "w": w.clone()}
+
+    def step():
+        per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(static["idx"], num_experts)
+        recv_x, _, recv_w, _, handle, _ = cuda.dispatch(
+            static["x"], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=static["idx"], topk_weights=static["w"],
+            num_worst_tokens=worst)
+        y = (recv_x.float() * 0.5).to(torch.bfloat16)
+        return recv_x, cuda.combine(y, handle, topk_weights=recv_w)[0]
+
+    graph, outputs = capture_graph(step)
+    for seed in (12, 13, 14):
+        x, idx, w = _inputs(seed, num_tokens, HIDDEN, num_experts, NUM_TOPK, "random", ranks_per_domain)
+        static["x"].copy_(x)
+        static["idx"].copy_(idx)
+        static["w"].copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        per_rank, per_domain, per_expert, in_rank, _ = ref.get_dispatch_layout(idx, num_experts)
+        recv_x, _, recv_w, _, handle, _ = ref.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        rows = handle.num_recv_tokens
+        combined = ref.combine((recv_x.float() * 0.5).to(torch.bfloat16), handle, topk_weights=recv_w)[0]
+        assert same_bits(outputs[0][:rows], recv_x), f"rank {rank} seed {seed}: replayed dispatch differs"
+        assert same_bits(outputs[1], combined), f"rank {rank} seed {seed}: replayed combine differs"
+    ref.destroy()
+    cuda.destroy()
+
+
+def _fresh(ranks: int) -> LocalCluster:
+    """NVSHMEM is initialized once per process, with a heap fixed then: a fresh cluster per test."""
+    return LocalCluster(ranks, backend="nccl", env={**TEST_ENV, "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)})
+
+
+def _split(ranks: int, ranks_per_domain: int) -> None:
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs")
+
+
+@pytest.mark.parametrize("ranks, ranks_per_domain", [(2, 1), (2, 2), (4, 2), (4, 1), (8, 4), (8, 2)],
+                         ids=["2x1", "1x2", "2x2", "4x1", "2x4", "4x2"])
+def test_hierarchical_cuda_matches_reference(ranks, ranks_per_domain):
+    _split(ranks, ranks_per_domain)
+    with _fresh(ranks) as c:
+        c.run(rank_cuda_vs_reference, ranks_per_domain, timeout_s=400)
+        c.run(rank_graph_replay, ranks_per_domain, timeout_s=200)
