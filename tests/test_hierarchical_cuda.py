@@ -52,6 +52,10 @@ def _round_trip(buf: Buffer, x, idx, w, num_experts: int, fp8: bool, col_major: 
         recv_w = recv_w.clone()
         recv_w[rows:] = 0
     combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=bias)
+    # Again, after a combine (whose rows reuse the slow tier's areas) and a cached dispatch.
+    buf.dispatch(x_in, handle=handle)
+    again = buf.combine(y, handle, topk_weights=recv_w, bias=bias)
+    assert same_bits(combined, again[0]) and same_bits(combined_w, again[1]), "a second combine differs"
     return (recv_x, recv_idx, recv_w, expert_list, cached, combined, combined_w), rows, per_domain
 
 

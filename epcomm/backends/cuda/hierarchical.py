@@ -276,7 +276,8 @@ class CudaHierarchical:
             out = self.tier2.dispatch(x1, scales1, st["tier2"], None, None, None, None, None, 1, 0, 0, buffer_uid,
                                       num_sms)
         else:
-            in_rank1 = got["in_rank"].view(torch.bool)
+            # A copy: the tier-2 handle keeps it for the combine, and later calls overwrite the area.
+            in_rank1 = got["in_rank"].view(torch.bool).clone()
             topk1 = got["topk_idx"].view(torch.int64) if num_topk else None
             weights1 = got["weights"].view(torch.float32) if topk_weights is not None else None
             # The per-expert counts are taken from the gathered totals below, not from the forwarders.
