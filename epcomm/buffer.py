@@ -221,6 +221,11 @@ class Buffer:
             cuda_ll, self._cuda_ll = self._cuda_ll, None
             torch.cuda.synchronize(self.device)  # this rank's kernels are done, hooks' receives included
             self._free_when_peers_done(cuda_ll, "low-latency")
+        if self._cuda is not None and getattr(self._cuda, "frees_after_meeting", False):
+            cuda, self._cuda = self._cuda, None  # hierarchical: NVSHMEM frees are collective, so meet first
+            torch.cuda.synchronize(self.device)
+            self._free_when_peers_done(cuda, "normal-mode")
+            cuda.check_errors("destroy")
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None
             try:

@@ -114,14 +114,17 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
         buf = buffer_class(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes)
     else:
         if case.backend == "cuda":  # one pass of the CUDA kernels holds every row: size for this routing
-            rpd = _ranks_per_domain(case, num_ranks)
-            num_nvl_bytes = max(num_nvl_bytes, _cuda_nvl_bytes(case, inputs, rpd))
+            rows, intranode_bytes = _cuda_rows(case, inputs)
             if case.strategy == HIERARCHICAL:
-                from ..backends.cuda.hierarchical import rdma_bytes_needed
+                from ..backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed
 
+                scales = -(-case.hidden // 128)
+                num_nvl_bytes = max(num_nvl_bytes, nvl_bytes_needed(rows, case.hidden, 2, case.num_topk, scales))
                 num_rdma_bytes = max(num_rdma_bytes, rdma_bytes_needed(
-                    max(m.topk_idx.shape[0] for m in inputs), case.hidden, 2, num_ranks, rpd, case.num_topk,
-                    -(-case.hidden // 128)))
+                    max(m.topk_idx.shape[0] for m in inputs), case.hidden, 2, num_ranks,
+                    _ranks_per_domain(num_ranks), case.num_topk, scales))
+            else:
+                num_nvl_bytes = max(num_nvl_bytes, intranode_bytes)
         buf = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, backend=case.backend, strategy=case.strategy)
     mine = inputs[rank]
     want = checks.Expected(inputs, rank, case.num_experts)
@@ -205,18 +208,15 @@ def _deep_ep_buffer_class():
     return deep_ep.Buffer
 
 
-def _ranks_per_domain(case: Case, num_ranks: int) -> int:
+def _ranks_per_domain(num_ranks: int) -> int:
     """The domain size a hierarchical Buffer will use (EPCOMM_RANKS_PER_DOMAIN; one host by default)."""
-    if case.strategy != HIERARCHICAL:
-        return num_ranks
     return int(os.environ.get("EPCOMM_RANKS_PER_DOMAIN") or num_ranks)
 
 
-def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs], ranks_per_domain: int) -> int:
-    """Bytes the CUDA intranode kernels need for these inputs: the most rows any rank receives in
-    dispatch or gets back in combine, times the larger row slot (BF16 with top-k ids and weights).
-    Hierarchical: the kernels run inside each domain, where a forwarder sends the rows of every
-    source with its local index."""
+def _cuda_rows(case: Case, inputs: list[RankInputs]) -> tuple[int, int]:
+    """The most rows any rank receives in dispatch or sends back in combine with these inputs, and
+    the bytes the CUDA intranode kernels need for them (times the larger row slot: BF16 with top-k
+    ids and weights)."""
     from ..backends.cuda import intranode
 
     num_ranks = len(inputs)
@@ -228,15 +228,10 @@ def _cuda_nvl_bytes(case: Case, inputs: list[RankInputs], ranks_per_domain: int)
         hit = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool).scatter_(1, dest, True)[:, :num_ranks]
         matrix[src] = hit.sum(0)
     rows = int(max(matrix.sum(0).max(), matrix.sum(1).max(), 1))
-    if ranks_per_domain < num_ranks:
-        rpd = ranks_per_domain
-        for f in range(num_ranks):  # forwarder f: sources with its local index, to f's domain's ranks
-            first = f // rpd * rpd
-            rows = max(rows, int(matrix[f % rpd::rpd, first:first + rpd].sum()))
     k = case.num_topk
     row = max(intranode.dispatch_row_bytes(case.hidden, 2, k, -(-case.hidden // 128)),
               intranode.combine_row_bytes(case.hidden, k))
-    return intranode.ROWS_OFFSET + rows * row
+    return rows, intranode.ROWS_OFFSET + rows * row
 
 
 def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> dict[str, Any]:

@@ -1,21 +1,31 @@
-// The slow tier of the hierarchical normal mode: rows cross between scale-up domains over NVSHMEM
-// (GPU-initiated puts and signals: RDMA between nodes; NVLink when the domains are virtual ones of
-// one host, so the same code runs there).
+// The hierarchical normal mode's kernels: rows cross between scale-up domains once per domain over
+// NVSHMEM (GPU-initiated puts and signals: RDMA between nodes; NVLink when the domains are virtual
+// ones of one host, so the same code runs there), and are forwarded inside each domain over CUDA
+// IPC, with the two tiers overlapped inside one kernel.
 //
-// Each rank talks only to its mates: the rank with its local index in every domain (itself in its
-// own). The symmetric buffer holds, after a header of signal words, a staging area and a receive
-// area of the same shape: per field (token rows, scales, top-k ids, ...) one array of
-// num_domains x region_rows rows. Region d of the staging area holds the rows for domain d's mate;
-// they land in region `my_domain` of that mate's receive area. A call:
-//   1. tells every mate this rank has entered the call (its receive area is free: the previous
-//      call's rows were consumed by work queued before this kernel), and waits for each mate's
-//      word before writing into it;
-//   2. puts its regions (blocks of one destination split the rows) and, after completing them
-//      (quiet), signals each block's part done, the row count travelling with the first block;
-//   3. waits for every mate's parts, records the counts, and fills the rows past each count of the
-//      fields named for it (so the next kernels, which read whole regions, skip them).
-// Every wait is bounded (EPCOMM_TIMEOUT_S); a timeout or a mate whose call has another shape is
-// reported in `info` and leaves the counts at zero, so nothing downstream reads unwritten rows.
+// Rank r's mate in domain d is the rank of d with r's local index (r itself in its own domain).
+// Two buffers per rank:
+//   * slow tier, NVSHMEM symmetric: a header of signal words, then a staging and a receive area of
+//     the same shape: per field (token rows, scales, top-k ids, weights, slots) one array of
+//     num_domains x region_rows rows. Region d of the staging area holds the rows for domain d's
+//     mate; they land in region `my_domain` of that mate's receive area. Regions are cut in
+//     `chunks` chunks, each put and signalled on its own (the signal carries the call and the count).
+//   * fast tier, CUDA IPC inside the domain: a header of flags, then the rows each rank receives,
+//     per field, at their final (flat-order) positions.
+//
+// Dispatch (one launch): sender blocks put their chunks to the mates as soon as each mate has
+// entered the call; forwarder blocks take each arriving chunk and store its rows straight into the
+// final receive positions of their domain's ranks: source s's block of rank r starts at start[s][r]
+// (the flat count matrix's prefix), and a row's place in it, its slot, came with the row. So the
+// output is in the flat strategy's order (source rank, token) without a sort.
+// Combine (one launch): each rank's expert outputs are in its IPC area; forwarder blocks pull, for
+// each row they forwarded, the rows of the domain's ranks it went to, sum them in fp32 in ascending
+// rank order (the reference's order), and put each chunk's partial sums back to the source's mate
+// area; the source then sums the partials in ascending domain order (reduce_kernel).
+//
+// Every wait is bounded (EPCOMM_TIMEOUT_S); a timeout, a mate or domain peer running another
+// operation or shape, or a receive area too small is reported in `info`; the first waiter to give
+// up marks the call aborted, so the others stop waiting too.
 #include <cstdint>
 #include <cstring>
 
@@ -30,153 +40,389 @@ namespace epcomm {
 namespace interdomain {
 
 constexpr int kMaxDomains = 16;
-constexpr int kMaxFields = 6;
-constexpr int kMaxBlocksPerDomain = 16;
+constexpr int kMaxChunks = 16;      // per region
+constexpr int kMaxLocal = kMaxRanks;  // ranks per domain
+constexpr int kMaxForwarders = 160;
 constexpr int kThreads = 512;
-// Signal words at the start of the buffer: ready[D], count[D], done[D][kMaxBlocksPerDomain].
-constexpr int64_t kHeaderBytes = 8 * kMaxDomains * (2 + kMaxBlocksPerDomain);
-constexpr int kTagBits = 20;  // ready words carry (call << kTagBits) | shape tag
+constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | shape tag
+
+// Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
+// free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here).
+constexpr int64_t kSymHeaderBytes = 4096;
+static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1) <= kSymHeaderBytes, "slow-tier header");
+// Fast-tier header (IPC, int64 words): ready[L] (a domain rank entered the call), flags[L][F] (a
+// domain rank's forwarder block finished with this rank's area).
+constexpr int64_t kDomainHeaderBytes = 16384;
+static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes, "fast-tier header");
 
 // info words (host-mapped) written on an error; the Python side reads them after a sync.
-constexpr int kInfoError = 0;      // 1: timeout, 2: a mate's call has another shape
-constexpr int kInfoRanks = 1;      // [num_ranks]: 1 for each rank that did not arrive or disagreed
+constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small
+constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
 constexpr int kInfoInts = 1 + 64;
 
-struct Field {
-    int64_t offset;     // of the field's array in the staging area (the receive area's is the same + recv)
-    int64_t row_bytes;
-    int fill;           // byte written into rows past the count on receipt; -1: left as they are
-};
-
-struct ExchangeArgs {
-    uint8_t* base;      // this rank's symmetric buffer (the same address names every mate's copy)
-    int64_t recv;       // offset of the receive area from the staging area's start (kHeaderBytes)
-    int64_t region_rows;
-    Field fields[kMaxFields];
-    int num_fields;
-    const int* send_counts;  // [D] rows of each staging region to send
-    int* recv_counts;        // [D] rows received from each domain's mate (written)
-    int num_domains, my_domain, ranks_per_domain, local;
-    int64_t call;
-    int shape_tag;
-    int blocks_per_domain;
-    int* info;
-    uint64_t timeout_ns;
-};
-
-__device__ __forceinline__ int64_t* ready_word(uint8_t* base, int d) { return reinterpret_cast<int64_t*>(base) + d; }
-__device__ __forceinline__ int64_t* count_word(uint8_t* base, int d) {
-    return reinterpret_cast<int64_t*>(base) + kMaxDomains + d;
+__device__ __forceinline__ int64_t* sym_ready(uint8_t* sym, int d) { return reinterpret_cast<int64_t*>(sym) + d; }
+__device__ __forceinline__ int64_t* sym_done(uint8_t* sym, int d, int j) {
+    return reinterpret_cast<int64_t*>(sym) + kMaxDomains + d * kMaxChunks + j;
 }
-__device__ __forceinline__ int64_t* done_word(uint8_t* base, int d, int j) {
-    return reinterpret_cast<int64_t*>(base) + 2 * kMaxDomains + d * kMaxBlocksPerDomain + j;
+__device__ __forceinline__ int64_t* sym_abort(uint8_t* sym) {
+    return reinterpret_cast<int64_t*>(sym) + kMaxDomains + kMaxDomains * kMaxChunks;
+}
+__device__ __forceinline__ int64_t* dom_ready(uint8_t* buf, int i) { return reinterpret_cast<int64_t*>(buf) + i; }
+__device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
+    return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
 }
 
 __device__ void report(int* info, int code, int rank) {
-    info[kInfoRanks + rank] = 1;
+    if (rank >= 0) info[kInfoRanks + rank] = 1;
     info[kInfoError] = code;  // racing reporters each write a valid code
     __threadfence_system();
 }
 
-// Spin until `word` (written by a mate's signal) reaches `want`; false on timeout.
-__device__ bool wait_at_least(const int64_t* word, int64_t want, uint64_t timeout_ns, int64_t* seen) {
+// What every kernel of a call shares: who this rank is, the call, and how to give up.
+struct Call {
+    uint8_t* sym;  // this rank's NVSHMEM buffer (the same address names every mate's copy)
+    uint8_t* peers[kMaxLocal];  // each domain rank's IPC buffer as mapped here
+    int num_ranks, num_domains, my_domain, ranks_per_domain, local;
+    int64_t call;
+    int shape_tag;
+    int chunks, num_forwarders;
+    int* info;
+    uint64_t timeout_ns;
+    __device__ int mate(int d) const { return d * ranks_per_domain + local; }
+    __device__ int domain_rank(int i) const { return my_domain * ranks_per_domain + i; }
+    __device__ int64_t entered() const { return (call << kTagBits) | shape_tag; }
+    __device__ bool aborted() const { return ld_volatile(sym_abort(sym)) == call; }
+    // Give up the call: every other wait of this rank's stops at its next look.
+    __device__ void abort(int code, int rank) const {
+        report(info, code, rank);
+        *sym_abort(sym) = call;
+        __threadfence_system();
+    }
+};
+
+// Spin until `word` satisfies `ok`; false (after marking the call aborted, `rank` named) on timeout
+// or when another wait gave up first.
+template <typename Ok>
+__device__ bool wait_for(const Call& c, const int64_t* word, Ok ok, int rank, int64_t* seen) {
     const uint64_t start = global_timer_ns();
-    while (true) {
-        const int64_t v = ld_volatile(word);
-        if (v >= want) {
+    for (int spin = 0;; ++spin) {
+        const int64_t v = ld_acquire_sys(word);
+        if (ok(v)) {
             *seen = v;
             return true;
         }
-        if (global_timer_ns() - start > timeout_ns) return false;
-    }
-}
-
-__global__ void __launch_bounds__(kThreads, 1) exchange_kernel(ExchangeArgs a) {
-    const int d = blockIdx.x / a.blocks_per_domain, j = blockIdx.x % a.blocks_per_domain;
-    const int mate = d * a.ranks_per_domain + a.local;
-    const int tid = threadIdx.x;
-    __shared__ bool s_ok;
-    __shared__ int s_count;
-    uint8_t* stage = a.base + kHeaderBytes;
-
-    // 1. Enter the call: tell mate d, then wait for its word (its receive area is free) and check
-    //    that it runs a call of the same shape.
-    if (tid == 0) {
-        const int64_t entered = (a.call << kTagBits) | a.shape_tag;
-        if (j == 0) nvshmemx_signal_op(reinterpret_cast<uint64_t*>(ready_word(a.base, a.my_domain)),
-                                       static_cast<uint64_t>(entered), NVSHMEM_SIGNAL_SET, mate);
-        int64_t seen = 0;
-        s_ok = wait_at_least(ready_word(a.base, d), a.call << kTagBits, a.timeout_ns, &seen);
-        if (!s_ok) {
-            report(a.info, 1, mate);
-        } else if ((seen >> kTagBits) == a.call && (seen & ((1 << kTagBits) - 1)) != a.shape_tag) {
-            s_ok = false;
-            report(a.info, 2, mate);
-        }
-    }
-    __syncthreads();
-
-    // 2. Put this block's share of region d's rows into the mate's region my_domain.
-    if (s_ok) {
-        const int64_t count = a.send_counts[d];
-        const int64_t per_block = (count + a.blocks_per_domain - 1) / a.blocks_per_domain;
-        const int64_t lo = min(count, j * per_block), hi = min(count, lo + per_block);
-        if (hi > lo) {
-            for (int f = 0; f < a.num_fields; ++f) {
-                const Field& fd = a.fields[f];
-                const int64_t src = fd.offset + (d * a.region_rows + lo) * fd.row_bytes;
-                const int64_t dst = a.recv + fd.offset + (a.my_domain * a.region_rows + lo) * fd.row_bytes;
-                nvshmemx_putmem_nbi_block(stage + dst, stage + src, static_cast<size_t>((hi - lo) * fd.row_bytes),
-                                          mate);
+        if ((spin & 63) == 63) {
+            if (c.aborted()) return false;
+            if (global_timer_ns() - start > c.timeout_ns) {
+                c.abort(1, rank);
+                return false;
             }
         }
-        __syncthreads();
-        if (tid == 0) {
-            if (j == 0) nvshmemx_signal_op(reinterpret_cast<uint64_t*>(count_word(a.base, a.my_domain)),
-                                           static_cast<uint64_t>((a.call << 32) | count), NVSHMEM_SIGNAL_SET, mate);
-            nvshmem_quiet();  // the rows (and the count) are delivered before the done word
-            __threadfence_system();
-            nvshmemx_signal_op(reinterpret_cast<uint64_t*>(done_word(a.base, a.my_domain, j)),
-                               static_cast<uint64_t>(a.call), NVSHMEM_SIGNAL_SET, mate);
-        }
-    }
-
-    // 3. Wait for mate d's part j (and its first part, which carries the count).
-    if (tid == 0) {
-        int64_t seen = 0;
-        bool ok = s_ok && wait_at_least(done_word(a.base, d, j), a.call, a.timeout_ns, &seen) &&
-                  wait_at_least(done_word(a.base, d, 0), a.call, a.timeout_ns, &seen);
-        if (s_ok && !ok) report(a.info, 1, mate);
-        int count = 0;
-        if (ok) {
-            const int64_t c = ld_volatile(count_word(a.base, d));
-            count = (c >> 32) == (a.call & 0xffffffff) ? static_cast<int>(c & 0xffffffff) : 0;
-            fence_sys();  // the rows are read after the signals
-        }
-        s_count = ok ? min(static_cast<int64_t>(count), a.region_rows) : 0;
-        if (j == 0) a.recv_counts[d] = s_count;
-    }
-    __syncthreads();
-
-    // Rows past the count (all of them after an error) get the field's fill byte, this block's share.
-    const int64_t empty = a.region_rows - s_count;
-    const int64_t per_block = (empty + a.blocks_per_domain - 1) / a.blocks_per_domain;
-    const int64_t lo = s_count + min(empty, j * per_block), hi = min(a.region_rows, lo + per_block);
-    for (int f = 0; f < a.num_fields; ++f) {
-        const Field& fd = a.fields[f];
-        if (fd.fill < 0 || hi <= lo) continue;
-        uint8_t* rows = stage + a.recv + fd.offset + (d * a.region_rows + lo) * fd.row_bytes;
-        const int64_t bytes = (hi - lo) * fd.row_bytes;
-        for (int64_t i = tid; i < bytes; i += kThreads) rows[i] = static_cast<uint8_t>(fd.fill);
     }
 }
 
-// Staging (before the exchange): token t goes to staging region d, row pos[t][d], for every domain d
-// it has a destination in (flags[t][d]); pos is the exclusive prefix count of flags over tokens, so
-// each region holds its tokens in ascending order. Its top-k ids become ids of d's experts
-// (-1 where the expert is elsewhere) and its is_token_in_rank row shrinks to d's ranks. One warp
-// per token: x is read once for all its domains. Null pointers: fields not staged (a cached dispatch
-// moves x and scales only).
+// A ready word written by `rank` for this call: false (aborted) when it shows another shape.
+__device__ bool wait_entered(const Call& c, const int64_t* word, int rank) {
+    int64_t seen = 0;
+    if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call << kTagBits); }, rank, &seen)) return false;
+    if ((seen >> kTagBits) == c.call && (seen & ((1 << kTagBits) - 1)) != c.shape_tag) {
+        c.abort(2, rank);
+        return false;
+    }
+    return true;
+}
+
+// The count that came with chunk j of domain d's region for this call, or -1 (aborted).
+__device__ int wait_chunk(const Call& c, int d, int j) {
+    int64_t seen = 0;
+    if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call; }, c.mate(d), &seen))
+        return -1;
+    return static_cast<int>(seen & 0xffffffff);
+}
+
+__device__ __forceinline__ void chunk_rows(int64_t count, int chunks, int j, int64_t* lo, int64_t* hi) {
+    const int64_t per = (count + chunks - 1) / chunks;
+    *lo = min(count, j * per);
+    *hi = min(count, *lo + per);
+}
+
+// Tell every domain rank this rank entered the call (its IPC area may be written / read).
+__device__ void enter_domain(const Call& c) {
+    for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_ready(c.peers[i], c.local), c.entered());
+}
+
+// Wait until every domain rank entered the call (thread i < L waits for rank i); false: aborted.
+__device__ bool domain_entered(const Call& c) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) s_ok = 1;
+    __syncthreads();
+    if (threadIdx.x < c.ranks_per_domain &&
+        !wait_entered(c, dom_ready(c.peers[c.local], threadIdx.x), c.domain_rank(threadIdx.x)))
+        s_ok = 0;
+    __syncthreads();
+    return s_ok != 0;
+}
+
+// Forwarder block b is done with every domain rank's area: flag it there; then wait until every
+// domain rank's block b is done with this rank's (so the caller may reuse its area after the kernel).
+__device__ void leave_domain(const Call& c, int b) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_flag(c.peers[i], c.local, b), c.call);
+    }
+    if (threadIdx.x < c.ranks_per_domain) {
+        int64_t seen = 0;
+        wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v == c.call; },
+                 c.domain_rank(threadIdx.x), &seen);
+    }
+}
+
+// ------------------------------------------------------------------ dispatch
+// Slow-tier fields, in each area: token rows, scales, top-k ids (of the destination domain's
+// experts), weights, slots (per domain rank: the row's place in its block of this source there, -1).
+enum { kX, kScales, kTopk, kWeights, kSlots, kNumFields };
+// Fast-tier fields, in each rank's IPC area: token rows, scales, top-k ids (the rank's), weights.
+enum { kOutX, kOutScales, kOutTopk, kOutWeights, kNumOutFields };
+
+struct DispatchArgs {
+    Call c;
+    int64_t area, region_rows;
+    int64_t off[kNumFields];       // of each field's array in the staging area (the receive area: + area)
+    int64_t out_off[kNumOutFields];  // of each field's array in the IPC buffer
+    int64_t out_rows;              // rows each IPC area holds
+    int64_t x_bytes;
+    int num_scales, num_topk, experts_per_rank;
+    bool with_weights, fresh;      // fresh: routing travels (slots, top-k); cached: rows and scales only
+    const int* send_counts;        // [D]
+    int* recv_counts;              // [D] written
+    const int* start;              // [R, R]: where source s's block starts in rank r's output
+    int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
+};
+
+__device__ void send_chunk(const DispatchArgs& a, int d, int j) {
+    const Call& c = a.c;
+    __shared__ int s_ok;
+    uint8_t* stage = c.sym + kSymHeaderBytes;
+    if (threadIdx.x == 0) {
+        if (j == 0)
+            nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
+                               static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
+        s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d));
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    const int64_t count = a.send_counts[d];
+    int64_t lo, hi;
+    chunk_rows(count, c.chunks, j, &lo, &hi);
+    const int64_t bytes[kNumFields] = {a.x_bytes, a.num_scales * 4, a.fresh ? a.num_topk * 8 : 0,
+                                       a.fresh && a.with_weights ? a.num_topk * 4 : 0,
+                                       a.fresh ? c.ranks_per_domain * 4 : 0};
+    if (hi > lo) {
+        for (int f = 0; f < kNumFields; ++f) {
+            if (bytes[f] == 0) continue;
+            const int64_t src = a.off[f] + (d * a.region_rows + lo) * bytes[f];
+            const int64_t dst = a.area + a.off[f] + (c.my_domain * a.region_rows + lo) * bytes[f];
+            nvshmemx_putmem_nbi_block(stage + dst, stage + src, static_cast<size_t>((hi - lo) * bytes[f]), c.mate(d));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        nvshmem_quiet();  // the rows are delivered before the chunk's signal
+        __threadfence_system();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
+                           static_cast<uint64_t>((c.call << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
+    }
+}
+
+// Forward the rows of chunk j of region d (source s = d's mate of this rank) to the domain's ranks.
+__device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
+    const Call& c = a.c;
+    __shared__ int s_count;
+    if (threadIdx.x == 0) {
+        s_count = wait_chunk(c, d, j);
+        if (j == 0 && s_count >= 0) a.recv_counts[d] = s_count;
+    }
+    __syncthreads();
+    if (s_count < 0) return;
+    int64_t lo, hi;
+    chunk_rows(s_count, c.chunks, j, &lo, &hi);
+    const uint8_t* recv = c.sym + kSymHeaderBytes + a.area;
+    const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
+    const int s = c.mate(d);
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    for (int64_t p = lo + warp; p < hi; p += num_warps) {
+        const int64_t q = d * a.region_rows + p;
+        int slot_lane = -1;
+        if (lane < L) {
+            if (a.fresh) {
+                slot_lane = reinterpret_cast<const int*>(recv + a.off[kSlots] + q * L * 4)[lane];
+                a.slots[q * L + lane] = slot_lane;
+            } else {
+                slot_lane = a.slots[q * L + lane];
+            }
+        }
+        const int4* x = reinterpret_cast<const int4*>(recv + a.off[kX] + q * a.x_bytes);
+        for (int i = 0; i < L; ++i) {
+            const int slot = __shfl_sync(kFullMask, slot_lane, i);
+            if (slot < 0) continue;
+            const int r = c.domain_rank(i);
+            const int64_t pos = static_cast<int64_t>(a.start[s * R + r]) + slot;
+            if (pos >= a.out_rows) {
+                if (lane == 0) c.abort(3, r);
+                continue;
+            }
+            uint8_t* out = c.peers[i] + kDomainHeaderBytes;
+            warp_copy_int4(reinterpret_cast<int4*>(out + a.out_off[kOutX] + pos * a.x_bytes), x,
+                           static_cast<int>(a.x_bytes / 16), lane);
+            if (a.num_scales > 0) {
+                const int* src = reinterpret_cast<const int*>(recv + a.off[kScales] + q * a.num_scales * 4);
+                int* dst = reinterpret_cast<int*>(out + a.out_off[kOutScales] + pos * a.num_scales * 4);
+                for (int k = lane; k < a.num_scales; k += kWarpSize) dst[k] = src[k];
+            }
+            if (a.fresh && lane < K) {  // the domain's expert ids become rank r's (-1: another rank's)
+                const int64_t e = reinterpret_cast<const int64_t*>(recv + a.off[kTopk] + q * K * 8)[lane];
+                const int64_t first = static_cast<int64_t>(i) * a.experts_per_rank;
+                const bool mine = e >= first && e < first + a.experts_per_rank;
+                reinterpret_cast<int64_t*>(out + a.out_off[kOutTopk] + pos * K * 8)[lane] = mine ? e - first : -1;
+                if (a.with_weights) {
+                    const float w = reinterpret_cast<const float*>(recv + a.off[kWeights] + q * K * 4)[lane];
+                    reinterpret_cast<float*>(out + a.out_off[kOutWeights] + pos * K * 4)[lane] = mine ? w : 0.f;
+                }
+            }
+        }
+    }
+    __syncthreads();  // s_count is reused by the block's next chunk
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+    const Call& c = a.c;
+    const int num_senders = c.num_domains * c.chunks;
+    if (static_cast<int>(blockIdx.x) < num_senders) {
+        send_chunk(a, blockIdx.x / c.chunks, blockIdx.x % c.chunks);
+        return;
+    }
+    const int b = blockIdx.x - num_senders;
+    if (b == 0 && threadIdx.x == 0) enter_domain(c);
+    if (domain_entered(c)) {
+        for (int k = b; k < num_senders; k += c.num_forwarders) forward_chunk(a, k / c.chunks, k % c.chunks);
+    }
+    leave_domain(c, b);
+}
+
+// ------------------------------------------------------------------ combine
+struct CombineArgs {
+    Call c;
+    int64_t area, region_rows;
+    int64_t off_partial, off_partial_weights;  // in the staging area (the receive area: + area)
+    int64_t in_off_y, in_off_weights;          // in the IPC buffer: this call's expert outputs and weights
+    int hidden, num_topk;
+    const int* counts;  // [D] rows of each region the dispatch forwarded (from its recv_counts)
+    const int* start;
+    const int* slots;
+};
+
+// Sum, for each row of chunk j of region d, what the domain's ranks return for it, and put the
+// chunk's partial sums back to the source's mate area.
+__device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
+    const Call& c = a.c;
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d));  // its receive area is free
+    const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks, H = a.hidden;
+    const int s = c.mate(d);
+    const int64_t count = a.counts[d];
+    int64_t lo, hi;
+    chunk_rows(count, c.chunks, j, &lo, &hi);
+    uint8_t* stage = c.sym + kSymHeaderBytes;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    for (int64_t p = lo + warp; p < hi; p += num_warps) {
+        const int64_t q = d * a.region_rows + p;
+        const int slot_lane = lane < L ? a.slots[q * L + lane] : -1;
+        const int4* rows[kMaxLocal];
+        const float* weights[kMaxLocal];
+#pragma unroll
+        for (int i = 0; i < kMaxLocal; ++i) {
+            const int slot = __shfl_sync(kFullMask, slot_lane, i);
+            rows[i] = nullptr;
+            weights[i] = nullptr;
+            if (i >= L || slot < 0) continue;
+            const int64_t pos = static_cast<int64_t>(a.start[s * R + c.domain_rank(i)]) + slot;
+            const uint8_t* in = c.peers[i] + kDomainHeaderBytes;
+            rows[i] = reinterpret_cast<const int4*>(in + a.in_off_y + pos * H * 2);
+            if (K > 0) weights[i] = reinterpret_cast<const float*>(in + a.in_off_weights + pos * K * 4);
+        }
+        float4* partial = reinterpret_cast<float4*>(stage + a.off_partial + q * H * 4);
+        for (int k = lane; k < H / 8; k += kWarpSize) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < kMaxLocal; ++i) {
+                if (rows[i] == nullptr) continue;
+                const int4 v = rows[i][k];
+                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const float2 f = __bfloat1622float2(h[u]);
+                    acc[2 * u] += f.x;
+                    acc[2 * u + 1] += f.y;
+                }
+            }
+            partial[2 * k] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            partial[2 * k + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        }
+        if (lane < K) {
+            float acc = 0.f;
+#pragma unroll
+            for (int i = 0; i < kMaxLocal; ++i)
+                if (weights[i] != nullptr) acc += weights[i][lane];
+            reinterpret_cast<float*>(stage + a.off_partial_weights + q * K * 4)[lane] = acc;
+        }
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    if (hi > lo) {
+        const int64_t rows_at = (c.my_domain * a.region_rows + lo), rows_from = d * a.region_rows + lo;
+        nvshmemx_putmem_nbi_block(stage + a.area + a.off_partial + rows_at * H * 4, stage + a.off_partial +
+                                  rows_from * H * 4, static_cast<size_t>((hi - lo) * H * 4), c.mate(d));
+        if (K > 0)
+            nvshmemx_putmem_nbi_block(stage + a.area + a.off_partial_weights + rows_at * K * 4,
+                                      stage + a.off_partial_weights + rows_from * K * 4,
+                                      static_cast<size_t>((hi - lo) * K * 4), c.mate(d));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        nvshmem_quiet();
+        __threadfence_system();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
+                           static_cast<uint64_t>((c.call << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
+    }
+    __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
+    const Call& c = a.c;
+    const int b = blockIdx.x, num_chunks = c.num_domains * c.chunks;
+    if (b == 0 && threadIdx.x == 0) {
+        enter_domain(c);  // this rank's expert outputs are in its IPC area
+        for (int d = 0; d < c.num_domains; ++d)  // its receive area is free for the partial sums
+            nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
+                               static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
+    }
+    if (domain_entered(c)) {
+        for (int k = b; k < num_chunks; k += c.num_forwarders) reduce_chunk(a, k / c.chunks, k % c.chunks);
+    }
+    leave_domain(c, b);  // no domain rank reads this rank's expert outputs any more
+    // The partial sums of this rank's tokens have arrived (the blocks share the chunks to wait for).
+    if (threadIdx.x == 0)
+        for (int k = b; k < num_chunks; k += c.num_forwarders)
+            if (!c.aborted()) wait_chunk(c, k / c.chunks, k % c.chunks);
+}
+
+// Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
+// domain d it has a destination in (flags[t][d]); pos is the exclusive prefix count of flags over
+// tokens, so each region holds its tokens in ascending order. Its top-k ids become ids of d's
+// experts (-1 where the expert is elsewhere), and its slots (the token's index among this rank's
+// tokens to each rank, -1 if not sent there) shrink to d's ranks. One warp per token: x is read once
+// for all its domains. Null pointers: fields not staged (a cached dispatch moves x and scales only).
 struct StageArgs {
     const uint8_t* x;
     int64_t x_bytes;
@@ -186,13 +432,13 @@ struct StageArgs {
     const int64_t* topk_idx;
     const float* weights;
     int num_topk;
-    const bool* in_rank;    // [T, num_domains * ranks_per_domain]
+    const int* slots;       // [T, num_domains * ranks_per_domain]
     const bool* flags;      // [T, D]
     const int* pos;         // [T, D]
     int num_tokens, num_domains, ranks_per_domain, experts_per_domain;
     uint8_t* stage;
     int64_t region_rows;
-    int64_t off_x, off_scales, off_topk, off_weights, off_in_rank;
+    int64_t off_x, off_scales, off_topk, off_weights, off_slots;
 };
 
 __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
@@ -222,14 +468,14 @@ __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
                     reinterpret_cast<float*>(a.stage + a.off_weights + row * K * 4)[lane] =
                         a.weights[static_cast<int64_t>(t) * K + lane];
             }
-            if (a.in_rank != nullptr && lane < L)
-                reinterpret_cast<bool*>(a.stage + a.off_in_rank + row * L)[lane] =
-                    a.in_rank[static_cast<int64_t>(t) * D * L + d * L + lane];
+            if (a.slots != nullptr && lane < L)
+                reinterpret_cast<int*>(a.stage + a.off_slots + row * L * 4)[lane] =
+                    a.slots[static_cast<int64_t>(t) * D * L + d * L + lane];
         }
     }
 }
 
-// The source's sum after the combine's exchange: token t adds, in fp32 and ascending domain
+// The source's sum after the combine kernel: token t adds, in fp32 and ascending domain
 // order, the partial sum each of its domains returned (region d, row pos[t][d] of the receive
 // area), then the biases, and rounds to bf16 once: the reference backend's order.
 struct ReduceArgs {
@@ -298,41 +544,86 @@ int epcomm_interdomain_constant(const char* name) {
     const struct {
         const char* name;
         int value;
-    } entries[] = {{"header_bytes", static_cast<int>(kHeaderBytes)}, {"max_domains", kMaxDomains},
-                   {"max_fields", kMaxFields}, {"max_blocks_per_domain", kMaxBlocksPerDomain},
-                   {"info_ints", kInfoInts}, {"tag_bits", kTagBits}};
+    } entries[] = {{"sym_header_bytes", static_cast<int>(kSymHeaderBytes)},
+                   {"domain_header_bytes", static_cast<int>(kDomainHeaderBytes)},
+                   {"max_domains", kMaxDomains}, {"max_chunks", kMaxChunks}, {"max_local", kMaxLocal},
+                   {"max_forwarders", kMaxForwarders}, {"info_ints", kInfoInts}, {"tag_bits", kTagBits}};
     for (const auto& e : entries)
         if (std::strcmp(e.name, name) == 0) return e.value;
     return -1;
 }
 
-// fields: num_fields x (offset, row_bytes, fill) as int64.
-int epcomm_interdomain_exchange(void* base, int64_t recv, int64_t region_rows, const int64_t* fields, int num_fields,
-                                const int* send_counts, int* recv_counts, int num_domains, int my_domain,
-                                int ranks_per_domain, int local, int64_t call, int shape_tag, int blocks_per_domain,
-                                int* info, uint64_t timeout_ns, cudaStream_t stream) {
-    if (num_domains < 1 || num_domains > kMaxDomains || num_fields < 1 || num_fields > kMaxFields ||
-        blocks_per_domain < 1 || blocks_per_domain > kMaxBlocksPerDomain)
+// The call's common part, from `call_params`: sym, num_ranks, num_domains, my_domain,
+// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns; `peers`: each
+// domain rank's IPC buffer.
+static int make_call(const int64_t* p, const uint64_t* peers, int* info, Call* c) {
+    c->sym = reinterpret_cast<uint8_t*>(p[0]);
+    c->num_ranks = static_cast<int>(p[1]);
+    c->num_domains = static_cast<int>(p[2]);
+    c->my_domain = static_cast<int>(p[3]);
+    c->ranks_per_domain = static_cast<int>(p[4]);
+    c->local = static_cast<int>(p[5]);
+    c->call = p[6];
+    c->shape_tag = static_cast<int>(p[7] & ((1 << kTagBits) - 1));
+    c->chunks = static_cast<int>(p[8]);
+    c->num_forwarders = static_cast<int>(p[9]);
+    c->timeout_ns = static_cast<uint64_t>(p[10]);
+    c->info = info;
+    if (c->num_domains < 1 || c->num_domains > kMaxDomains || c->ranks_per_domain < 1 ||
+        c->ranks_per_domain > kMaxLocal || c->chunks < 1 || c->chunks > kMaxChunks || c->num_forwarders < 1 ||
+        c->num_forwarders > kMaxForwarders || c->num_ranks > 64)
         return static_cast<int>(cudaErrorInvalidValue);
-    ExchangeArgs a{};
-    a.base = static_cast<uint8_t*>(base);
-    a.recv = recv;
-    a.region_rows = region_rows;
-    for (int f = 0; f < num_fields; ++f)
-        a.fields[f] = Field{fields[3 * f], fields[3 * f + 1], static_cast<int>(fields[3 * f + 2])};
-    a.num_fields = num_fields;
+    for (int i = 0; i < c->ranks_per_domain; ++i) c->peers[i] = reinterpret_cast<uint8_t*>(peers[i]);
+    return 0;
+}
+
+// params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
+// experts_per_rank, with_weights, fresh.
+int epcomm_interdomain_dispatch(const int64_t* call_params, const uint64_t* peers, const int64_t* params,
+                                const int* send_counts, int* recv_counts, const int* start, int* slots, int* info,
+                                cudaStream_t stream) {
+    DispatchArgs a{};
+    const int status = make_call(call_params, peers, info, &a.c);
+    if (status != 0) return status;
+    a.area = params[0];
+    a.region_rows = params[1];
+    for (int f = 0; f < kNumFields; ++f) a.off[f] = params[2 + f];
+    for (int f = 0; f < kNumOutFields; ++f) a.out_off[f] = params[7 + f];
+    a.out_rows = params[11];
+    a.x_bytes = params[12];
+    a.num_scales = static_cast<int>(params[13]);
+    a.num_topk = static_cast<int>(params[14]);
+    a.experts_per_rank = static_cast<int>(params[15]);
+    a.with_weights = params[16] != 0;
+    a.fresh = params[17] != 0;
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
-    a.num_domains = num_domains;
-    a.my_domain = my_domain;
-    a.ranks_per_domain = ranks_per_domain;
-    a.local = local;
-    a.call = call;
-    a.shape_tag = shape_tag & ((1 << kTagBits) - 1);
-    a.blocks_per_domain = blocks_per_domain;
-    a.info = info;
-    a.timeout_ns = timeout_ns;
-    exchange_kernel<<<num_domains * blocks_per_domain, kThreads, 0, stream>>>(a);
+    a.start = start;
+    a.slots = slots;
+    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
+    dispatch_kernel<<<a.c.num_domains * a.c.chunks + a.c.num_forwarders, kThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// params: area, region_rows, off_partial, off_partial_weights, in_off_y, in_off_weights, hidden, num_topk.
+int epcomm_interdomain_combine(const int64_t* call_params, const uint64_t* peers, const int64_t* params,
+                               const int* counts, const int* start, const int* slots, int* info, cudaStream_t stream) {
+    CombineArgs a{};
+    const int status = make_call(call_params, peers, info, &a.c);
+    if (status != 0) return status;
+    a.area = params[0];
+    a.region_rows = params[1];
+    a.off_partial = params[2];
+    a.off_partial_weights = params[3];
+    a.in_off_y = params[4];
+    a.in_off_weights = params[5];
+    a.hidden = static_cast<int>(params[6]);
+    a.num_topk = static_cast<int>(params[7]);
+    a.counts = counts;
+    a.start = start;
+    a.slots = slots;
+    if (a.hidden % 8 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
+    combine_kernel<<<a.c.num_forwarders, kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -340,7 +631,7 @@ static int grid_for(int num_tokens) { return num_tokens > 0 ? (num_tokens + 7) /
 
 int epcomm_interdomain_stage(const void* x, int64_t x_bytes, const void* scales, int num_scales, int64_t scale_stride0,
                              int64_t scale_stride1, const int64_t* topk_idx, const float* weights, int num_topk,
-                             const bool* in_rank, const bool* flags, const int* pos, int num_tokens, int num_domains,
+                             const int* slots, const bool* flags, const int* pos, int num_tokens, int num_domains,
                              int ranks_per_domain, int experts_per_domain, void* stage, int64_t region_rows,
                              const int64_t* offsets, cudaStream_t stream) {
     if (num_tokens == 0) return 0;
@@ -355,7 +646,7 @@ int epcomm_interdomain_stage(const void* x, int64_t x_bytes, const void* scales,
     a.topk_idx = topk_idx;
     a.weights = weights;
     a.num_topk = num_topk;
-    a.in_rank = in_rank;
+    a.slots = slots;
     a.flags = flags;
     a.pos = pos;
     a.num_tokens = num_tokens;
@@ -368,7 +659,7 @@ int epcomm_interdomain_stage(const void* x, int64_t x_bytes, const void* scales,
     a.off_scales = offsets[1];
     a.off_topk = offsets[2];
     a.off_weights = offsets[3];
-    a.off_in_rank = offsets[4];
+    a.off_slots = offsets[4];
     stage_kernel<<<grid_for(num_tokens), 256, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
