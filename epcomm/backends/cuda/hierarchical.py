@@ -89,7 +89,7 @@ def rdma_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks
     rows = (num_ranks // ranks_per_domain) * max(num_tokens, 1)
     area = max(_offsets(dispatch_fields(hidden * element_size, num_scales, num_topk, True, ranks_per_domain, True),
                         rows)[1], _offsets(combine_fields(hidden, num_topk), rows)[1])
-    return _SYM_HEADER + 2 * area
+    return _SYM_HEADER + 2 * (area + _ALIGN * 5)  # room for each field's alignment (_fit_rows)
 
 
 def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_topk: int = 0,
@@ -97,8 +97,9 @@ def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_t
     """num_nvl_bytes a hierarchical Buffer on the CUDA backend needs when a rank receives up to
     ``num_recv_tokens`` rows (at most num_tokens x num_ranks)."""
     rows = max(num_recv_tokens, 1)
-    return _DOMAIN_HEADER + max(_offsets([hidden * element_size, num_scales * 4, num_topk * 8, num_topk * 4], rows)[1],
-                                _offsets([hidden * 2, num_topk * 4], rows)[1])
+    return _DOMAIN_HEADER + _ALIGN * 4 + max(
+        _offsets([hidden * element_size, num_scales * 4, num_topk * 8, num_topk * 4], rows)[1],
+        _offsets([hidden * 2, num_topk * 4], rows)[1])
 
 
 _domain_groups: dict[tuple, dist.ProcessGroup] = {}
@@ -343,10 +344,13 @@ class CudaHierarchical:
         region_rows = st["region_rows"]
         rows = x.shape[0]
         row2 = [hidden * 2, num_topk * 4]
-        if rows > _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER):
+        # Laid out for the area's capacity, not this rank's rows: the forwarders of the other ranks
+        # compute the same offsets.
+        in_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
+        if rows > in_rows:
             raise ValueError(f"epcomm combine (hierarchical): {rows} rows do not fit num_nvl_bytes="
                              f"{self.shared.num_bytes}")
-        off2, _ = _offsets(row2, rows)
+        off2, _ = _offsets(row2, in_rows)
         # This rank's expert outputs go into its IPC area, where the forwarders read them.
         self._nvl_view(off2[0], rows, hidden * 2).view(torch.bfloat16).copy_(x)
         if num_topk:
