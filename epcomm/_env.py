@@ -21,6 +21,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_LL_TRANSPORT": ("auto", "CUDA low-latency mode: ipc (CUDA IPC, one host), nvshmem (NVSHMEM symmetric "
                                     "heap; NVLink peers still get direct stores) or auto (ipc on one host, else "
                                     "nvshmem)"),
+    "EPCOMM_HIER_TRANSPORT": ("auto", "CUDA hierarchical mode, between domains: auto (NVSHMEM puts; direct stores "
+                                      "to a mate NVSHMEM maps over NVLink) or put (NVSHMEM puts to every mate: the "
+                                      "path to other hosts, tested on one)"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -58,6 +61,13 @@ def ll_transport() -> str:
     value = env_str("EPCOMM_LL_TRANSPORT")
     if value not in ("auto", "ipc", "nvshmem"):
         raise ValueError(f"EPCOMM_LL_TRANSPORT must be auto, ipc or nvshmem, got {value!r}")
+    return value
+
+
+def hier_transport() -> str:
+    value = env_str("EPCOMM_HIER_TRANSPORT")
+    if value not in ("auto", "put"):
+        raise ValueError(f"EPCOMM_HIER_TRANSPORT must be auto or put, got {value!r}")
     return value
 
 

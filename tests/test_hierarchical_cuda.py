@@ -26,12 +26,16 @@ NVL = 64 << 20
 HIDDEN, NUM_TOPK = 256, 4
 
 
-def _buffers(ranks_per_domain: int, num_tokens: int):
+def _buffers(ranks_per_domain: int, num_tokens: int, transport: str):
     num_ranks = dist.get_world_size()
     rdma = rdma_bytes_needed(num_tokens, HIDDEN, 2, num_ranks, ranks_per_domain, NUM_TOPK, HIDDEN // 128)
-    with env_var("EPCOMM_RANKS_PER_DOMAIN", ranks_per_domain):
+    with env_var("EPCOMM_RANKS_PER_DOMAIN", ranks_per_domain), env_var("EPCOMM_HIER_TRANSPORT", transport):
         ref = Buffer(dist.group.WORLD, NVL, backend="reference", strategy="hierarchical")
         cuda = Buffer(dist.group.WORLD, NVL, rdma, backend="cuda", strategy="hierarchical")
+    others = set(range(num_ranks // ranks_per_domain)) - {dist.get_rank() // ranks_per_domain}
+    # "put": every other domain's mate through NVSHMEM puts (the path to other hosts); "auto" on one
+    # host: direct stores to the mates NVLink maps.
+    assert set(cuda._cuda.put_domains) == (others if transport == "put" else set()), cuda._cuda.put_domains
     return ref, cuda
 
 
@@ -59,10 +63,10 @@ def _round_trip(buf: Buffer, x, idx, w, num_experts: int, fp8: bool, col_major: 
     return (recv_x, recv_idx, recv_w, expert_list, cached, combined, combined_w), rows, per_domain
 
 
-def rank_cuda_vs_reference(ranks_per_domain: int):
+def rank_cuda_vs_reference(ranks_per_domain: int, transport: str):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     num_experts = 4 * num_ranks
-    ref, cuda = _buffers(ranks_per_domain, 64)
+    ref, cuda = _buffers(ranks_per_domain, 64, transport)
     cases = [*CASES, ([48, 21], "random", True, 0, True, 6)]  # col-major scales (below)
     for i, (tokens, routing, fp8, worst, with_bias, seed) in enumerate(cases):
         col_major = i == len(cases) - 1
@@ -91,11 +95,11 @@ def rank_cuda_vs_reference(ranks_per_domain: int):
     cuda.destroy()
 
 
-def rank_graph_replay(ranks_per_domain: int):
+def rank_graph_replay(ranks_per_domain: int, transport: str):
     """num_worst_tokens: dispatch + combine captured once, replayed with new routing and data."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     num_experts, num_tokens = 4 * num_ranks, 32
-    ref, cuda = _buffers(ranks_per_domain, num_tokens)
+    ref, cuda = _buffers(ranks_per_domain, num_tokens, transport)
     worst = num_tokens * num_ranks
     x, idx, w = _inputs(11, num_tokens, HIDDEN, num_experts, NUM_TOPK, "random", ranks_per_domain)
     static = {"x": x.clone(), "idx": idx.clone(), "w": w.clone()}
@@ -139,10 +143,11 @@ def _split(ranks: int, ranks_per_domain: int) -> None:
         pytest.skip(f"needs {ranks} GPUs")
 
 
-@pytest.mark.parametrize("ranks, ranks_per_domain", [(2, 1), (2, 2), (4, 2), (4, 1), (8, 4), (8, 2)],
-                         ids=["2x1", "1x2", "2x2", "4x1", "2x4", "4x2"])
-def test_hierarchical_cuda_matches_reference(ranks, ranks_per_domain):
+@pytest.mark.parametrize("ranks, ranks_per_domain, transport", [
+    (2, 1, "auto"), (2, 1, "put"), (2, 2, "auto"), (4, 2, "auto"), (4, 2, "put"), (4, 1, "auto"), (8, 4, "auto"),
+    (8, 4, "put"), (8, 2, "auto")], ids=["2x1", "2x1-put", "1x2", "2x2", "2x2-put", "4x1", "2x4", "2x4-put", "4x2"])
+def test_hierarchical_cuda_matches_reference(ranks, ranks_per_domain, transport):
     _split(ranks, ranks_per_domain)
     with _fresh(ranks) as c:
-        c.run(rank_cuda_vs_reference, ranks_per_domain, timeout_s=400)
-        c.run(rank_graph_replay, ranks_per_domain, timeout_s=200)
+        c.run(rank_cuda_vs_reference, ranks_per_domain, transport, timeout_s=400)
+        c.run(rank_graph_replay, ranks_per_domain, transport, timeout_s=200)

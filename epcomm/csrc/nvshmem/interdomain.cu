@@ -82,6 +82,7 @@ __device__ void report(int* info, int code, int rank) {
 struct Call {
     uint8_t* sym;  // this rank's NVSHMEM buffer (the same address names every mate's copy)
     uint8_t* peers[kMaxLocal];  // each domain rank's IPC buffer as mapped here
+    uint8_t* mates[kMaxDomains];  // each mate's NVSHMEM buffer where NVLink maps it here (stores), else null (puts)
     int num_ranks, num_domains, my_domain, ranks_per_domain, local;
     int64_t call;
     int shape_tag;
@@ -146,6 +147,52 @@ __device__ __forceinline__ void chunk_rows(int64_t count, int chunks, int j, int
     *hi = min(count, *lo + per);
 }
 
+// The block copies `bytes` (a multiple of 4) from src to dst, a mapped peer's memory: 16-byte words
+// with several loads in flight per thread where both ends allow (NVLink bandwidth per SM is bytes in
+// flight / latency), 4-byte words otherwise.
+__device__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t bytes) {
+    constexpr int kUnroll = 4;
+    if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 16 == 0) {
+        int4* d = reinterpret_cast<int4*>(dst);
+        const int4* s = reinterpret_cast<const int4*>(src);
+        const int64_t n = bytes / 16;
+        for (int64_t i = threadIdx.x; i < n; i += kUnroll * kThreads) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * kThreads < n) v[u] = s[i + u * kThreads];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * kThreads < n) d[i + u * kThreads] = v[u];
+        }
+        return;
+    }
+    int* d = reinterpret_cast<int*>(dst);
+    const int* s = reinterpret_cast<const int*>(src);
+    for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) d[i] = s[i];
+}
+
+// Move `bytes` of this rank's NVSHMEM buffer at `offset` to mate d's buffer at `dst_offset`: stores
+// into its mapping, or a put. The caller completes them (finish_to_mate) before signalling.
+__device__ void copy_to_mate(const Call& c, int d, int64_t dst_offset, int64_t offset, int64_t bytes) {
+    if (bytes <= 0) return;
+    if (c.mates[d] != nullptr)
+        block_copy(c.mates[d] + dst_offset, c.sym + offset, bytes);
+    else
+        nvshmemx_putmem_nbi_block(c.sym + dst_offset, c.sym + offset, static_cast<size_t>(bytes), c.mate(d));
+}
+
+// After the block's copy_to_mate calls: they are delivered, then the chunk's done word is set there.
+__device__ void finish_to_mate(const Call& c, int d, int j, int64_t count) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (c.mates[d] == nullptr) nvshmem_quiet();
+        __threadfence_system();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
+                           static_cast<uint64_t>((c.call << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
+    }
+}
+
 // Tell every domain rank this rank entered the call (its IPC area may be written / read).
 __device__ void enter_domain(const Call& c) {
     for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_ready(c.peers[i], c.local), c.entered());
@@ -200,10 +247,11 @@ struct DispatchArgs {
     int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
 };
 
+// Sender block for chunk j of region d (another domain): once the mate has entered the call, its
+// rows go to the mate's receive area, then the chunk's signal (with the region's count).
 __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_ok;
-    uint8_t* stage = c.sym + kSymHeaderBytes;
     if (threadIdx.x == 0) {
         if (j == 0)
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
@@ -218,36 +266,29 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
     const int64_t bytes[kNumFields] = {a.x_bytes, a.num_scales * 4, a.fresh ? a.num_topk * 8 : 0,
                                        a.fresh && a.with_weights ? a.num_topk * 4 : 0,
                                        a.fresh ? c.ranks_per_domain * 4 : 0};
-    if (hi > lo) {
-        for (int f = 0; f < kNumFields; ++f) {
-            if (bytes[f] == 0) continue;
-            const int64_t src = a.off[f] + (d * a.region_rows + lo) * bytes[f];
-            const int64_t dst = a.area + a.off[f] + (c.my_domain * a.region_rows + lo) * bytes[f];
-            nvshmemx_putmem_nbi_block(stage + dst, stage + src, static_cast<size_t>((hi - lo) * bytes[f]), c.mate(d));
-        }
+    for (int f = 0; f < kNumFields; ++f) {
+        if (bytes[f] == 0 || hi <= lo) continue;
+        const int64_t src = kSymHeaderBytes + a.off[f] + (d * a.region_rows + lo) * bytes[f];
+        const int64_t dst = kSymHeaderBytes + a.area + a.off[f] + (c.my_domain * a.region_rows + lo) * bytes[f];
+        copy_to_mate(c, d, dst, src, (hi - lo) * bytes[f]);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        nvshmem_quiet();  // the rows are delivered before the chunk's signal
-        __threadfence_system();
-        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
-                           static_cast<uint64_t>((c.call << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
-    }
+    finish_to_mate(c, d, j, count);
 }
 
 // Forward the rows of chunk j of region d (source s = d's mate of this rank) to the domain's ranks.
 __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_count;
+    const bool own = d == c.my_domain;  // this rank's own tokens: read where they were staged
     if (threadIdx.x == 0) {
-        s_count = wait_chunk(c, d, j);
+        s_count = own ? a.send_counts[d] : wait_chunk(c, d, j);
         if (j == 0 && s_count >= 0) a.recv_counts[d] = s_count;
     }
     __syncthreads();
     if (s_count < 0) return;
     int64_t lo, hi;
     chunk_rows(s_count, c.chunks, j, &lo, &hi);
-    const uint8_t* recv = c.sym + kSymHeaderBytes + a.area;
+    const uint8_t* recv = c.sym + kSymHeaderBytes + (own ? 0 : a.area);
     const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
     const int s = c.mate(d);
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
@@ -295,17 +336,21 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     __syncthreads();  // s_count is reused by the block's next chunk
 }
 
+// Blocks [0, (D - 1) x chunks) send a chunk of another domain's region each; the others forward
+// every region's chunks (this rank's own region straight from its staging area).
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
     const Call& c = a.c;
-    const int num_senders = c.num_domains * c.chunks;
+    const int num_senders = (c.num_domains - 1) * c.chunks;
     if (static_cast<int>(blockIdx.x) < num_senders) {
-        send_chunk(a, blockIdx.x / c.chunks, blockIdx.x % c.chunks);
+        const int other = blockIdx.x / c.chunks;
+        send_chunk(a, other < c.my_domain ? other : other + 1, blockIdx.x % c.chunks);
         return;
     }
     const int b = blockIdx.x - num_senders;
     if (b == 0 && threadIdx.x == 0) enter_domain(c);
     if (domain_entered(c)) {
-        for (int k = b; k < num_senders; k += c.num_forwarders) forward_chunk(a, k / c.chunks, k % c.chunks);
+        const int num_chunks = c.num_domains * c.chunks;
+        for (int k = b; k < num_chunks; k += c.num_forwarders) forward_chunk(a, k / c.chunks, k % c.chunks);
     }
     leave_domain(c, b);
 }
@@ -322,21 +367,29 @@ struct CombineArgs {
     const int* slots;
 };
 
-// Sum, for each row of chunk j of region d, what the domain's ranks return for it, and put the
-// chunk's partial sums back to the source's mate area.
+// Sum, for each row of chunk j of region d, what the domain's ranks return for it, and send the
+// chunk's partial sums to the source's mate area: written there directly when the mate is this rank
+// or mapped, else staged and put.
 __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_ok;
-    if (threadIdx.x == 0) s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d));  // its receive area is free
+    const bool own = d == c.my_domain, direct = own || c.mates[d] != nullptr;
+    if (threadIdx.x == 0) s_ok = own || wait_entered(c, sym_ready(c.sym, d), c.mate(d));  // its area is free
+    __syncthreads();
+    if (!s_ok) return;
     const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks, H = a.hidden;
     const int s = c.mate(d);
     const int64_t count = a.counts[d];
     int64_t lo, hi;
     chunk_rows(count, c.chunks, j, &lo, &hi);
-    uint8_t* stage = c.sym + kSymHeaderBytes;
+    // Where the partial sums go: row my_domain x region_rows + p of the mate's receive area, or row
+    // d x region_rows + p of this rank's staging area.
+    uint8_t* dst_base = own ? c.sym + kSymHeaderBytes + a.area
+                            : (direct ? c.mates[d] + kSymHeaderBytes + a.area : c.sym + kSymHeaderBytes);
+    const int64_t dst_region = direct ? c.my_domain : d;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
-        const int64_t q = d * a.region_rows + p;
+        const int64_t q = d * a.region_rows + p, q_dst = dst_region * a.region_rows + p;
         const int slot_lane = lane < L ? a.slots[q * L + lane] : -1;
         const int4* rows[kMaxLocal];
         const float* weights[kMaxLocal];
@@ -351,7 +404,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
             rows[i] = reinterpret_cast<const int4*>(in + a.in_off_y + pos * H * 2);
             if (K > 0) weights[i] = reinterpret_cast<const float*>(in + a.in_off_weights + pos * K * 4);
         }
-        float4* partial = reinterpret_cast<float4*>(stage + a.off_partial + q * H * 4);
+        float4* partial = reinterpret_cast<float4*>(dst_base + a.off_partial + q_dst * H * 4);
         for (int k = lane; k < H / 8; k += kWarpSize) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -374,27 +427,22 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
 #pragma unroll
             for (int i = 0; i < kMaxLocal; ++i)
                 if (weights[i] != nullptr) acc += weights[i][lane];
-            reinterpret_cast<float*>(stage + a.off_partial_weights + q * K * 4)[lane] = acc;
+            reinterpret_cast<float*>(dst_base + a.off_partial_weights + q_dst * K * 4)[lane] = acc;
         }
     }
-    __syncthreads();
-    if (!s_ok) return;
-    if (hi > lo) {
-        const int64_t rows_at = (c.my_domain * a.region_rows + lo), rows_from = d * a.region_rows + lo;
-        nvshmemx_putmem_nbi_block(stage + a.area + a.off_partial + rows_at * H * 4, stage + a.off_partial +
-                                  rows_from * H * 4, static_cast<size_t>((hi - lo) * H * 4), c.mate(d));
-        if (K > 0)
-            nvshmemx_putmem_nbi_block(stage + a.area + a.off_partial_weights + rows_at * K * 4,
-                                      stage + a.off_partial_weights + rows_from * K * 4,
-                                      static_cast<size_t>((hi - lo) * K * 4), c.mate(d));
+    if (own) {
+        __syncthreads();  // s_ok is reused by the block's next chunk
+        return;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        nvshmem_quiet();
-        __threadfence_system();
-        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
-                           static_cast<uint64_t>((c.call << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
+    if (!direct) {
+        __syncthreads();
+        const int64_t at = c.my_domain * a.region_rows + lo, from = d * a.region_rows + lo;
+        copy_to_mate(c, d, kSymHeaderBytes + a.area + a.off_partial + at * H * 4,
+                     kSymHeaderBytes + a.off_partial + from * H * 4, (hi - lo) * H * 4);
+        copy_to_mate(c, d, kSymHeaderBytes + a.area + a.off_partial_weights + at * K * 4,
+                     kSymHeaderBytes + a.off_partial_weights + from * K * 4, (hi - lo) * K * 4);
     }
+    finish_to_mate(c, d, j, count);
     __syncthreads();
 }
 
@@ -411,10 +459,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
         for (int k = b; k < num_chunks; k += c.num_forwarders) reduce_chunk(a, k / c.chunks, k % c.chunks);
     }
     leave_domain(c, b);  // no domain rank reads this rank's expert outputs any more
-    // The partial sums of this rank's tokens have arrived (the blocks share the chunks to wait for).
+    // The partial sums of this rank's tokens have arrived (the blocks share the chunks to wait for;
+    // this rank's own domain's were written by this kernel).
     if (threadIdx.x == 0)
         for (int k = b; k < num_chunks; k += c.num_forwarders)
-            if (!c.aborted()) wait_chunk(c, k / c.chunks, k % c.chunks);
+            if (k / c.chunks != c.my_domain && !c.aborted()) wait_chunk(c, k / c.chunks, k % c.chunks);
 }
 
 // Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
@@ -554,9 +603,10 @@ int epcomm_interdomain_constant(const char* name) {
 }
 
 // The call's common part, from `call_params`: sym, num_ranks, num_domains, my_domain,
-// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns; `peers`: each
-// domain rank's IPC buffer.
-static int make_call(const int64_t* p, const uint64_t* peers, int* info, Call* c) {
+// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns, then each domain
+// rank's IPC buffer (kMaxLocal entries), then each domain's mate's mapped NVSHMEM buffer or 0
+// (kMaxDomains entries).
+static int make_call(const int64_t* p, int* info, Call* c) {
     c->sym = reinterpret_cast<uint8_t*>(p[0]);
     c->num_ranks = static_cast<int>(p[1]);
     c->num_domains = static_cast<int>(p[2]);
@@ -573,17 +623,18 @@ static int make_call(const int64_t* p, const uint64_t* peers, int* info, Call* c
         c->ranks_per_domain > kMaxLocal || c->chunks < 1 || c->chunks > kMaxChunks || c->num_forwarders < 1 ||
         c->num_forwarders > kMaxForwarders || c->num_ranks > 64)
         return static_cast<int>(cudaErrorInvalidValue);
-    for (int i = 0; i < c->ranks_per_domain; ++i) c->peers[i] = reinterpret_cast<uint8_t*>(peers[i]);
+    for (int i = 0; i < c->ranks_per_domain; ++i) c->peers[i] = reinterpret_cast<uint8_t*>(p[11 + i]);
+    for (int d = 0; d < c->num_domains; ++d) c->mates[d] = reinterpret_cast<uint8_t*>(p[11 + kMaxLocal + d]);
     return 0;
 }
 
 // params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
 // experts_per_rank, with_weights, fresh.
-int epcomm_interdomain_dispatch(const int64_t* call_params, const uint64_t* peers, const int64_t* params,
+int epcomm_interdomain_dispatch(const int64_t* call_params, const int64_t* params,
                                 const int* send_counts, int* recv_counts, const int* start, int* slots, int* info,
                                 cudaStream_t stream) {
     DispatchArgs a{};
-    const int status = make_call(call_params, peers, info, &a.c);
+    const int status = make_call(call_params, info, &a.c);
     if (status != 0) return status;
     a.area = params[0];
     a.region_rows = params[1];
@@ -601,15 +652,15 @@ int epcomm_interdomain_dispatch(const int64_t* call_params, const uint64_t* peer
     a.start = start;
     a.slots = slots;
     if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
-    dispatch_kernel<<<a.c.num_domains * a.c.chunks + a.c.num_forwarders, kThreads, 0, stream>>>(a);
+    dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
 // params: area, region_rows, off_partial, off_partial_weights, in_off_y, in_off_weights, hidden, num_topk.
-int epcomm_interdomain_combine(const int64_t* call_params, const uint64_t* peers, const int64_t* params,
+int epcomm_interdomain_combine(const int64_t* call_params, const int64_t* params,
                                const int* counts, const int* start, const int* slots, int* info, cudaStream_t stream) {
     CombineArgs a{};
-    const int status = make_call(call_params, peers, info, &a.c);
+    const int status = make_call(call_params, info, &a.c);
     if (status != 0) return status;
     a.area = params[0];
     a.region_rows = params[1];
