@@ -5,17 +5,24 @@ crossed the slow tier counted, and a dispatch + combine captured in a CUDA graph
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+import time
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, TEST_ENV, capture_graph, env_var, nvshmem_found
+from conftest import BACKEND, TEST_ENV, capture_graph, env_var, nvshmem_found, peer_timeout
 from test_hierarchical import CASES, _flat, _inputs
+from test_reliability_cuda import _check_survivor, _context_is_usable, _die, _survivor_outcome
 
 import epcomm
 from epcomm import Buffer
 from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
 from epcomm.bench.checks import same_bits
-from epcomm.utils.launch import LocalCluster
+from epcomm.utils.launch import LocalCluster, RankFailure
 
 pytestmark = [
     pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs"),
@@ -151,3 +158,76 @@ def test_hierarchical_cuda_matches_reference(ranks, ranks_per_domain, transport)
     with _fresh(ranks) as c:
         c.run(rank_cuda_vs_reference, ranks_per_domain, transport, timeout_s=400)
         c.run(rank_graph_replay, ranks_per_domain, transport, timeout_s=200)
+
+
+def rank_dead_peer(timeout_s: float, path: str, when: str):
+    """Rank 1 is SIGKILLed before a dispatch or before a combine; rank 0's call gives up within the
+    timeout and raises RuntimeError naming rank 1 (no host collective waits for the dead rank)."""
+    rank = dist.get_rank()
+    with peer_timeout(timeout_s):
+        ref, cuda = _buffers(1, 32, "auto")
+    ref.destroy()
+    x, idx, w = _inputs(21, 32, HIDDEN, 8, NUM_TOPK, "random", 1)
+
+    def dispatch():
+        per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(idx, 8)
+        return cuda.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                             topk_weights=w)
+
+    recv_x, _, recv_w, _, handle, _ = dispatch()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        _die("SIGKILL")
+    outcome = {"error": None}
+    start = time.monotonic()
+    try:
+        if when == "before combine":
+            cuda.combine(recv_x, handle, topk_weights=recv_w)
+        dispatch()  # a combine's error surfaces at the next dispatch, which syncs
+        dispatch()
+    except RuntimeError as error:
+        outcome["error"] = str(error)
+    outcome["raised_after_s"] = time.monotonic() - start
+    outcome["context_usable"] = _context_is_usable()
+    outcome["idle_after_s"] = time.monotonic() - start
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the buffer is kept (a peer might still write): it says so
+        try:
+            cuda.destroy()
+        except RuntimeError:
+            pass
+    with open(path, "w") as f:
+        json.dump(outcome, f)
+
+
+@pytest.mark.parametrize("when", ["before dispatch", "before combine"])
+def test_hierarchical_dead_peer_is_named_within_the_timeout(when):
+    _split(2, 1)
+    timeout_s = 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.json")
+        with pytest.raises(RankFailure) as failure:
+            with _fresh(2) as c:
+                c.run(rank_dead_peer, timeout_s, path, when, timeout_s=60)
+        outcome = _survivor_outcome(failure.value, path)
+    _check_survivor(outcome, timeout_s)
+
+
+def rank_mismatched_hidden():
+    """Ranks that dispatch rows of different widths: every rank raises, none hangs."""
+    rank = dist.get_rank()
+    ref, cuda = _buffers(1, 32, "auto")
+    ref.destroy()
+    x, idx, w = _inputs(22, 16, HIDDEN * (1 + rank), 8, NUM_TOPK, "random", 1)
+    per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(idx, 8)
+    with pytest.raises(RuntimeError, match="another operation or shape"):
+        cuda.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+
+def test_hierarchical_mismatched_shapes_raise_on_every_rank():
+    _split(2, 1)
+    with _fresh(2) as c:
+        c.run(rank_mismatched_hidden, timeout_s=120)

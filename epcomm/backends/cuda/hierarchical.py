@@ -7,10 +7,11 @@ The algorithm is the reference strategy's (backends/reference/hierarchical.py), 
 bitwise equal to it; the kernels are in csrc/nvshmem/interdomain.cu.
 
 Dispatch
-  1. counts: one all_gather of (tokens, tokens per rank, tokens per expert) gives every rank the
-     flat count matrix, whose prefix sums say where each source's rows start in each receiver's
-     output, and the host the sizes (the one host sync, like DeepEP's notify; ``num_worst_tokens``
-     skips the host read, so the call can be captured in a CUDA graph);
+  1. notify: every rank puts its counts (tokens, tokens per rank, tokens per expert, a digest of
+     the call's shape) to every rank over NVSHMEM (bounded waits: no host collective to hang on a
+     dead rank). The flat count matrix's prefix sums say where each source's rows start in each
+     receiver's output; the host reads the sizes (the one host sync, like DeepEP's notify;
+     ``num_worst_tokens`` skips the host read, so the call can be captured in a CUDA graph);
   2. stage: each token is copied once per destination domain into that domain's region of the
      NVSHMEM staging area, ascending, with its top-k ids rebased to the domain's experts and its
      slot at each of the domain's ranks (its index among this rank's tokens to that rank);
@@ -47,6 +48,7 @@ _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = 1, 2, 3
 _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            2: "rank(s) {ranks} called another operation or shape (hidden size, dtype, top-k, scales)",
            3: "the receive area of rank(s) {ranks} is too small for this call (num_nvl_bytes)"}
+_MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
 
@@ -90,7 +92,18 @@ def rdma_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks
     rows = (num_ranks // ranks_per_domain) * max(num_tokens, 1)
     area = max(_offsets(dispatch_fields(hidden * element_size, num_scales, num_topk, True, ranks_per_domain, True),
                         rows)[1], _offsets(combine_fields(hidden, num_topk), rows)[1])
-    return _SYM_HEADER + 2 * (area + _ALIGN * 5)  # room for each field's alignment (_fit_rows)
+    return _stage_offset(num_ranks) + 2 * (area + _ALIGN * 5)  # room for each field's alignment (_fit_rows)
+
+
+def _counts_width(num_ranks: int) -> int:
+    """Ints of a counts row (notify_kernel): tokens, shape digest, tokens per rank, per expert."""
+    return 2 + num_ranks + _MAX_EXPERTS
+
+
+def _stage_offset(num_ranks: int) -> int:
+    """Where the staging area starts in the NVSHMEM buffer: after the header and the counts area
+    (two sets of incoming rows, one per rank, and the outgoing row)."""
+    return _SYM_HEADER + _round_up((2 * num_ranks + 1) * _counts_width(num_ranks) * 4, 4096)
 
 
 def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_topk: int = 0,
@@ -151,7 +164,8 @@ class CudaHierarchical:
             raise ValueError(f"the hierarchical kernels support up to {self.c['max_domains']} domains of up to "
                              f"{self.c['max_local']} ranks (64 ranks); the group has {self.num_domains} of "
                              f"{ranks_per_domain}")
-        if num_rdma_bytes <= _SYM_HEADER + 4 * _ALIGN * 5:
+        self.stage_offset = _stage_offset(self.num_ranks)
+        if num_rdma_bytes <= self.stage_offset + 4 * _ALIGN * 5:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes}: the hierarchical CUDA backend needs the NVSHMEM buffer "
                              "of the slow tier; size it with epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
         if num_nvl_bytes <= _DOMAIN_HEADER + 4 * _ALIGN:
@@ -162,7 +176,7 @@ class CudaHierarchical:
                                    num_nvl_bytes, "num_nvl_bytes")
         # The slow tier: the NVSHMEM buffer (header of signals, staging area, receive area).
         self.sym = SymmetricBuffer(group, device, num_rdma_bytes, set(), "num_rdma_bytes")
-        self.area = (num_rdma_bytes - _SYM_HEADER) // 2 // _ALIGN * _ALIGN
+        self.area = (num_rdma_bytes - self.stage_offset) // 2 // _ALIGN * _ALIGN
         # Each mate's buffer where NVSHMEM maps it over NVLink (direct stores), else 0 (NVSHMEM puts:
         # other hosts, or every mate with EPCOMM_HIER_TRANSPORT=put).
         stores = _env.hier_transport() == "auto"
@@ -173,6 +187,7 @@ class CudaHierarchical:
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
         self.call = 0
+        self.notifies = 0
         self.traffic_state: dict[str, object] = {}
         dist.barrier(group=group)
 
@@ -195,16 +210,17 @@ class CudaHierarchical:
 
     # ------------------------------------------------------------------ kernel arguments
     def _sym_view(self, offset: int, rows: int, row_bytes: int, recv: bool) -> torch.Tensor:
-        begin = _SYM_HEADER + (self.area if recv else 0) + offset
+        begin = self.stage_offset + (self.area if recv else 0) + offset
         return self.sym.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
 
     def _nvl_view(self, offset: int, rows: int, row_bytes: int) -> torch.Tensor:
         begin = _DOMAIN_HEADER + offset
         return self.shared.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
 
-    def _call_params(self, op: int, shape: tuple, num_sms: int) -> ctypes.Array:
-        """The kernels' common arguments; each call takes the next call number on every rank."""
-        self.call += 1
+    def _call_params(self, op: int, shape: tuple, num_sms: int, new_call: bool = True) -> ctypes.Array:
+        """The kernels' common arguments; each call takes the next call number on every rank (a
+        dispatch's notify and main kernel share one)."""
+        self.call += int(new_call)
         others = max(1, self.num_domains - 1)
         chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
         # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
@@ -215,7 +231,7 @@ class CudaHierarchical:
         peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
         mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
         values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd, self.local,
-                  self.call, tag, chunks, forwarders, self.timeout_ns, *peers, *mates]
+                  self.call, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
         return (ctypes.c_int64 * len(values))(*values)
 
     # ------------------------------------------------------------------ layout
@@ -240,44 +256,59 @@ class CudaHierarchical:
             experts_per_rank = 0
         else:
             experts_per_rank = num_experts // R
-            # Counts: where every row lands in the end (the flat matrix), and the per-expert totals.
-            # (and a digest of the call's shape: ranks that disagree raise alike instead of moving rows).
+            # Counts: where every row lands in the end (the flat matrix), the per-expert totals, and a
+            # digest of the call's shape (ranks that disagree give up the call instead of moving
+            # rows), exchanged by notify_kernel over NVSHMEM: no host collective, so a rank that is
+            # gone is named within the timeout instead of waited for.
+            if num_experts > _MAX_EXPERTS:
+                raise ValueError(f"the hierarchical CUDA kernels count up to {_MAX_EXPERTS} experts, got {num_experts}")
             digest = zlib.crc32(repr((hidden, x.dtype, num_scales, num_topk, with_weights, num_experts,
                                       num_worst_tokens > 0)).encode()) & 0x7FFFFFFF
-            mine = torch.cat([torch.full((1,), num_tokens, dtype=torch.int32, device=self.device),
-                              torch.full((1,), digest, dtype=torch.int32, device=self.device),
-                              num_tokens_per_rank.to(torch.int32)])
-            gathered = torch.empty((R, mine.numel()), dtype=torch.int32, device=self.device)
-            dist.all_gather_into_tensor(gathered, mine, group=self.group)
-            matrix = gathered[:, 2:2 + R]
+            width = _counts_width(R)
+            counts = self.sym.tensor[_SYM_HEADER:_SYM_HEADER + (2 * R + 1) * width * 4].view(torch.int32).view(
+                2 * R + 1, width)
+            row_ints = 2 + R + num_experts
+            outgoing = counts[2 * R, :row_ints]
+            outgoing[:2] = num_tokens
+            outgoing[1] = digest
+            outgoing[2:2 + R] = num_tokens_per_rank
+            outgoing[2 + R:] = num_tokens_per_expert
+            call = self._call_params(_OP_DISPATCH, (), num_sms)
+            self.notifies += 1
+            parity = self.notifies % 2
+            code = self.nv.epcomm_interdomain_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints, parity,
+                                                     ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
+            check(code, "hierarchical dispatch (notify)")
+            incoming = counts[parity * R:parity * R + R]
+            matrix = incoming[:, 2:2 + R]
             start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
+            if not num_worst_tokens:
+                epr = experts_per_rank
+                expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
+            # Queued before the host read below, so the GPU works while the host waits.
+            in_rank = is_token_in_rank.contiguous()
+            flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
+            pos, send1 = _exclusive_prefix(flags)
+            slots, _ = _exclusive_prefix(in_rank)
+            slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
             row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, True)
             region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) // D
             host = None
             if num_worst_tokens:
                 most, num_recv = num_tokens, -1  # no host read: each rank checks its own
             else:
-                host = gathered.cpu()
-                if (host[:, 1] != digest).any():
-                    raise ValueError("epcomm dispatch (hierarchical): the ranks called it with different shapes "
-                                     "(hidden size, dtype, scales, top-k, weights, num_experts or num_worst_tokens); "
-                                     "nothing was sent")
+                both = torch.cat([incoming[:, :2 + R].flatten(), expert_totals]).cpu()
+                self.check_errors("dispatch")  # a rank that did not deliver its counts, or another shape
+                host, totals = both[:R * (2 + R)].view(R, 2 + R), both[R * (2 + R):]
                 host = host[:, [0, *range(2, 2 + R)]]  # tokens, then the matrix row: as below
                 most = int(host[:, 0].max())
                 num_recv = int(host[:, 1 + self.rank].sum())
-                expert_totals = num_tokens_per_expert.to(torch.int32).clone()
-                dist.all_reduce(expert_totals, group=self.group)
                 region_rows = min(region_rows, _round_up(max(most, 1), 16))  # smaller areas: less to clear
                 self._check_receive_room(host, hidden, x.element_size(), num_topk, num_scales)
             if most > region_rows:
                 raise ValueError(f"epcomm dispatch (hierarchical): {most} tokens on a rank, but num_rdma_bytes="
                                  f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
                                  "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
-            in_rank = is_token_in_rank.contiguous()
-            flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
-            pos, send1 = _exclusive_prefix(flags)
-            slots, _ = _exclusive_prefix(in_rank)
-            slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
         num_out = num_worst_tokens or num_recv
         row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, not cached)
         off1, _ = _offsets(row1, D * region_rows)
@@ -296,14 +327,15 @@ class CudaHierarchical:
             ctypes.c_int64(scales.stride(1) if scales is not None else 0),
             ptr(None if cached or not num_topk else topk_idx.contiguous()), ptr(None if cached else topk_weights),
             num_topk, ptr(None if cached else slots), ptr(flags), ptr(pos), num_tokens, D, L,
-            (num_experts // D) if not cached else 0, ctypes.c_void_p(self.sym.tensor.data_ptr() + _SYM_HEADER),
+            (num_experts // D) if not cached else 0, ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset),
             ctypes.c_int64(region_rows), (ctypes.c_int64 * 5)(*off1), stream_ptr(self.device))
         check(code, "hierarchical dispatch (stage)")
         recv1 = st["recv1"] if cached else torch.empty(D, dtype=torch.int32, device=self.device)
         slots1 = st["slots1"] if cached else torch.empty((D * region_rows, L), dtype=torch.int32, device=self.device)
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
                   int(with_weights), int(not cached)]
-        call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms)
+        call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms,
+                                 new_call=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_interdomain_dispatch(
             call, (ctypes.c_int64 * len(params))(*params), ptr(send1),
             ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(slots1),
@@ -330,7 +362,6 @@ class CudaHierarchical:
             expert_list, send_counts, recv_counts = [], [], []
         else:
             self.check_errors("dispatch")  # of earlier calls (this one is still running)
-            totals = expert_totals[self.rank * experts_per_rank:(self.rank + 1) * experts_per_rank].cpu()
             a = expert_alignment
             expert_list = [(int(c) + a - 1) // a * a for c in totals.tolist()]
             send_counts = host[self.rank, 1:1 + R].tolist()

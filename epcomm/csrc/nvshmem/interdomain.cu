@@ -47,9 +47,13 @@ constexpr int kThreads = 512;
 constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | shape tag
 
 // Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
-// free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here).
+// free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here),
+// notified[64] (the call whose counts row each rank delivered here). Then the counts area
+// (notify_kernel), then the staging area (Call::stage_offset).
+constexpr int kMaxGroupRanks = 64;
 constexpr int64_t kSymHeaderBytes = 4096;
-static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1) <= kSymHeaderBytes, "slow-tier header");
+static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks) <= kSymHeaderBytes,
+              "slow-tier header");
 // Fast-tier header (IPC, int64 words): ready[L] (a domain rank entered the call), flags[L][F] (a
 // domain rank's forwarder block finished with this rank's area).
 constexpr int64_t kDomainHeaderBytes = 16384;
@@ -67,6 +71,7 @@ __device__ __forceinline__ int64_t* sym_done(uint8_t* sym, int d, int j) {
 __device__ __forceinline__ int64_t* sym_abort(uint8_t* sym) {
     return reinterpret_cast<int64_t*>(sym) + kMaxDomains + kMaxDomains * kMaxChunks;
 }
+__device__ __forceinline__ int64_t* sym_notified(uint8_t* sym, int r) { return sym_abort(sym) + 1 + r; }
 __device__ __forceinline__ int64_t* dom_ready(uint8_t* buf, int i) { return reinterpret_cast<int64_t*>(buf) + i; }
 __device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
     return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
@@ -87,6 +92,7 @@ struct Call {
     int64_t call;
     int shape_tag;
     int chunks, num_forwarders;
+    int64_t stage_offset;  // of the staging area in the NVSHMEM buffer (the receive area follows it)
     int* info;
     uint64_t timeout_ns;
     __device__ int mate(int d) const { return d * ranks_per_domain + local; }
@@ -225,6 +231,30 @@ __device__ void leave_domain(const Call& c, int b) {
     }
 }
 
+// ------------------------------------------------------------------ notify
+// The counts exchange of a dispatch, without a host collective (a dead rank is named within the
+// timeout, never waited for): every rank puts its counts row (tokens, shape digest, tokens per
+// rank, tokens per expert) from the outgoing row of its counts area into row `rank` of every rank's
+// incoming rows, in two sets used by alternate notifies (`parity`: a rank may run one notify ahead
+// of another, never two, since each notify waits for every rank's), and signals it. Block r delivers to rank r
+// and waits for rank r's row; a row with another shape digest gives up the call (error 2).
+__global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_ints, int parity) {
+    const int r = blockIdx.x, me = c.domain_rank(c.local);
+    int* counts = reinterpret_cast<int*>(c.sym + counts_offset);
+    int* incoming = counts + parity * c.num_ranks * width;
+    const int* outgoing = counts + 2 * c.num_ranks * width;
+    if (threadIdx.x != 0) return;
+    nvshmem_putmem_nbi(incoming + me * width, outgoing, static_cast<size_t>(row_ints) * 4, r);
+    nvshmem_quiet();
+    __threadfence_system();
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_notified(c.sym, me)), static_cast<uint64_t>(c.call),
+                       NVSHMEM_SIGNAL_SET, r);
+    int64_t seen = 0;
+    if (wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call; }, r, &seen) &&
+        ld_volatile_int(incoming + r * width + 1) != outgoing[1])
+        c.abort(2, r);
+}
+
 // ------------------------------------------------------------------ dispatch
 // Slow-tier fields, in each area: token rows, scales, top-k ids (of the destination domain's
 // experts), weights, slots (per domain rank: the row's place in its block of this source there, -1).
@@ -268,8 +298,8 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
                                        a.fresh ? c.ranks_per_domain * 4 : 0};
     for (int f = 0; f < kNumFields; ++f) {
         if (bytes[f] == 0 || hi <= lo) continue;
-        const int64_t src = kSymHeaderBytes + a.off[f] + (d * a.region_rows + lo) * bytes[f];
-        const int64_t dst = kSymHeaderBytes + a.area + a.off[f] + (c.my_domain * a.region_rows + lo) * bytes[f];
+        const int64_t src = c.stage_offset + a.off[f] + (d * a.region_rows + lo) * bytes[f];
+        const int64_t dst = c.stage_offset + a.area + a.off[f] + (c.my_domain * a.region_rows + lo) * bytes[f];
         copy_to_mate(c, d, dst, src, (hi - lo) * bytes[f]);
     }
     finish_to_mate(c, d, j, count);
@@ -288,7 +318,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     if (s_count < 0) return;
     int64_t lo, hi;
     chunk_rows(s_count, c.chunks, j, &lo, &hi);
-    const uint8_t* recv = c.sym + kSymHeaderBytes + (own ? 0 : a.area);
+    const uint8_t* recv = c.sym + c.stage_offset + (own ? 0 : a.area);
     const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
     const int s = c.mate(d);
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
@@ -384,8 +414,8 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     chunk_rows(count, c.chunks, j, &lo, &hi);
     // Where the partial sums go: row my_domain x region_rows + p of the mate's receive area, or row
     // d x region_rows + p of this rank's staging area.
-    uint8_t* dst_base = own ? c.sym + kSymHeaderBytes + a.area
-                            : (direct ? c.mates[d] + kSymHeaderBytes + a.area : c.sym + kSymHeaderBytes);
+    uint8_t* dst_base = own ? c.sym + c.stage_offset + a.area
+                            : (direct ? c.mates[d] + c.stage_offset + a.area : c.sym + c.stage_offset);
     const int64_t dst_region = direct ? c.my_domain : d;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
@@ -437,10 +467,10 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     if (!direct) {
         __syncthreads();
         const int64_t at = c.my_domain * a.region_rows + lo, from = d * a.region_rows + lo;
-        copy_to_mate(c, d, kSymHeaderBytes + a.area + a.off_partial + at * H * 4,
-                     kSymHeaderBytes + a.off_partial + from * H * 4, (hi - lo) * H * 4);
-        copy_to_mate(c, d, kSymHeaderBytes + a.area + a.off_partial_weights + at * K * 4,
-                     kSymHeaderBytes + a.off_partial_weights + from * K * 4, (hi - lo) * K * 4);
+        copy_to_mate(c, d, c.stage_offset + a.area + a.off_partial + at * H * 4,
+                     c.stage_offset + a.off_partial + from * H * 4, (hi - lo) * H * 4);
+        copy_to_mate(c, d, c.stage_offset + a.area + a.off_partial_weights + at * K * 4,
+                     c.stage_offset + a.off_partial_weights + from * K * 4, (hi - lo) * K * 4);
     }
     finish_to_mate(c, d, j, count);
     __syncthreads();
@@ -596,14 +626,15 @@ int epcomm_interdomain_constant(const char* name) {
     } entries[] = {{"sym_header_bytes", static_cast<int>(kSymHeaderBytes)},
                    {"domain_header_bytes", static_cast<int>(kDomainHeaderBytes)},
                    {"max_domains", kMaxDomains}, {"max_chunks", kMaxChunks}, {"max_local", kMaxLocal},
-                   {"max_forwarders", kMaxForwarders}, {"info_ints", kInfoInts}, {"tag_bits", kTagBits}};
+                   {"max_forwarders", kMaxForwarders}, {"info_ints", kInfoInts}, {"tag_bits", kTagBits},
+                   {"max_group_ranks", kMaxGroupRanks}};
     for (const auto& e : entries)
         if (std::strcmp(e.name, name) == 0) return e.value;
     return -1;
 }
 
 // The call's common part, from `call_params`: sym, num_ranks, num_domains, my_domain,
-// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns, then each domain
+// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns, stage_offset, then each domain
 // rank's IPC buffer (kMaxLocal entries), then each domain's mate's mapped NVSHMEM buffer or 0
 // (kMaxDomains entries).
 static int make_call(const int64_t* p, int* info, Call* c) {
@@ -618,14 +649,27 @@ static int make_call(const int64_t* p, int* info, Call* c) {
     c->chunks = static_cast<int>(p[8]);
     c->num_forwarders = static_cast<int>(p[9]);
     c->timeout_ns = static_cast<uint64_t>(p[10]);
+    c->stage_offset = p[11];
     c->info = info;
     if (c->num_domains < 1 || c->num_domains > kMaxDomains || c->ranks_per_domain < 1 ||
         c->ranks_per_domain > kMaxLocal || c->chunks < 1 || c->chunks > kMaxChunks || c->num_forwarders < 1 ||
-        c->num_forwarders > kMaxForwarders || c->num_ranks > 64)
+        c->num_forwarders > kMaxForwarders || c->num_ranks > kMaxGroupRanks)
         return static_cast<int>(cudaErrorInvalidValue);
-    for (int i = 0; i < c->ranks_per_domain; ++i) c->peers[i] = reinterpret_cast<uint8_t*>(p[11 + i]);
-    for (int d = 0; d < c->num_domains; ++d) c->mates[d] = reinterpret_cast<uint8_t*>(p[11 + kMaxLocal + d]);
+    for (int i = 0; i < c->ranks_per_domain; ++i) c->peers[i] = reinterpret_cast<uint8_t*>(p[12 + i]);
+    for (int d = 0; d < c->num_domains; ++d) c->mates[d] = reinterpret_cast<uint8_t*>(p[12 + kMaxLocal + d]);
     return 0;
+}
+
+// counts: the counts area's offset, its row width (ints), the ints of this call's rows, which set of
+// incoming rows.
+int epcomm_interdomain_notify(const int64_t* call_params, int64_t counts_offset, int width, int row_ints, int parity,
+                              int* info, cudaStream_t stream) {
+    Call c{};
+    const int status = make_call(call_params, info, &c);
+    if (status != 0) return status;
+    if (row_ints > width || row_ints < 2 || (parity != 0 && parity != 1)) return static_cast<int>(cudaErrorInvalidValue);
+    notify_kernel<<<c.num_ranks, 32, 0, stream>>>(c, counts_offset, width, row_ints, parity);
+    return static_cast<int>(cudaGetLastError());
 }
 
 // params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
