@@ -269,8 +269,8 @@ class CudaHierarchical:
                 2 * R + 1, width)
             row_ints = 2 + R + num_experts
             outgoing = counts[2 * R, :row_ints]
-            outgoing[:2] = num_tokens
-            outgoing[1] = digest
+            outgoing[:1].fill_(num_tokens)  # fills, not host copies: capturable in a CUDA graph
+            outgoing[1:2].fill_(digest)
             outgoing[2:2 + R] = num_tokens_per_rank
             outgoing[2 + R:] = num_tokens_per_expert
             call = self._call_params(_OP_DISPATCH, (), num_sms)
