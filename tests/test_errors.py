@@ -1409,6 +1409,8 @@ def rank_low_latency_property(max_examples: int) -> dict[str, int]:
             w_in = w[:, :1] if k > 1 else torch.rand((t, 2))
         elif fault == "combine x shape":
             y_cut = True
+        if fault == "layout ids" and t == 0:
+            fault = None  # no tokens: no id to make bad
         tag = f"T={t} N={n} H={hidden} E={num_experts} K={k} {mode} fault={fault}"
         try:
             if fault == "layout ids":
