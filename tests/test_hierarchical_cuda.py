@@ -40,9 +40,11 @@ def _buffers(ranks_per_domain: int, num_tokens: int, transport: str):
         ref = Buffer(dist.group.WORLD, NVL, backend="reference", strategy="hierarchical")
         cuda = Buffer(dist.group.WORLD, NVL, rdma, backend="cuda", strategy="hierarchical")
     others = set(range(num_ranks // ranks_per_domain)) - {dist.get_rank() // ranks_per_domain}
-    # "put": every other domain's mate through NVSHMEM puts (the path to other hosts); "auto" on one
-    # host: direct stores to the mates NVLink maps.
-    assert set(cuda._cuda.put_domains) == (others if transport == "put" else set()), cuda._cuda.put_domains
+    # "put": every other domain's mate through NVSHMEM puts (the path to other hosts); "auto": direct
+    # stores to the mates NVLink maps (all of them on one host), puts to the others.
+    one_host = "LOCAL_WORLD_SIZE" not in os.environ or os.environ["LOCAL_WORLD_SIZE"] == str(num_ranks)
+    want = others if transport == "put" else (set() if one_host else set(cuda._cuda.put_domains))
+    assert set(cuda._cuda.put_domains) == want and want <= others, cuda._cuda.put_domains
     return ref, cuda
 
 
