@@ -118,6 +118,8 @@ def run_pressure(opts: Options) -> tuple[dict | None, list[str]]:
         "graph_replays": per_rank[0]["graph_replays"], "buffers_created": per_rank[0]["buffers_created"],
         "ll_cases": per_rank[0]["ll_cases"], "ll_replays": per_rank[0]["ll_replays"],
         "ll_graph_replays": per_rank[0]["ll_graph_replays"],
+        "hier_cases": per_rank[0]["hier_cases"], "hier_replays": per_rank[0]["hier_replays"],
+        "hier_graph_replays": per_rank[0]["hier_graph_replays"],
         "seconds": max(r["seconds"] for r in per_rank), "checked": not failures, "failures": failures[:50],
         "device": report.device_string(info, opts.num_ranks), "commit": opts.commit or report.git_commit(),
         "date": report.today(), "seed": opts.seed,
@@ -137,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"epcomm bench --pressure: {record['device']}, commit {record['commit'][:12]}: {record['cases']} "
                   f"case(s), {record['replays']} replay(s), {record['graph_replays']} CUDA-graph replay(s); low "
                   f"latency: {record['ll_cases']} case(s), {record['ll_replays']} replay(s), "
-                  f"{record['ll_graph_replays']} CUDA-graph replay(s); {record['buffers_created']} Buffer(s) "
+                  f"{record['ll_graph_replays']} CUDA-graph replay(s); hierarchical: {record['hier_cases']} "
+                  f"case(s), {record['hier_replays']} replay(s), {record['hier_graph_replays']} CUDA-graph "
+                  f"replay(s); {record['buffers_created']} Buffer(s) "
                   f"created, {record['seconds']:.1f} s: "
                   + ("every output bitwise equal to the reference and across replays" if record["checked"]
                      else f"{len(record['failures'])} FAILURE(S)"), flush=True)

@@ -12,6 +12,9 @@ two biases. A case then:
 * on the CUDA backend with ``num_worst_tokens``, captures dispatch + combine in a **CUDA graph**
   and replays it, again bitwise identical to the first result;
 * **reuses** the previous case's Buffer or **recreates** it, alternately;
+* on the CUDA backend with NVSHMEM, the same with ``strategy="hierarchical"`` (every split of the
+  ranks into domains in turn, 2x1 and 1x2 on two GPUs; its oracle is the reference backend's
+  hierarchical strategy), replays and CUDA-graph replays included;
 * then the same in **low-latency mode** (an LL Buffer of its own, sized once for the largest draw):
   dispatch, dispatch, combine, combine of the case's tokens (N = the largest count), FP8 (plain,
   rounded scales, or UE8M0) or BF16, with or without receive hooks; the valid rows of every
@@ -24,6 +27,7 @@ never a hang. The result is one record per run (the slowest rank's wall time, an
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -164,6 +168,38 @@ class _LowLatencySequence:
         return self.valid_outputs(self.launch())
 
 
+def _hierarchical_splits(num_ranks: int) -> list[int]:
+    """Ranks per domain to cycle through (every divisor up to 8; one domain included), or none
+    without NVSHMEM."""
+    try:
+        from ..backends.cuda.build import find_nvshmem
+
+        find_nvshmem()
+    except RuntimeError:
+        return []
+    return [rpd for rpd in range(1, min(num_ranks, 8) + 1) if num_ranks % rpd == 0]
+
+
+def _hierarchical_buffers(num_ranks: int, ranks_per_domain: int) -> tuple[Buffer, Buffer]:
+    """A CUDA and a reference Buffer of the hierarchical strategy over domains of ``ranks_per_domain``,
+    sized for the largest draw (300 tokens of H 7168, top-8, FP8 scales)."""
+    from ..backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed
+
+    hidden, tokens = max(HIDDENS), 300
+    nvl = nvl_bytes_needed(tokens * num_ranks, hidden, 2, 8, hidden // 128)
+    rdma = rdma_bytes_needed(tokens, hidden, 2, num_ranks, ranks_per_domain, 8, hidden // 128)
+    previous = os.environ.get("EPCOMM_RANKS_PER_DOMAIN")
+    os.environ["EPCOMM_RANKS_PER_DOMAIN"] = str(ranks_per_domain)  # read when a Buffer is built
+    try:
+        return (Buffer(dist.group.WORLD, nvl, rdma, backend="cuda", strategy="hierarchical"),
+                Buffer(dist.group.WORLD, GiB, backend="reference", strategy="hierarchical"))
+    finally:
+        if previous is None:
+            del os.environ["EPCOMM_RANKS_PER_DOMAIN"]
+        else:
+            os.environ["EPCOMM_RANKS_PER_DOMAIN"] = previous
+
+
 def _ll_buffer_bytes(num_ranks: int) -> int:
     """Room for the largest draw (one size: NVSHMEM's heap is sized by the first Buffer)."""
     return Buffer.get_low_latency_rdma_size_hint(300, max(HIDDENS), num_ranks, 16 * num_ranks)
@@ -184,7 +220,9 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
     rng = random.Random(seed)
     failures: list[str] = []
     counts = {"cases": 0, "replays": 0, "graph_replays": 0, "buffers_created": 0, "ll_cases": 0, "ll_replays": 0,
-              "ll_graph_replays": 0}
+              "ll_graph_replays": 0, "hier_cases": 0, "hier_replays": 0, "hier_graph_replays": 0}
+    splits = _hierarchical_splits(num_ranks) if backend == "cuda" and dev.type == "cuda" else []
+    hier: dict[int, tuple[Buffer, Buffer]] = {}
     load = _compute_load(dev)
     buf = ref = ll_buf = ll_ref = None
     start = time.monotonic()
@@ -220,6 +258,30 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
             counts["graph_replays"] += _graph_replays(seq, got, replays, failures, f"rank {rank} {tag}", dev)
         counts["cases"] += 1
 
+        # The hierarchical strategy's kernels, the next split of the ranks into domains.
+        if splits:
+            rpd = splits[i % len(splits)]
+            if rpd in hier and i % 2 == 0:  # alternately recreate and reuse
+                hier.pop(rpd)[0].destroy()
+            if rpd not in hier:
+                hier[rpd] = _hierarchical_buffers(num_ranks, rpd)
+                counts["buffers_created"] += 1
+            h_buf, h_ref = hier[rpd]
+            h_want = _Sequence(h_ref, draw, rank, num_ranks, dev).run()
+            h_seq = _Sequence(h_buf, draw, rank, num_ranks, dev)
+            h_got = h_seq.run()
+            h_tag = f"rank {rank} {tag} hierarchical {num_ranks // rpd}x{rpd}"
+            if not _same(h_got, h_want):
+                failures.append(f"{h_tag}: differs from the reference backend")
+            for _ in range(replays):
+                counts["hier_replays"] += 1
+                if not _same(h_seq.run(), h_got):
+                    failures.append(f"{h_tag}: a replay differs from the first run")
+                    break
+            if h_seq.worst:
+                counts["hier_graph_replays"] += _graph_replays(h_seq, h_got, replays, failures, h_tag, dev)
+            counts["hier_cases"] += 1
+
         # Low-latency mode, same tokens and routing.
         if draw["ll_format"] == "fp8-ue8m0" and draw["hidden"] % 512:
             draw["ll_format"] = "fp8-round"  # UE8M0 packs 4 scales per int32
@@ -253,7 +315,7 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
         counts["ll_cases"] += 1
     if load is not None:
         torch.cuda.current_stream(dev).wait_stream(load[0])
-    for b in (buf, ref, ll_buf, ll_ref):
+    for b in (buf, ref, ll_buf, ll_ref, *(b for pair in hier.values() for b in pair)):
         if b is not None:
             b.destroy()
     if dev.type == "cuda":

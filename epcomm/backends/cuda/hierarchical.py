@@ -47,7 +47,8 @@ _ALIGN = 256
 _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = 1, 2, 3
 _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            2: "rank(s) {ranks} called another operation or shape (hidden size, dtype, top-k, scales)",
-           3: "the receive area of rank(s) {ranks} is too small for this call (num_nvl_bytes)"}
+           3: "the receive area of rank(s) {ranks} is too small for this call (num_nvl_bytes)",
+           4: "rank(s) {ranks} received more rows than num_worst_tokens"}
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
@@ -251,6 +252,7 @@ class CudaHierarchical:
         if cached:
             st = handle.backend_state
             flags, pos, send1, region_rows, start = st["flags"], st["pos"], st["send1"], st["region_rows"], st["start"]
+            recv_total = st["recv_total"]
             num_topk, with_weights = 0, False
             num_worst_tokens, num_recv = handle.num_worst_tokens, handle.num_recv_tokens
             experts_per_rank = 0
@@ -282,6 +284,7 @@ class CudaHierarchical:
             incoming = counts[parity * R:parity * R + R]
             matrix = incoming[:, 2:2 + R]
             start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
+            recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
             if not num_worst_tokens:
                 epr = experts_per_rank
                 expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
@@ -333,13 +336,13 @@ class CudaHierarchical:
         recv1 = st["recv1"] if cached else torch.empty(D, dtype=torch.int32, device=self.device)
         slots1 = st["slots1"] if cached else torch.empty((D * region_rows, L), dtype=torch.int32, device=self.device)
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
-                  int(with_weights), int(not cached)]
+                  int(with_weights), int(not cached), num_out]
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms,
                                  new_call=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_interdomain_dispatch(
             call, (ctypes.c_int64 * len(params))(*params), ptr(send1),
             ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(slots1),
-            ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
+            ptr(recv_total), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
         check(code, "hierarchical dispatch")
 
         # The received rows, out of the IPC area (the next call reuses it).
@@ -371,7 +374,7 @@ class CudaHierarchical:
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
             backend_state={"flags": flags, "pos": pos, "send1": send1, "recv1": recv1, "slots1": slots1,
-                           "start": start, "region_rows": region_rows})
+                           "start": start, "recv_total": recv_total, "region_rows": region_rows})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
     def _check_receive_room(self, host: torch.Tensor, hidden: int, element_size: int, num_topk: int,

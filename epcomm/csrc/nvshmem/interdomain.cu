@@ -60,7 +60,8 @@ constexpr int64_t kDomainHeaderBytes = 16384;
 static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes, "fast-tier header");
 
 // info words (host-mapped) written on an error; the Python side reads them after a sync.
-constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small
+constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small,
+                               // 4: more rows received than num_worst_tokens
 constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
 constexpr int kInfoInts = 1 + 64;
 
@@ -275,7 +276,34 @@ struct DispatchArgs {
     int* recv_counts;              // [D] written
     const int* start;              // [R, R]: where source s's block starts in rank r's output
     int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
+    const int* recv_total;         // rows this rank receives (device: no host sync needed)
+    int64_t num_out;               // rows of its outputs (num_worst_tokens, or recv_total)
 };
+
+// num_worst_tokens padding: this rank's rows [recv_total, num_out) get x = 0, scales = 0, ids = -1,
+// weights = 0 (the reference's padding); more received rows than num_out is an error (4). The
+// forwarder blocks share the rows; no other rank writes there.
+__device__ void pad_rows(const DispatchArgs& a, int b) {
+    const Call& c = a.c;
+    const int64_t total = *a.recv_total;
+    if (total > a.num_out) {
+        if (b == 0 && threadIdx.x == 0) c.abort(4, c.domain_rank(c.local));
+        return;
+    }
+    uint8_t* out = c.peers[c.local] + kDomainHeaderBytes;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    const int K = a.num_topk;
+    for (int64_t p = total + b * num_warps + warp; p < a.num_out; p += c.num_forwarders * num_warps) {
+        int4* x = reinterpret_cast<int4*>(out + a.out_off[kOutX] + p * a.x_bytes);
+        for (int k = lane; k < a.x_bytes / 16; k += kWarpSize) x[k] = make_int4(0, 0, 0, 0);
+        int* scales = reinterpret_cast<int*>(out + a.out_off[kOutScales] + p * a.num_scales * 4);
+        for (int k = lane; k < a.num_scales; k += kWarpSize) scales[k] = 0;
+        if (a.fresh && lane < K) {
+            reinterpret_cast<int64_t*>(out + a.out_off[kOutTopk] + p * K * 8)[lane] = -1;
+            if (a.with_weights) reinterpret_cast<float*>(out + a.out_off[kOutWeights] + p * K * 4)[lane] = 0.f;
+        }
+    }
+}
 
 // Sender block for chunk j of region d (another domain): once the mate has entered the call, its
 // rows go to the mate's receive area, then the chunk's signal (with the region's count).
@@ -378,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
     }
     const int b = blockIdx.x - num_senders;
     if (b == 0 && threadIdx.x == 0) enter_domain(c);
+    pad_rows(a, b);
     if (domain_entered(c)) {
         const int num_chunks = c.num_domains * c.chunks;
         for (int k = b; k < num_chunks; k += c.num_forwarders) forward_chunk(a, k / c.chunks, k % c.chunks);
@@ -673,10 +702,10 @@ int epcomm_interdomain_notify(const int64_t* call_params, int64_t counts_offset,
 }
 
 // params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
-// experts_per_rank, with_weights, fresh.
+// experts_per_rank, with_weights, fresh, num_out.
 int epcomm_interdomain_dispatch(const int64_t* call_params, const int64_t* params,
-                                const int* send_counts, int* recv_counts, const int* start, int* slots, int* info,
-                                cudaStream_t stream) {
+                                const int* send_counts, int* recv_counts, const int* start, int* slots,
+                                const int* recv_total, int* info, cudaStream_t stream) {
     DispatchArgs a{};
     const int status = make_call(call_params, info, &a.c);
     if (status != 0) return status;
@@ -691,6 +720,8 @@ int epcomm_interdomain_dispatch(const int64_t* call_params, const int64_t* param
     a.experts_per_rank = static_cast<int>(params[15]);
     a.with_weights = params[16] != 0;
     a.fresh = params[17] != 0;
+    a.num_out = params[18];
+    a.recv_total = recv_total;
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
     a.start = start;
