@@ -186,7 +186,8 @@ def _hierarchical_buffers(num_ranks: int, ranks_per_domain: int) -> tuple[Buffer
     from ..backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed
 
     hidden, tokens = max(HIDDENS), 300
-    nvl = nvl_bytes_needed(tokens * num_ranks, hidden, 2, 8, hidden // 128)
+    hint = Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+    nvl = max(nvl_bytes_needed(tokens * num_ranks, hidden, 2, 8, hidden // 128), hint)
     rdma = rdma_bytes_needed(tokens, hidden, 2, num_ranks, ranks_per_domain, 8, hidden // 128)
     previous = os.environ.get("EPCOMM_RANKS_PER_DOMAIN")
     os.environ["EPCOMM_RANKS_PER_DOMAIN"] = str(ranks_per_domain)  # read when a Buffer is built

@@ -103,8 +103,8 @@ def _counts_width(num_ranks: int) -> int:
 
 def _stage_offset(num_ranks: int) -> int:
     """Where the staging area starts in the NVSHMEM buffer: after the header and the counts area
-    (two sets of incoming rows, one per rank, and the outgoing row)."""
-    return _SYM_HEADER + _round_up((2 * num_ranks + 1) * _counts_width(num_ranks) * 4, 4096)
+    (two sets of incoming rows, one per rank, the outgoing row, the current rows)."""
+    return _SYM_HEADER + _round_up((3 * num_ranks + 1) * _counts_width(num_ranks) * 4, 4096)
 
 
 def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_topk: int = 0,
@@ -187,8 +187,6 @@ class CudaHierarchical:
         self.put_domains = sorted(d for d in range(self.num_domains) if d != self.my_domain and not self.mates[d])
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
-        self.call = 0
-        self.notifies = 0
         self.traffic_state: dict[str, object] = {}
         dist.barrier(group=group)
 
@@ -218,10 +216,14 @@ class CudaHierarchical:
         begin = _DOMAIN_HEADER + offset
         return self.shared.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
 
-    def _call_params(self, op: int, shape: tuple, num_sms: int, new_call: bool = True) -> ctypes.Array:
-        """The kernels' common arguments; each call takes the next call number on every rank (a
-        dispatch's notify and main kernel share one)."""
-        self.call += int(new_call)
+    def _call_params(self, op: int, shape: tuple, num_sms: int, advance: bool = True,
+                     notify: bool = False) -> ctypes.Array:
+        """The kernels' common arguments. ``advance``: first advance the call number, which lives on
+        the GPU, so a CUDA graph's replays take new ones (a dispatch's notify and main kernel share
+        one; ``notify``: also the notify counter, whose parity picks the set of incoming rows)."""
+        if advance:
+            check(self.nv.epcomm_interdomain_advance(ctypes.c_void_p(self.sym.tensor.data_ptr()), int(notify),
+                                                     stream_ptr(self.device)), "hierarchical call counter")
         others = max(1, self.num_domains - 1)
         chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
         # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
@@ -232,7 +234,7 @@ class CudaHierarchical:
         peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
         mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
         values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd, self.local,
-                  self.call, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
+                  0, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
         return (ctypes.c_int64 * len(values))(*values)
 
     # ------------------------------------------------------------------ layout
@@ -267,21 +269,19 @@ class CudaHierarchical:
             digest = zlib.crc32(repr((hidden, x.dtype, num_scales, num_topk, with_weights, num_experts,
                                       num_worst_tokens > 0)).encode()) & 0x7FFFFFFF
             width = _counts_width(R)
-            counts = self.sym.tensor[_SYM_HEADER:_SYM_HEADER + (2 * R + 1) * width * 4].view(torch.int32).view(
-                2 * R + 1, width)
+            counts = self.sym.tensor[_SYM_HEADER:_SYM_HEADER + (3 * R + 1) * width * 4].view(torch.int32).view(
+                3 * R + 1, width)
             row_ints = 2 + R + num_experts
             outgoing = counts[2 * R, :row_ints]
             outgoing[:1].fill_(num_tokens)  # fills, not host copies: capturable in a CUDA graph
             outgoing[1:2].fill_(digest)
             outgoing[2:2 + R] = num_tokens_per_rank
             outgoing[2 + R:] = num_tokens_per_expert
-            call = self._call_params(_OP_DISPATCH, (), num_sms)
-            self.notifies += 1
-            parity = self.notifies % 2
-            code = self.nv.epcomm_interdomain_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints, parity,
+            call = self._call_params(_OP_DISPATCH, (), num_sms, notify=True)
+            code = self.nv.epcomm_interdomain_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
                                                      ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
             check(code, "hierarchical dispatch (notify)")
-            incoming = counts[parity * R:parity * R + R]
+            incoming = counts[2 * R + 1:3 * R + 1]  # the rows of this notify (notify_kernel copies them here)
             matrix = incoming[:, 2:2 + R]
             start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
             recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
@@ -338,7 +338,7 @@ class CudaHierarchical:
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
                   int(with_weights), int(not cached), num_out]
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms,
-                                 new_call=cached)  # a fresh dispatch's number was taken by its notify
+                                 advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_interdomain_dispatch(
             call, (ctypes.c_int64 * len(params))(*params), ptr(send1),
             ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(slots1),

@@ -48,11 +48,12 @@ constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | sh
 
 // Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
 // free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here),
-// notified[64] (the call whose counts row each rank delivered here). Then the counts area
+// notified[64] (the call whose counts row each rank delivered here), seq and notify_seq (this
+// rank's operation and notify counters, advance_kernel). Then the counts area
 // (notify_kernel), then the staging area (Call::stage_offset).
 constexpr int kMaxGroupRanks = 64;
 constexpr int64_t kSymHeaderBytes = 4096;
-static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks) <= kSymHeaderBytes,
+static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks + 2) <= kSymHeaderBytes,
               "slow-tier header");
 // Fast-tier header (IPC, int64 words): ready[L] (a domain rank entered the call), flags[L][F] (a
 // domain rank's forwarder block finished with this rank's area).
@@ -73,6 +74,8 @@ __device__ __forceinline__ int64_t* sym_abort(uint8_t* sym) {
     return reinterpret_cast<int64_t*>(sym) + kMaxDomains + kMaxDomains * kMaxChunks;
 }
 __device__ __forceinline__ int64_t* sym_notified(uint8_t* sym, int r) { return sym_abort(sym) + 1 + r; }
+__device__ __forceinline__ int64_t* sym_seq(uint8_t* sym) { return sym_notified(sym, kMaxGroupRanks); }
+__device__ __forceinline__ int64_t* sym_notify_seq(uint8_t* sym) { return sym_seq(sym) + 1; }
 __device__ __forceinline__ int64_t* dom_ready(uint8_t* buf, int i) { return reinterpret_cast<int64_t*>(buf) + i; }
 __device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
     return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
@@ -90,7 +93,6 @@ struct Call {
     uint8_t* peers[kMaxLocal];  // each domain rank's IPC buffer as mapped here
     uint8_t* mates[kMaxDomains];  // each mate's NVSHMEM buffer where NVLink maps it here (stores), else null (puts)
     int num_ranks, num_domains, my_domain, ranks_per_domain, local;
-    int64_t call;
     int shape_tag;
     int chunks, num_forwarders;
     int64_t stage_offset;  // of the staging area in the NVSHMEM buffer (the receive area follows it)
@@ -98,12 +100,15 @@ struct Call {
     uint64_t timeout_ns;
     __device__ int mate(int d) const { return d * ranks_per_domain + local; }
     __device__ int domain_rank(int i) const { return my_domain * ranks_per_domain + i; }
-    __device__ int64_t entered() const { return (call << kTagBits) | shape_tag; }
-    __device__ bool aborted() const { return ld_volatile(sym_abort(sym)) == call; }
+    // The call's number: this rank's counter on the GPU, advanced before each operation by
+    // advance_kernel (so a CUDA graph's replays take new numbers, like eager calls).
+    __device__ int64_t call() const { return ld_volatile(sym_seq(sym)); }
+    __device__ int64_t entered() const { return (call() << kTagBits) | shape_tag; }
+    __device__ bool aborted() const { return ld_volatile(sym_abort(sym)) == call(); }
     // Give up the call: every other wait of this rank's stops at its next look.
     __device__ void abort(int code, int rank) const {
         report(info, code, rank);
-        *sym_abort(sym) = call;
+        *sym_abort(sym) = call();
         __threadfence_system();
     }
 };
@@ -132,8 +137,8 @@ __device__ bool wait_for(const Call& c, const int64_t* word, Ok ok, int rank, in
 // A ready word written by `rank` for this call: false (aborted) when it shows another shape.
 __device__ bool wait_entered(const Call& c, const int64_t* word, int rank) {
     int64_t seen = 0;
-    if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call << kTagBits); }, rank, &seen)) return false;
-    if ((seen >> kTagBits) == c.call && (seen & ((1 << kTagBits) - 1)) != c.shape_tag) {
+    if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call() << kTagBits); }, rank, &seen)) return false;
+    if ((seen >> kTagBits) == c.call() && (seen & ((1 << kTagBits) - 1)) != c.shape_tag) {
         c.abort(2, rank);
         return false;
     }
@@ -143,7 +148,7 @@ __device__ bool wait_entered(const Call& c, const int64_t* word, int rank) {
 // The count that came with chunk j of domain d's region for this call, or -1 (aborted).
 __device__ int wait_chunk(const Call& c, int d, int j) {
     int64_t seen = 0;
-    if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call; }, c.mate(d), &seen))
+    if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call(); }, c.mate(d), &seen))
         return -1;
     return static_cast<int>(seen & 0xffffffff);
 }
@@ -196,7 +201,7 @@ __device__ void finish_to_mate(const Call& c, int d, int j, int64_t count) {
         if (c.mates[d] == nullptr) nvshmem_quiet();
         __threadfence_system();
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
-                           static_cast<uint64_t>((c.call << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
+                           static_cast<uint64_t>((c.call() << 32) | count), NVSHMEM_SIGNAL_SET, c.mate(d));
     }
 }
 
@@ -223,11 +228,11 @@ __device__ void leave_domain(const Call& c, int b) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_flag(c.peers[i], c.local, b), c.call);
+        for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_flag(c.peers[i], c.local, b), c.call());
     }
     if (threadIdx.x < c.ranks_per_domain) {
         int64_t seen = 0;
-        wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v == c.call; },
+        wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v == c.call(); },
                  c.domain_rank(threadIdx.x), &seen);
     }
 }
@@ -236,24 +241,40 @@ __device__ void leave_domain(const Call& c, int b) {
 // The counts exchange of a dispatch, without a host collective (a dead rank is named within the
 // timeout, never waited for): every rank puts its counts row (tokens, shape digest, tokens per
 // rank, tokens per expert) from the outgoing row of its counts area into row `rank` of every rank's
-// incoming rows, in two sets used by alternate notifies (`parity`: a rank may run one notify ahead
-// of another, never two, since each notify waits for every rank's), and signals it. Block r delivers to rank r
-// and waits for rank r's row; a row with another shape digest gives up the call (error 2).
-__global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_ints, int parity) {
+// incoming rows, in two sets used by alternate notifies (a rank may run one notify ahead of
+// another, never two, since each notify waits for every rank's), and signals it. Block r (a warp)
+// delivers to rank r, waits for rank r's row and copies it to row r of the current rows, which the
+// host and later kernels read (the same place whichever set it came in). A row with another shape
+// digest gives up the call (error 2). Counts area: incoming[2][R], outgoing, current[R] rows.
+__global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_ints) {
     const int r = blockIdx.x, me = c.domain_rank(c.local);
     int* counts = reinterpret_cast<int*>(c.sym + counts_offset);
-    int* incoming = counts + parity * c.num_ranks * width;
+    int* incoming = counts + (ld_volatile(sym_notify_seq(c.sym)) % 2) * c.num_ranks * width;
     const int* outgoing = counts + 2 * c.num_ranks * width;
-    if (threadIdx.x != 0) return;
-    nvshmem_putmem_nbi(incoming + me * width, outgoing, static_cast<size_t>(row_ints) * 4, r);
-    nvshmem_quiet();
-    __threadfence_system();
-    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_notified(c.sym, me)), static_cast<uint64_t>(c.call),
-                       NVSHMEM_SIGNAL_SET, r);
-    int64_t seen = 0;
-    if (wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call; }, r, &seen) &&
-        ld_volatile_int(incoming + r * width + 1) != outgoing[1])
-        c.abort(2, r);
+    int* current = counts + (2 * c.num_ranks + 1) * width;
+    bool ok = false;
+    if (threadIdx.x == 0) {
+        nvshmem_putmem_nbi(incoming + me * width, outgoing, static_cast<size_t>(row_ints) * 4, r);
+        nvshmem_quiet();
+        __threadfence_system();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_notified(c.sym, me)), static_cast<uint64_t>(c.call()),
+                           NVSHMEM_SIGNAL_SET, r);
+        int64_t seen = 0;
+        ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
+        if (ok && ld_volatile_int(incoming + r * width + 1) != outgoing[1]) {
+            c.abort(2, r);
+            ok = false;
+        }
+    }
+    ok = __shfl_sync(kFullMask, ok, 0);
+    for (int k = threadIdx.x; k < row_ints; k += kWarpSize)
+        current[r * width + k] = ok ? ld_volatile_int(incoming + r * width + k) : 0;
+}
+
+// Before each operation: the next call number (and, for a dispatch's notify, the next notify).
+__global__ void advance_kernel(uint8_t* sym, int notify) {
+    *sym_seq(sym) += 1;
+    if (notify) *sym_notify_seq(sym) += 1;
 }
 
 // ------------------------------------------------------------------ dispatch
@@ -673,7 +694,7 @@ static int make_call(const int64_t* p, int* info, Call* c) {
     c->my_domain = static_cast<int>(p[3]);
     c->ranks_per_domain = static_cast<int>(p[4]);
     c->local = static_cast<int>(p[5]);
-    c->call = p[6];
+    // p[6]: unused (the call number lives on the GPU: advance_kernel)
     c->shape_tag = static_cast<int>(p[7] & ((1 << kTagBits) - 1));
     c->chunks = static_cast<int>(p[8]);
     c->num_forwarders = static_cast<int>(p[9]);
@@ -689,15 +710,19 @@ static int make_call(const int64_t* p, int* info, Call* c) {
     return 0;
 }
 
-// counts: the counts area's offset, its row width (ints), the ints of this call's rows, which set of
-// incoming rows.
-int epcomm_interdomain_notify(const int64_t* call_params, int64_t counts_offset, int width, int row_ints, int parity,
-                              int* info, cudaStream_t stream) {
+// counts: the counts area's offset, its row width (ints), the ints of this call's rows.
+int epcomm_interdomain_notify(const int64_t* call_params, int64_t counts_offset, int width, int row_ints, int* info,
+                              cudaStream_t stream) {
     Call c{};
     const int status = make_call(call_params, info, &c);
     if (status != 0) return status;
-    if (row_ints > width || row_ints < 2 || (parity != 0 && parity != 1)) return static_cast<int>(cudaErrorInvalidValue);
-    notify_kernel<<<c.num_ranks, 32, 0, stream>>>(c, counts_offset, width, row_ints, parity);
+    if (row_ints > width || row_ints < 2) return static_cast<int>(cudaErrorInvalidValue);
+    notify_kernel<<<c.num_ranks, 32, 0, stream>>>(c, counts_offset, width, row_ints);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int epcomm_interdomain_advance(void* sym, int notify, cudaStream_t stream) {
+    advance_kernel<<<1, 1, 0, stream>>>(static_cast<uint8_t*>(sym), notify);
     return static_cast<int>(cudaGetLastError());
 }
 
