@@ -263,7 +263,8 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
         if splits:
             rpd = splits[i % len(splits)]
             if rpd in hier and i % 2 == 0:  # alternately recreate and reuse
-                hier.pop(rpd)[0].destroy()
+                for b in hier.pop(rpd):
+                    b.destroy()
             if rpd not in hier:
                 hier[rpd] = _hierarchical_buffers(num_ranks, rpd)
                 counts["buffers_created"] += 1
