@@ -249,94 +249,59 @@ class CudaHierarchical:
         x_bytes = hidden * x.element_size()
         cached = handle is not None
         num_scales = scales.shape[1] if scales is not None else 0
-        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
-        with_weights = topk_weights is not None
+        num_topk = 0 if cached or topk_idx is None else topk_idx.shape[1]
+        with_weights = not cached and topk_weights is not None
+        row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, not cached)
+        row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
         if cached:
             st = handle.backend_state
             flags, pos, send1, region_rows, start = st["flags"], st["pos"], st["send1"], st["region_rows"], st["start"]
-            recv_total = st["recv_total"]
-            num_topk, with_weights = 0, False
+            recv_total, recv1, slots1 = st["recv_total"], st["recv1"], st["slots1"]
             num_worst_tokens, num_recv = handle.num_worst_tokens, handle.num_recv_tokens
             experts_per_rank = 0
         else:
             experts_per_rank = num_experts // R
-            # Counts: where every row lands in the end (the flat matrix), the per-expert totals, and a
-            # digest of the call's shape (ranks that disagree give up the call instead of moving
-            # rows), exchanged by notify_kernel over NVSHMEM: no host collective, so a rank that is
-            # gone is named within the timeout instead of waited for.
             if num_experts > _MAX_EXPERTS:
                 raise ValueError(f"the hierarchical CUDA kernels count up to {_MAX_EXPERTS} experts, got {num_experts}")
-            digest = zlib.crc32(repr((hidden, x.dtype, num_scales, num_topk, with_weights, num_experts,
-                                      num_worst_tokens > 0)).encode()) & 0x7FFFFFFF
-            width = _counts_width(R)
-            counts = self.sym.tensor[_SYM_HEADER:_SYM_HEADER + (3 * R + 1) * width * 4].view(torch.int32).view(
-                3 * R + 1, width)
-            row_ints = 2 + R + num_experts
-            outgoing = counts[2 * R, :row_ints]
-            outgoing[:1].fill_(num_tokens)  # fills, not host copies: capturable in a CUDA graph
-            outgoing[1:2].fill_(digest)
-            outgoing[2:2 + R] = num_tokens_per_rank
-            outgoing[2 + R:] = num_tokens_per_expert
-            call = self._call_params(_OP_DISPATCH, (), num_sms, notify=True)
-            code = self.nv.epcomm_interdomain_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
-                                                     ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
-            check(code, "hierarchical dispatch (notify)")
-            incoming = counts[2 * R + 1:3 * R + 1]  # the rows of this notify (notify_kernel copies them here)
+            # The regions are sized by the buffer (the same on every rank), not by this call.
+            region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) // D
+            if num_tokens > region_rows:  # raised before any exchange: the peers name this rank
+                raise ValueError(f"epcomm dispatch (hierarchical): {num_tokens} tokens, but num_rdma_bytes="
+                                 f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
+                                 "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
+            incoming = self._notify(num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_experts, (
+                hidden, x.dtype, num_scales, num_topk, with_weights, num_experts, num_worst_tokens > 0), num_sms)
             matrix = incoming[:, 2:2 + R]
             start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
             recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
-            if not num_worst_tokens:
-                epr = experts_per_rank
-                expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
-            # Queued before the host read below, so the GPU works while the host waits.
             in_rank = is_token_in_rank.contiguous()
             flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
             pos, send1 = _exclusive_prefix(flags)
             slots, _ = _exclusive_prefix(in_rank)
             slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
-            row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, True)
-            region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) // D
-            host = None
-            if num_worst_tokens:
-                most, num_recv = num_tokens, -1  # no host read: each rank checks its own
-            else:
-                both = torch.cat([incoming[:, :2 + R].flatten(), expert_totals]).cpu()
-                self.check_errors("dispatch")  # a rank that did not deliver its counts, or another shape
-                host, totals = both[:R * (2 + R)].view(R, 2 + R), both[R * (2 + R):]
-                host = host[:, [0, *range(2, 2 + R)]]  # tokens, then the matrix row: as below
-                most = int(host[:, 0].max())
-                num_recv = int(host[:, 1 + self.rank].sum())
-                region_rows = min(region_rows, _round_up(max(most, 1), 16))  # smaller areas: less to clear
-                self._check_receive_room(host, hidden, x.element_size(), num_topk, num_scales)
-            if most > region_rows:
-                raise ValueError(f"epcomm dispatch (hierarchical): {most} tokens on a rank, but num_rdma_bytes="
-                                 f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
-                                 "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
-        num_out = num_worst_tokens or num_recv
-        row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, not cached)
+            recv1 = torch.empty(D, dtype=torch.int32, device=self.device)
+            slots1 = torch.empty((D * region_rows, L), dtype=torch.int32, device=self.device)
         off1, _ = _offsets(row1, D * region_rows)
-        row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
         out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
-        if num_out > out_rows:
-            raise ValueError(f"epcomm dispatch (hierarchical): rank {self.rank} receives {num_out} rows, its "
-                             f"num_nvl_bytes={self.shared.num_bytes} holds {out_rows}; size it with "
+        if num_worst_tokens > out_rows:
+            raise ValueError(f"epcomm dispatch (hierarchical): num_worst_tokens={num_worst_tokens} rows do not fit "
+                             f"num_nvl_bytes={self.shared.num_bytes} ({out_rows} rows); size it with "
                              "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
         off2, _ = _offsets(row2, out_rows)
 
-        # Stage each token once per destination domain, then both tiers in one kernel.
+        # Stage each token once per destination domain, then both tiers in one kernel; all of it is
+        # queued before the host reads the counts (below), so the GPU does not wait for the host.
         code = self.nv.epcomm_interdomain_stage(
             ptr(x), ctypes.c_int64(x_bytes), ptr(scales), num_scales,
             ctypes.c_int64(scales.stride(0) if scales is not None else 0),
             ctypes.c_int64(scales.stride(1) if scales is not None else 0),
-            ptr(None if cached or not num_topk else topk_idx.contiguous()), ptr(None if cached else topk_weights),
+            ptr(topk_idx.contiguous() if num_topk else None), ptr(topk_weights if with_weights else None),
             num_topk, ptr(None if cached else slots), ptr(flags), ptr(pos), num_tokens, D, L,
             (num_experts // D) if not cached else 0, ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset),
             ctypes.c_int64(region_rows), (ctypes.c_int64 * 5)(*off1), stream_ptr(self.device))
         check(code, "hierarchical dispatch (stage)")
-        recv1 = st["recv1"] if cached else torch.empty(D, dtype=torch.int32, device=self.device)
-        slots1 = st["slots1"] if cached else torch.empty((D * region_rows, L), dtype=torch.int32, device=self.device)
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
-                  int(with_weights), int(not cached), num_out]
+                  int(with_weights), int(not cached), num_worst_tokens or -1]
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms,
                                  advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_interdomain_dispatch(
@@ -345,6 +310,19 @@ class CudaHierarchical:
             ptr(recv_total), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
         check(code, "hierarchical dispatch")
 
+        host = totals = None
+        if not cached and not num_worst_tokens:  # the one host sync: it covers this call's kernels too
+            epr = experts_per_rank
+            expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
+            both = torch.cat([incoming[:, :2 + R].flatten(), expert_totals]).cpu()
+            self.check_errors("dispatch")  # a rank gone, another shape, a receive area too small
+            host, totals = both[:R * (2 + R)].view(R, 2 + R), both[R * (2 + R):]
+            host = host[:, [0, *range(2, 2 + R)]]  # tokens, then the count matrix
+            num_recv = int(host[:, 1 + self.rank].sum())
+        elif not cached:
+            num_recv = -1  # not known on the host: num_worst_tokens rows come back
+        num_out = num_worst_tokens or num_recv
+
         # The received rows, out of the IPC area (the next call reuses it).
         recv_x = self._nvl_view(off2[0], num_out, x_bytes).view(x.dtype).clone()
         if scales is not None:
@@ -352,8 +330,7 @@ class CudaHierarchical:
             got = self._nvl_view(off2[1], num_out, num_scales * 4).view(scales.dtype)
             recv_scales = got.t().contiguous().t() if col_major else got.clone()
             recv_x = (recv_x, recv_scales)
-        self.traffic_state.update(op="dispatch", send1=send1, row1=sum(row1), host=None if cached else host,
-                                  row2=sum(row2))
+        self.traffic_state.update(op="dispatch", send1=send1, row1=sum(row1), host=host, row2=sum(row2))
         if cached:
             return recv_x, None, None, None, handle
         recv_topk_idx = recv_topk_weights = None
@@ -364,7 +341,6 @@ class CudaHierarchical:
         if num_worst_tokens:
             expert_list, send_counts, recv_counts = [], [], []
         else:
-            self.check_errors("dispatch")  # of earlier calls (this one is still running)
             a = expert_alignment
             expert_list = [(int(c) + a - 1) // a * a for c in totals.tolist()]
             send_counts = host[self.rank, 1:1 + R].tolist()
@@ -377,16 +353,27 @@ class CudaHierarchical:
                            "start": start, "recv_total": recv_total, "region_rows": region_rows})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
-    def _check_receive_room(self, host: torch.Tensor, hidden: int, element_size: int, num_topk: int,
-                            num_scales: int) -> None:
-        """Every rank's received rows fit its IPC area (every rank sees the same matrix: all raise alike)."""
+    def _notify(self, num_tokens: int, num_tokens_per_rank, num_tokens_per_expert, num_experts: int, shape: tuple,
+                num_sms: int) -> torch.Tensor:
+        """The counts exchange (notify_kernel over NVSHMEM): every rank's row of (tokens, shape digest,
+        tokens per rank, tokens per expert), as an int32 [R, width] view on the device. No host
+        collective, so a rank that is gone is named within the timeout instead of waited for; ranks
+        whose shapes differ give up the call alike."""
         R = self.num_ranks
-        most = int(host[:, 1:1 + R].sum(0).max())
-        need = nvl_bytes_needed(most, hidden, element_size, num_topk, num_scales)
-        if need > self.shared.num_bytes:
-            raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {most} rows; num_nvl_bytes="
-                             f"{self.shared.num_bytes} is too small, it needs {need} "
-                             "(epcomm.backends.cuda.hierarchical.nvl_bytes_needed)")
+        width = _counts_width(R)
+        counts = self.sym.tensor[_SYM_HEADER:_SYM_HEADER + (3 * R + 1) * width * 4].view(torch.int32).view(
+            3 * R + 1, width)
+        row_ints = 2 + R + num_experts
+        outgoing = counts[2 * R, :row_ints]
+        outgoing[:1].fill_(num_tokens)  # fills, not host copies: capturable in a CUDA graph
+        outgoing[1:2].fill_(zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF)
+        outgoing[2:2 + R] = num_tokens_per_rank
+        outgoing[2 + R:] = num_tokens_per_expert
+        call = self._call_params(_OP_DISPATCH, (), num_sms, notify=True)
+        code = self.nv.epcomm_interdomain_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
+                                                 ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
+        check(code, "hierarchical dispatch (notify)")
+        return counts[2 * R + 1:3 * R + 1]  # the rows of this notify (notify_kernel copies them here)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):

@@ -298,7 +298,7 @@ struct DispatchArgs {
     const int* start;              // [R, R]: where source s's block starts in rank r's output
     int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
     const int* recv_total;         // rows this rank receives (device: no host sync needed)
-    int64_t num_out;               // rows of its outputs (num_worst_tokens, or recv_total)
+    int64_t num_out;               // rows of its outputs with num_worst_tokens, else -1 (the host sizes them)
 };
 
 // num_worst_tokens padding: this rank's rows [recv_total, num_out) get x = 0, scales = 0, ids = -1,
@@ -306,6 +306,7 @@ struct DispatchArgs {
 // forwarder blocks share the rows; no other rank writes there.
 __device__ void pad_rows(const DispatchArgs& a, int b) {
     const Call& c = a.c;
+    if (a.num_out < 0) return;
     const int64_t total = *a.recv_total;
     if (total > a.num_out) {
         if (b == 0 && threadIdx.x == 0) c.abort(4, c.domain_rank(c.local));
