@@ -227,3 +227,27 @@ def test_hierarchical_mismatched_shapes_raise_on_every_rank():
     _split(2, 1)
     with _fresh(2) as c:
         c.run(rank_mismatched_hidden, timeout_s=120)
+
+
+def rank_refused_inputs(fault: str):
+    """A rank whose counts or top-k ids are invalid: every rank raises, naming it; nothing hangs."""
+    rank = dist.get_rank()
+    ref, cuda = _buffers(1, 32, "auto")
+    ref.destroy()
+    x, idx, w = _inputs(23, 16, HIDDEN, 8, NUM_TOPK, "random", 1)
+    per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(idx, 8)
+    if rank == 1 and fault == "counts":
+        per_rank = per_rank + 1
+    if rank == 1 and fault == "ids":
+        idx = idx.clone()
+        idx[0, 0] = 8  # past num_experts
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] refused the inputs"):
+        cuda.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+
+@pytest.mark.parametrize("fault", ["counts", "ids"])
+def test_hierarchical_refused_inputs_raise_on_every_rank(fault):
+    _split(2, 1)
+    with _fresh(2) as c:
+        c.run(rank_refused_inputs, fault, timeout_s=120)

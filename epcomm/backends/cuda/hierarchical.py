@@ -48,7 +48,9 @@ _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = 1, 2, 3
 _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            2: "rank(s) {ranks} called another operation or shape (hidden size, dtype, top-k, scales)",
            3: "the receive area of rank(s) {ranks} is too small for this call (num_nvl_bytes)",
-           4: "rank(s) {ranks} received more rows than num_worst_tokens"}
+           4: "rank(s) {ranks} received more rows than num_worst_tokens",
+           5: "rank(s) {ranks} refused the inputs (top-k ids outside [-1, num_experts), or num_tokens_per_rank not "
+              "is_token_in_rank.sum(0): pass both from get_dispatch_layout)"}
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
@@ -207,6 +209,9 @@ class CudaHierarchical:
         raise RuntimeError(f"epcomm {op} (hierarchical) on rank {self.rank}: {message}. Destroy the Buffer and the "
                            "process group.")
 
+    def _capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
     # ------------------------------------------------------------------ kernel arguments
     def _sym_view(self, offset: int, rows: int, row_bytes: int, recv: bool) -> torch.Tensor:
         begin = self.stage_offset + (self.area if recv else 0) + offset
@@ -230,7 +235,7 @@ class CudaHierarchical:
         # combine: every SM forwards (and sends).
         senders = 0 if op == _OP_COMBINE else (self.num_domains - 1) * chunks
         forwarders = max(1, min(self.c["max_forwarders"], num_sms - senders))
-        tag = zlib.crc32(repr((op, shape)).encode()) & 0xFFFFF
+        tag = zlib.crc32(repr((op, shape, chunks, forwarders)).encode()) & 0xFFFFF  # ranks must agree on all
         peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
         mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
         values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd, self.local,
@@ -253,10 +258,25 @@ class CudaHierarchical:
         with_weights = not cached and topk_weights is not None
         row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, not cached)
         row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
+        out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
+        if not self._capturing():
+            self.check_errors("dispatch")  # what earlier calls' kernels reported (without a sync)
+        # Checks before anything moves or the call counter advances. They fail on this rank alone: its
+        # peers then time out waiting for it (name it); destroy the Buffer after such an error.
+        worst = handle.num_worst_tokens if cached else num_worst_tokens
+        if worst > out_rows:
+            raise ValueError(f"epcomm dispatch (hierarchical): num_worst_tokens={worst} rows do not fit "
+                             f"num_nvl_bytes={self.shared.num_bytes} ({out_rows} rows); size it with "
+                             "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
+        if cached:
+            region_rows = handle.backend_state["region_rows"]
+            if _offsets(row1, D * region_rows)[1] > self.area or hidden != handle.hidden:
+                raise ValueError("epcomm dispatch (hierarchical): a cached dispatch must move rows of its handle's "
+                                 "shape")
         if cached:
             st = handle.backend_state
             flags, pos, send1, region_rows, start = st["flags"], st["pos"], st["send1"], st["region_rows"], st["start"]
-            recv_total, recv1, slots1 = st["recv_total"], st["recv1"], st["slots1"]
+            recv_total, recv1, slots1, matrix = st["recv_total"], st["recv1"], st["slots1"], st["matrix"]
             num_worst_tokens, num_recv = handle.num_worst_tokens, handle.num_recv_tokens
             experts_per_rank = 0
         else:
@@ -265,28 +285,28 @@ class CudaHierarchical:
                 raise ValueError(f"the hierarchical CUDA kernels count up to {_MAX_EXPERTS} experts, got {num_experts}")
             # The regions are sized by the buffer (the same on every rank), not by this call.
             region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) // D
-            if num_tokens > region_rows:  # raised before any exchange: the peers name this rank
+            if num_tokens > region_rows:
                 raise ValueError(f"epcomm dispatch (hierarchical): {num_tokens} tokens, but num_rdma_bytes="
                                  f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
                                  "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
+            in_rank = is_token_in_rank.contiguous()
+            # Invalid values are found on the device (no host sync): the rank sends a refusal instead
+            # of its shape digest, and every rank gives up the call naming it.
+            refused = (in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any()
+            if num_topk:
+                refused = refused | ((topk_idx < -1) | (topk_idx >= num_experts)).any()
             incoming = self._notify(num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_experts, (
-                hidden, x.dtype, num_scales, num_topk, with_weights, num_experts, num_worst_tokens > 0), num_sms)
-            matrix = incoming[:, 2:2 + R]
+                hidden, x.dtype, num_scales, num_topk, with_weights, num_experts, num_worst_tokens), refused, num_sms)
+            matrix = incoming[:, 2:2 + R].contiguous()
             start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
             recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
-            in_rank = is_token_in_rank.contiguous()
             flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
             pos, send1 = _exclusive_prefix(flags)
             slots, _ = _exclusive_prefix(in_rank)
             slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
-            recv1 = torch.empty(D, dtype=torch.int32, device=self.device)
+            recv1 = torch.zeros(D, dtype=torch.int32, device=self.device)  # stays 0 if the call gives up
             slots1 = torch.empty((D * region_rows, L), dtype=torch.int32, device=self.device)
         off1, _ = _offsets(row1, D * region_rows)
-        out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
-        if num_worst_tokens > out_rows:
-            raise ValueError(f"epcomm dispatch (hierarchical): num_worst_tokens={num_worst_tokens} rows do not fit "
-                             f"num_nvl_bytes={self.shared.num_bytes} ({out_rows} rows); size it with "
-                             "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
         off2, _ = _offsets(row2, out_rows)
 
         # Stage each token once per destination domain, then both tiers in one kernel; all of it is
@@ -306,8 +326,8 @@ class CudaHierarchical:
                                  advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_interdomain_dispatch(
             call, (ctypes.c_int64 * len(params))(*params), ptr(send1),
-            ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(slots1),
-            ptr(recv_total), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
+            ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(matrix),
+            ptr(slots1), ptr(recv_total), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
         check(code, "hierarchical dispatch")
 
         host = totals = None
@@ -315,10 +335,15 @@ class CudaHierarchical:
             epr = experts_per_rank
             expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
             both = torch.cat([incoming[:, :2 + R].flatten(), expert_totals]).cpu()
-            self.check_errors("dispatch")  # a rank gone, another shape, a receive area too small
+            self.check_errors("dispatch")  # a rank gone, another shape, refused inputs, a receive area too small
             host, totals = both[:R * (2 + R)].view(R, 2 + R), both[R * (2 + R):]
             host = host[:, [0, *range(2, 2 + R)]]  # tokens, then the count matrix
             num_recv = int(host[:, 1 + self.rank].sum())
+            most = int(host[:, 1:].sum(0).max())
+            if most > out_rows:  # the kernels skipped those rows; every rank sees the matrix: all raise
+                raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {most} rows, num_nvl_bytes="
+                                 f"{self.shared.num_bytes} holds {out_rows}; size it with "
+                                 "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
         elif not cached:
             num_recv = -1  # not known on the host: num_worst_tokens rows come back
         num_out = num_worst_tokens or num_recv
@@ -350,11 +375,11 @@ class CudaHierarchical:
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
             backend_state={"flags": flags, "pos": pos, "send1": send1, "recv1": recv1, "slots1": slots1,
-                           "start": start, "recv_total": recv_total, "region_rows": region_rows})
+                           "start": start, "matrix": matrix, "recv_total": recv_total, "region_rows": region_rows})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
     def _notify(self, num_tokens: int, num_tokens_per_rank, num_tokens_per_expert, num_experts: int, shape: tuple,
-                num_sms: int) -> torch.Tensor:
+                refused: torch.Tensor, num_sms: int) -> torch.Tensor:
         """The counts exchange (notify_kernel over NVSHMEM): every rank's row of (tokens, shape digest,
         tokens per rank, tokens per expert), as an int32 [R, width] view on the device. No host
         collective, so a rank that is gone is named within the timeout instead of waited for; ranks
@@ -366,7 +391,8 @@ class CudaHierarchical:
         row_ints = 2 + R + num_experts
         outgoing = counts[2 * R, :row_ints]
         outgoing[:1].fill_(num_tokens)  # fills, not host copies: capturable in a CUDA graph
-        outgoing[1:2].fill_(zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF)
+        digest = zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF
+        outgoing[1:2].copy_(torch.where(refused, -1, digest).view(1))  # -1: kRefused
         outgoing[2:2 + R] = num_tokens_per_rank
         outgoing[2 + R:] = num_tokens_per_expert
         call = self._call_params(_OP_DISPATCH, (), num_sms, notify=True)
@@ -383,6 +409,11 @@ class CudaHierarchical:
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         region_rows = st["region_rows"]
         rows = x.shape[0]
+        if not self._capturing():
+            self.check_errors("combine")
+        if hidden != handle.hidden or _offsets(combine_fields(hidden, num_topk), D * region_rows)[1] > self.area:
+            raise ValueError(f"epcomm combine (hierarchical): rows of hidden {hidden} (and {num_topk} weights) do not "
+                             f"fit the regions of the handle's dispatch (hidden {handle.hidden})")
         row2 = [hidden * 2, num_topk * 4]
         # Laid out for the area's capacity, not this rank's rows: the forwarders of the other ranks
         # compute the same offsets.
@@ -397,7 +428,7 @@ class CudaHierarchical:
             self._nvl_view(off2[1], rows, num_topk * 4).view(torch.float32).copy_(topk_weights)
         row1 = combine_fields(hidden, num_topk)
         off1, _ = _offsets(row1, D * region_rows)
-        params = [self.area, region_rows, off1[0], off1[1], off2[0], off2[1], hidden, num_topk]
+        params = [self.area, region_rows, off1[0], off1[1], off2[0], off2[1], hidden, num_topk, in_rows]
         call = self._call_params(_OP_COMBINE, (region_rows, *row1), num_sms)
         code = self.nv.epcomm_interdomain_combine(
             call, (ctypes.c_int64 * len(params))(*params), ptr(st["recv1"]), ptr(st["start"]),

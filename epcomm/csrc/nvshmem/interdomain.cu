@@ -62,7 +62,8 @@ static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes
 
 // info words (host-mapped) written on an error; the Python side reads them after a sync.
 constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small,
-                               // 4: more rows received than num_worst_tokens
+                               // 4: more rows received than num_worst_tokens, 5: refused inputs
+constexpr int kRefused = -1;   // the shape digest of a rank whose inputs are invalid (notify_kernel)
 constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
 constexpr int kInfoInts = 1 + 64;
 
@@ -245,7 +246,8 @@ __device__ void leave_domain(const Call& c, int b) {
 // another, never two, since each notify waits for every rank's), and signals it. Block r (a warp)
 // delivers to rank r, waits for rank r's row and copies it to row r of the current rows, which the
 // host and later kernels read (the same place whichever set it came in). A row with another shape
-// digest gives up the call (error 2). Counts area: incoming[2][R], outgoing, current[R] rows.
+// digest gives up the call (error 2); a rank whose inputs are invalid sends the digest kRefused, and
+// every rank gives up naming it (error 5). Counts area: incoming[2][R], outgoing, current[R] rows.
 __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_ints) {
     const int r = blockIdx.x, me = c.domain_rank(c.local);
     int* counts = reinterpret_cast<int*>(c.sym + counts_offset);
@@ -261,8 +263,12 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
                            NVSHMEM_SIGNAL_SET, r);
         int64_t seen = 0;
         ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
-        if (ok && ld_volatile_int(incoming + r * width + 1) != outgoing[1]) {
-            c.abort(2, r);
+        const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
+        if (ok && digest == kRefused) {  // rank r found its inputs invalid (every rank names it)
+            c.abort(5, r);
+            ok = false;
+        } else if (ok && digest != outgoing[1]) {
+            c.abort(outgoing[1] == kRefused ? 5 : 2, outgoing[1] == kRefused ? me : r);
             ok = false;
         }
     }
@@ -296,6 +302,7 @@ struct DispatchArgs {
     const int* send_counts;        // [D]
     int* recv_counts;              // [D] written
     const int* start;              // [R, R]: where source s's block starts in rank r's output
+    const int* matrix;             // [R, R]: rows source s sends rank r (a slot past it is refused)
     int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
     const int* recv_total;         // rows this rank receives (device: no host sync needed)
     int64_t num_out;               // rows of its outputs with num_worst_tokens, else -1 (the host sizes them)
@@ -306,8 +313,12 @@ struct DispatchArgs {
 // forwarder blocks share the rows; no other rank writes there.
 __device__ void pad_rows(const DispatchArgs& a, int b) {
     const Call& c = a.c;
-    if (a.num_out < 0) return;
     const int64_t total = *a.recv_total;
+    if (total > a.out_rows) {  // this rank's receive area cannot hold its rows (the forwarders skip them)
+        if (b == 0 && threadIdx.x == 0) c.abort(3, c.domain_rank(c.local));
+        return;
+    }
+    if (a.num_out < 0) return;
     if (total > a.num_out) {
         if (b == 0 && threadIdx.x == 0) c.abort(4, c.domain_rank(c.local));
         return;
@@ -365,7 +376,10 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
         if (j == 0 && s_count >= 0) a.recv_counts[d] = s_count;
     }
     __syncthreads();
-    if (s_count < 0) return;
+    if (s_count < 0) {
+        __syncthreads();  // s_count is rewritten by the block's next chunk
+        return;
+    }
     int64_t lo, hi;
     chunk_rows(s_count, c.chunks, j, &lo, &hi);
     const uint8_t* recv = c.sym + c.stage_offset + (own ? 0 : a.area);
@@ -388,6 +402,10 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
             const int slot = __shfl_sync(kFullMask, slot_lane, i);
             if (slot < 0) continue;
             const int r = c.domain_rank(i);
+            if (slot >= a.matrix[s * R + r]) {  // more rows than the source's counts promised
+                if (lane == 0) c.abort(5, s);
+                continue;
+            }
             const int64_t pos = static_cast<int64_t>(a.start[s * R + r]) + slot;
             if (pos >= a.out_rows) {
                 if (lane == 0) c.abort(3, r);
@@ -446,6 +464,7 @@ struct CombineArgs {
     const int* counts;  // [D] rows of each region the dispatch forwarded (from its recv_counts)
     const int* start;
     const int* slots;
+    int64_t in_rows;    // rows each domain rank's IPC area holds (a position past it is an error)
 };
 
 // Sum, for each row of chunk j of region d, what the domain's ranks return for it, and send the
@@ -457,10 +476,13 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     const bool own = d == c.my_domain, direct = own || c.mates[d] != nullptr;
     if (threadIdx.x == 0) s_ok = own || wait_entered(c, sym_ready(c.sym, d), c.mate(d));  // its area is free
     __syncthreads();
-    if (!s_ok) return;
+    if (!s_ok) {
+        __syncthreads();  // s_ok is rewritten by the block's next chunk
+        return;
+    }
     const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks, H = a.hidden;
     const int s = c.mate(d);
-    const int64_t count = a.counts[d];
+    const int64_t count = min(static_cast<int64_t>(a.counts[d]), a.region_rows);
     int64_t lo, hi;
     chunk_rows(count, c.chunks, j, &lo, &hi);
     // Where the partial sums go: row my_domain x region_rows + p of the mate's receive area, or row
@@ -481,6 +503,10 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
             weights[i] = nullptr;
             if (i >= L || slot < 0) continue;
             const int64_t pos = static_cast<int64_t>(a.start[s * R + c.domain_rank(i)]) + slot;
+            if (pos >= a.in_rows) {
+                if (lane == 0) c.abort(3, c.domain_rank(i));
+                continue;
+            }
             const uint8_t* in = c.peers[i] + kDomainHeaderBytes;
             rows[i] = reinterpret_cast<const int4*>(in + a.in_off_y + pos * H * 2);
             if (K > 0) weights[i] = reinterpret_cast<const float*>(in + a.in_off_weights + pos * K * 4);
@@ -730,8 +756,8 @@ int epcomm_interdomain_advance(void* sym, int notify, cudaStream_t stream) {
 // params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
 // experts_per_rank, with_weights, fresh, num_out.
 int epcomm_interdomain_dispatch(const int64_t* call_params, const int64_t* params,
-                                const int* send_counts, int* recv_counts, const int* start, int* slots,
-                                const int* recv_total, int* info, cudaStream_t stream) {
+                                const int* send_counts, int* recv_counts, const int* start, const int* matrix,
+                                int* slots, const int* recv_total, int* info, cudaStream_t stream) {
     DispatchArgs a{};
     const int status = make_call(call_params, info, &a.c);
     if (status != 0) return status;
@@ -751,13 +777,15 @@ int epcomm_interdomain_dispatch(const int64_t* call_params, const int64_t* param
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
     a.start = start;
+    a.matrix = matrix;
     a.slots = slots;
     if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
     dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
-// params: area, region_rows, off_partial, off_partial_weights, in_off_y, in_off_weights, hidden, num_topk.
+// params: area, region_rows, off_partial, off_partial_weights, in_off_y, in_off_weights, hidden, num_topk,
+// in_rows.
 int epcomm_interdomain_combine(const int64_t* call_params, const int64_t* params,
                                const int* counts, const int* start, const int* slots, int* info, cudaStream_t stream) {
     CombineArgs a{};
@@ -769,6 +797,7 @@ int epcomm_interdomain_combine(const int64_t* call_params, const int64_t* params
     a.off_partial_weights = params[3];
     a.in_off_y = params[4];
     a.in_off_weights = params[5];
+    a.in_rows = params[8];
     a.hidden = static_cast<int>(params[6]);
     a.num_topk = static_cast<int>(params[7]);
     a.counts = counts;
