@@ -315,12 +315,10 @@ class CudaIntranode:
             self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
         check(code, "dispatch")
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms, out=None, out_w=None):
-        """``out`` / ``out_w`` given: the sums go there; an fp32 ``out`` gets them unrounded (the
-        hierarchical mode's partial sums, which other domains' add to)."""
+    def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
         if "rounds" in st:
-            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms, out, out_w)
+            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms)
         num_tokens, hidden = handle.num_tokens, x.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         if num_topk > 32:
@@ -333,17 +331,14 @@ class CudaIntranode:
         if st["max_send"] > cap_rows:
             self._raise_capacity("combine", st["max_send"], row_bytes, cap_rows)
         self._notify_barrier(self.c["op_combine"], "combine")
-        if out is None:
-            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
-        if out_w is None and num_topk:
-            out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
         bias0 = biases[0] if len(biases) > 0 else None
         bias1 = biases[1] if len(biases) > 1 else None
         code = self.lib.epcomm_combine(
             self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, ptr(x), ptr(topk_weights),
             ptr(st["in_rank"]), ptr(st["slot"]), ptr(st["layout"]), row_bytes,
-            ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), int(out.dtype == torch.float32),
-            ptr(out_w if num_topk else None), num_sms,
+            ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), ptr(out_w), num_sms,
             self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns),
             stream_ptr(self.device))
         check(code, "combine")
@@ -442,18 +437,21 @@ class CudaIntranode:
         col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1
         return self._assemble(parts, st["round_rows"], col_major), None, None, None, handle
 
-    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms, out=None, out_w=None):
+    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
         st = handle.backend_state
         step = st["round_step"]
-        if out is None:
-            out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
+        out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-        if out_w is None and num_topk:
-            out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device)
+        out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk \
+            else None
         for j, (sub, rows) in enumerate(zip(st["rounds"], st["round_rows"])):
             lo, hi = min(j * step, handle.num_tokens), min((j + 1) * step, handle.num_tokens)
-            self.combine(x.index_select(0, rows), sub, topk_weights.index_select(0, rows) if num_topk else None,
-                         tuple(b[lo:hi] for b in biases), num_sms, out[lo:hi], out_w[lo:hi] if num_topk else None)
+            part, part_w = self.combine(x.index_select(0, rows),
+                                        sub, topk_weights.index_select(0, rows) if num_topk else None,
+                                        tuple(b[lo:hi] for b in biases), num_sms)
+            out[lo:hi] = part
+            if out_w is not None:
+                out_w[lo:hi] = part_w
         return out, out_w
 
     # ------------------------------------------------------------------ errors raised on every rank alike

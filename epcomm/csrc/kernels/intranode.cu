@@ -627,8 +627,7 @@ struct CombineArgs {
     int64_t cap_rows;
     const __nv_bfloat16* bias0;
     const __nv_bfloat16* bias1;
-    void* out;                  // [T, H] bf16, or fp32 when out_fp32 (the hierarchical mode's partial sums)
-    bool out_fp32;
+    __nv_bfloat16* out;         // [T, H]
     float* out_weights;         // [T, K] or nullptr
     int num_send_blocks;
     int* info;
@@ -732,8 +731,7 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
                 if (src_w[d] != nullptr) acc += src_w[d][lane];
             a.out_weights[static_cast<int64_t>(t) * K + lane] = acc;
         }
-        int4* out = reinterpret_cast<int4*>(static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(t) * a.hidden);
-        float4* out_f32 = reinterpret_cast<float4*>(static_cast<float*>(a.out) + static_cast<int64_t>(t) * a.hidden);
+        int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
         const int4* b0 = a.bias0 != nullptr ? reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * a.hidden)
                                             : nullptr;
         const int4* b1 = a.bias1 != nullptr ? reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * a.hidden)
@@ -765,11 +763,6 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
                 if (c >= x_int4) continue;
                 if (b0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b0 + c));
                 if (b1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b1 + c));
-                if (a.out_fp32) {  // no rounding: the sum goes on to the other domains' (hierarchical)
-                    out_f32[2 * c] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
-                    out_f32[2 * c + 1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
-                    continue;
-                }
                 int4 o;
                 auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
@@ -948,7 +941,7 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
 
 int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
                    const void* x, const float* weights, const bool* in_rank, const int* slot, const int* layout,
-                   int row_stride, int64_t cap_rows, const void* bias0, const void* bias1, void* out, int out_fp32,
+                   int row_stride, int64_t cap_rows, const void* bias0, const void* bias1, void* out,
                    float* out_weights, int num_sms, int num_send_blocks, int* info, uint64_t timeout_ns,
                    cudaStream_t stream) {
     CombineArgs a{};
@@ -967,8 +960,7 @@ int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens
     a.cap_rows = cap_rows;
     a.bias0 = static_cast<const __nv_bfloat16*>(bias0);
     a.bias1 = static_cast<const __nv_bfloat16*>(bias1);
-    a.out = out;
-    a.out_fp32 = out_fp32 != 0;
+    a.out = static_cast<__nv_bfloat16*>(out);
     a.out_weights = out_weights;
     const int blocks = num_sms > 1 ? num_sms : 2;
     a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
