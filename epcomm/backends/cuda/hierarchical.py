@@ -50,7 +50,8 @@ _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            3: "the receive area of rank(s) {ranks} is too small for this call (num_nvl_bytes)",
            4: "rank(s) {ranks} received more rows than num_worst_tokens",
            5: "rank(s) {ranks} refused the inputs (top-k ids outside [-1, num_experts), or num_tokens_per_rank not "
-              "is_token_in_rank.sum(0): pass both from get_dispatch_layout)"}
+              "is_token_in_rank.sum(0): pass both from get_dispatch_layout)",
+           6: "rank(s) {ranks} had an error in an earlier call (raised there)"}
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
@@ -204,7 +205,9 @@ class CudaHierarchical:
         if code == 0:
             return
         ranks = [r for r in range(self.num_ranks) if self.info_np[1 + r]]
-        self.info_np[:] = 0
+        self.info_np[0] = 0  # only the words read (a kernel may be writing others)
+        for r in ranks:
+            self.info_np[1 + r] = 0
         message = _ERRORS.get(code, f"error {code}").format(ranks=ranks)
         raise RuntimeError(f"epcomm {op} (hierarchical) on rank {self.rank}: {message}. Destroy the Buffer and the "
                            "process group.")
@@ -259,8 +262,6 @@ class CudaHierarchical:
         row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, not cached)
         row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
         out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
-        if not self._capturing():
-            self.check_errors("dispatch")  # what earlier calls' kernels reported (without a sync)
         # Checks before anything moves or the call counter advances. They fail on this rank alone: its
         # peers then time out waiting for it (name it); destroy the Buffer after such an error.
         worst = handle.num_worst_tokens if cached else num_worst_tokens
@@ -273,6 +274,10 @@ class CudaHierarchical:
             if _offsets(row1, D * region_rows)[1] > self.area or hidden != handle.hidden:
                 raise ValueError("epcomm dispatch (hierarchical): a cached dispatch must move rows of its handle's "
                                  "shape")
+            if handle.backend_state["most_recv"] > out_rows:  # every rank knows the most: all raise
+                raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {handle.backend_state['most_recv']} "
+                                 f"rows, num_nvl_bytes={self.shared.num_bytes} holds {out_rows} of these; size it "
+                                 "with epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
         if cached:
             st = handle.backend_state
             flags, pos, send1, region_rows, start = st["flags"], st["pos"], st["send1"], st["region_rows"], st["start"]
@@ -305,7 +310,8 @@ class CudaHierarchical:
             slots, _ = _exclusive_prefix(in_rank)
             slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
             recv1 = torch.zeros(D, dtype=torch.int32, device=self.device)  # stays 0 if the call gives up
-            slots1 = torch.empty((D * region_rows, L), dtype=torch.int32, device=self.device)
+            # -1: no destination, for rows a given-up call leaves unwritten (combine then skips them)
+            slots1 = torch.full((D * region_rows, L), -1, dtype=torch.int32, device=self.device)
         off1, _ = _offsets(row1, D * region_rows)
         off2, _ = _offsets(row2, out_rows)
 
@@ -331,11 +337,17 @@ class CudaHierarchical:
         check(code, "hierarchical dispatch")
 
         host = totals = None
+        most = num_worst_tokens  # the most rows a rank receives (with num_worst_tokens: at most that)
+        if (cached or num_worst_tokens) and not self._capturing():
+            # No host sync: what the kernels of earlier calls reported, raised after this call's
+            # launches (so no peer waits for this rank); every rank learns of it at the next
+            # dispatch's counts exchange at the latest (notify_kernel, error 6).
+            self.check_errors("dispatch")
         if not cached and not num_worst_tokens:  # the one host sync: it covers this call's kernels too
             epr = experts_per_rank
             expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
             both = torch.cat([incoming[:, :2 + R].flatten(), expert_totals]).cpu()
-            self.check_errors("dispatch")  # a rank gone, another shape, refused inputs, a receive area too small
+            self.check_errors("dispatch")  # a rank gone, another shape, refused inputs, an earlier call's error
             host, totals = both[:R * (2 + R)].view(R, 2 + R), both[R * (2 + R):]
             host = host[:, [0, *range(2, 2 + R)]]  # tokens, then the count matrix
             num_recv = int(host[:, 1 + self.rank].sum())
@@ -375,7 +387,8 @@ class CudaHierarchical:
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
             backend_state={"flags": flags, "pos": pos, "send1": send1, "recv1": recv1, "slots1": slots1,
-                           "start": start, "matrix": matrix, "recv_total": recv_total, "region_rows": region_rows})
+                           "start": start, "matrix": matrix, "recv_total": recv_total, "region_rows": region_rows,
+                           "most_recv": most})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
     def _notify(self, num_tokens: int, num_tokens_per_rank, num_tokens_per_expert, num_experts: int, shape: tuple,
@@ -409,8 +422,6 @@ class CudaHierarchical:
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         region_rows = st["region_rows"]
         rows = x.shape[0]
-        if not self._capturing():
-            self.check_errors("combine")
         if hidden != handle.hidden or _offsets(combine_fields(hidden, num_topk), D * region_rows)[1] > self.area:
             raise ValueError(f"epcomm combine (hierarchical): rows of hidden {hidden} (and {num_topk} weights) do not "
                              f"fit the regions of the handle's dispatch (hidden {handle.hidden})")
@@ -444,6 +455,8 @@ class CudaHierarchical:
             ptr(partial), ptr(partial_w), ctypes.c_int64(region_rows), ptr(st["flags"]), ptr(st["pos"]), ptr(bias0),
             ptr(bias1), ptr(out), ptr(out_w), num_tokens, hidden, num_topk, D, stream_ptr(self.device))
         check(code, "hierarchical combine (reduce)")
+        if not self._capturing():
+            self.check_errors("combine")  # of earlier calls, raised after this call's launches (see dispatch)
         self.traffic_state.update(op="combine", recv1=st["recv1"], row1c=sum(row1), row2c=sum(row2),
                                   host_c=self.traffic_state.get("host"))
         return out, out_w

@@ -62,8 +62,10 @@ static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes
 
 // info words (host-mapped) written on an error; the Python side reads them after a sync.
 constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small,
-                               // 4: more rows received than num_worst_tokens, 5: refused inputs
+                               // 4: more rows received than num_worst_tokens, 5: refused inputs,
+                               // 6: an earlier call's error on that rank
 constexpr int kRefused = -1;   // the shape digest of a rank whose inputs are invalid (notify_kernel)
+constexpr int kPendingError = -2;  // ... of a rank with an earlier call's error not yet raised
 constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
 constexpr int kInfoInts = 1 + 64;
 
@@ -256,6 +258,12 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
     int* current = counts + (2 * c.num_ranks + 1) * width;
     bool ok = false;
     if (threadIdx.x == 0) {
+        // An error of an earlier call still pending here: tell every rank, so all give up this call
+        // (error 6) instead of some of them waiting for a rank that raises on the host.
+        if (ld_volatile_int(c.info + kInfoError) != 0) {
+            const_cast<int*>(outgoing)[1] = kPendingError;
+            __threadfence();
+        }
         nvshmem_putmem_nbi(incoming + me * width, outgoing, static_cast<size_t>(row_ints) * 4, r);
         nvshmem_quiet();
         __threadfence_system();
@@ -264,11 +272,15 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         int64_t seen = 0;
         ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
         const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
-        if (ok && digest == kRefused) {  // rank r found its inputs invalid (every rank names it)
-            c.abort(5, r);
+        const int mine = ld_volatile_int(outgoing + 1);
+        if (ok && (digest == kRefused || digest == kPendingError)) {  // every rank names rank r
+            c.abort(digest == kRefused ? 5 : 6, r);
             ok = false;
-        } else if (ok && digest != outgoing[1]) {
-            c.abort(outgoing[1] == kRefused ? 5 : 2, outgoing[1] == kRefused ? me : r);
+        } else if (ok && digest != mine) {
+            if (mine == kRefused || mine == kPendingError)
+                c.abort(mine == kRefused ? 5 : 6, me);
+            else
+                c.abort(2, r);
             ok = false;
         }
     }
@@ -315,12 +327,12 @@ __device__ void pad_rows(const DispatchArgs& a, int b) {
     const Call& c = a.c;
     const int64_t total = *a.recv_total;
     if (total > a.out_rows) {  // this rank's receive area cannot hold its rows (the forwarders skip them)
-        if (b == 0 && threadIdx.x == 0) c.abort(3, c.domain_rank(c.local));
+        if (b == 0 && threadIdx.x == 0) report(c.info, 3, c.domain_rank(c.local));
         return;
     }
     if (a.num_out < 0) return;
     if (total > a.num_out) {
-        if (b == 0 && threadIdx.x == 0) c.abort(4, c.domain_rank(c.local));
+        if (b == 0 && threadIdx.x == 0) report(c.info, 4, c.domain_rank(c.local));
         return;
     }
     uint8_t* out = c.peers[c.local] + kDomainHeaderBytes;
@@ -373,6 +385,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     const bool own = d == c.my_domain;  // this rank's own tokens: read where they were staged
     if (threadIdx.x == 0) {
         s_count = own ? a.send_counts[d] : wait_chunk(c, d, j);
+        if (c.aborted()) s_count = -1;  // a given-up call forwards nothing (its counts may be zeros)
         if (j == 0 && s_count >= 0) a.recv_counts[d] = s_count;
     }
     __syncthreads();
@@ -402,13 +415,16 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
             const int slot = __shfl_sync(kFullMask, slot_lane, i);
             if (slot < 0) continue;
             const int r = c.domain_rank(i);
+            // Rows that would land outside their block or the receive area are skipped and reported,
+            // without giving up the call: the others still arrive, so every rank reaches its host
+            // check instead of waiting out the timeout.
             if (slot >= a.matrix[s * R + r]) {  // more rows than the source's counts promised
-                if (lane == 0) c.abort(5, s);
+                if (lane == 0) report(c.info, 5, s);
                 continue;
             }
             const int64_t pos = static_cast<int64_t>(a.start[s * R + r]) + slot;
             if (pos >= a.out_rows) {
-                if (lane == 0) c.abort(3, r);
+                if (lane == 0) report(c.info, 3, r);
                 continue;
             }
             uint8_t* out = c.peers[i] + kDomainHeaderBytes;
@@ -504,7 +520,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
             if (i >= L || slot < 0) continue;
             const int64_t pos = static_cast<int64_t>(a.start[s * R + c.domain_rank(i)]) + slot;
             if (pos >= a.in_rows) {
-                if (lane == 0) c.abort(3, c.domain_rank(i));
+                if (lane == 0) report(c.info, 3, c.domain_rank(i));
                 continue;
             }
             const uint8_t* in = c.peers[i] + kDomainHeaderBytes;
