@@ -251,3 +251,54 @@ def test_hierarchical_refused_inputs_raise_on_every_rank(fault):
     _split(2, 1)
     with _fresh(2) as c:
         c.run(rank_refused_inputs, fault, timeout_s=120)
+
+
+def rank_lifecycle(num_buffers: int):
+    """Create and destroy a hierarchical Buffer many times (its NVSHMEM memory goes back to the heap,
+    its IPC mappings are closed): GPU memory and mappings must not grow; a destroy with a combine in
+    flight waits for it."""
+    from test_reliability_cuda import _mapped_regions
+
+    x, idx, w = _inputs(24, 16, HIDDEN, 8, NUM_TOPK, "random", 1)
+
+    def round_trip(buf: Buffer, async_finish: bool = False):
+        per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 8)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        previous = buf.capture() if async_finish else None
+        return buf.combine(recv_x, handle, topk_weights=recv_w, previous_event=previous, async_finish=async_finish)
+
+    ref, cuda = _buffers(1, 32, "auto")
+    want = round_trip(ref)[0]
+    ref.destroy()
+    round_trip(cuda)  # warm-up: compile, load, first mappings
+    cuda.destroy()
+    torch.cuda.synchronize()
+    allocated, regions = torch.cuda.memory_allocated(), _mapped_regions()
+    free_before, _ = torch.cuda.mem_get_info()
+    for i in range(num_buffers):
+        ref, cuda = _buffers(1, 32, "auto")
+        ref.destroy()
+        if i % 10 == 0:
+            round_trip(cuda)
+        cuda.destroy()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    grown = {"allocated": torch.cuda.memory_allocated() - allocated, "regions": _mapped_regions() - regions,
+             "free_lost": free_before - torch.cuda.mem_get_info()[0]}
+    assert grown["allocated"] <= 0, grown
+    assert grown["regions"] <= 8, grown
+    assert grown["free_lost"] < 2 * NVL, grown
+    ref, cuda = _buffers(1, 32, "auto")
+    ref.destroy()
+    combined, _, event = round_trip(cuda, async_finish=True)
+    cuda.destroy()  # waits for the combine in flight
+    event.current_stream_wait()
+    assert same_bits(combined, want), "a combine finished by destroy differs"
+
+
+def test_hierarchical_create_and_destroy_buffers():
+    _split(2, 1)
+    with _fresh(2) as c:
+        c.run(rank_lifecycle, 50, timeout_s=300)
