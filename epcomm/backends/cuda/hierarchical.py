@@ -4,7 +4,7 @@ backend="cuda")``): each token crosses the slow tier once per destination domain
 The group is split into domains of ``ranks_per_domain`` consecutive ranks (one per host, or the
 virtual ones EPCOMM_RANKS_PER_DOMAIN sets); rank r's mate in domain d has r's local index there.
 The algorithm is the reference strategy's (backends/reference/hierarchical.py), so the results are
-bitwise equal to it; the kernels are in csrc/nvshmem/interdomain.cu.
+bitwise equal to it; the kernels are in csrc/nvshmem/hierarchical.cuh (design), hierarchical_dispatch.cu and hierarchical_combine.cu.
 
 Dispatch
   1. notify: every rank puts its counts (tokens, tokens per rank, tokens per expert, a digest of
@@ -159,7 +159,7 @@ class CudaHierarchical:
         self.timeout_ns = int(timeout_s * 1e9)
         self.lib = load_library()
         self.nv = load_nvshmem_library()
-        self.c = {name: self.nv.epcomm_interdomain_constant(name.encode()) for name in (
+        self.c = {name: self.nv.epcomm_hierarchical_constant(name.encode()) for name in (
             "sym_header_bytes", "domain_header_bytes", "max_domains", "max_chunks", "max_local", "max_forwarders",
             "info_ints")}
         if (self.c["sym_header_bytes"], self.c["domain_header_bytes"]) != (_SYM_HEADER, _DOMAIN_HEADER):
@@ -230,7 +230,7 @@ class CudaHierarchical:
         the GPU, so a CUDA graph's replays take new ones (a dispatch's notify and main kernel share
         one; ``notify``: also the notify counter, whose parity picks the set of incoming rows)."""
         if advance:
-            check(self.nv.epcomm_interdomain_advance(ctypes.c_void_p(self.sym.tensor.data_ptr()), int(notify),
+            check(self.nv.epcomm_hierarchical_advance(ctypes.c_void_p(self.sym.tensor.data_ptr()), int(notify),
                                                      stream_ptr(self.device)), "hierarchical call counter")
         others = max(1, self.num_domains - 1)
         chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
@@ -317,7 +317,7 @@ class CudaHierarchical:
 
         # Stage each token once per destination domain, then both tiers in one kernel; all of it is
         # queued before the host reads the counts (below), so the GPU does not wait for the host.
-        code = self.nv.epcomm_interdomain_stage(
+        code = self.nv.epcomm_hierarchical_stage(
             ptr(x), ctypes.c_int64(x_bytes), ptr(scales), num_scales,
             ctypes.c_int64(scales.stride(0) if scales is not None else 0),
             ctypes.c_int64(scales.stride(1) if scales is not None else 0),
@@ -330,7 +330,7 @@ class CudaHierarchical:
                   int(with_weights), int(not cached), num_worst_tokens or -1]
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms,
                                  advance=cached)  # a fresh dispatch's number was taken by its notify
-        code = self.nv.epcomm_interdomain_dispatch(
+        code = self.nv.epcomm_hierarchical_dispatch(
             call, (ctypes.c_int64 * len(params))(*params), ptr(send1),
             ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(matrix),
             ptr(slots1), ptr(recv_total), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
@@ -409,7 +409,7 @@ class CudaHierarchical:
         outgoing[2:2 + R] = num_tokens_per_rank
         outgoing[2 + R:] = num_tokens_per_expert
         call = self._call_params(_OP_DISPATCH, (), num_sms, notify=True)
-        code = self.nv.epcomm_interdomain_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
+        code = self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
                                                  ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
         check(code, "hierarchical dispatch (notify)")
         return counts[2 * R + 1:3 * R + 1]  # the rows of this notify (notify_kernel copies them here)
@@ -441,7 +441,7 @@ class CudaHierarchical:
         off1, _ = _offsets(row1, D * region_rows)
         params = [self.area, region_rows, off1[0], off1[1], off2[0], off2[1], hidden, num_topk, in_rows]
         call = self._call_params(_OP_COMBINE, (region_rows, *row1), num_sms)
-        code = self.nv.epcomm_interdomain_combine(
+        code = self.nv.epcomm_hierarchical_combine(
             call, (ctypes.c_int64 * len(params))(*params), ptr(st["recv1"]), ptr(st["start"]),
             ptr(st["slots1"]), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
         check(code, "hierarchical combine")
@@ -451,7 +451,7 @@ class CudaHierarchical:
         bias1 = biases[1] if len(biases) > 1 else None
         partial = self._sym_view(off1[0], D * region_rows, hidden * 4, recv=True)
         partial_w = self._sym_view(off1[1], D * region_rows, num_topk * 4, recv=True) if num_topk else None
-        code = self.nv.epcomm_interdomain_reduce(
+        code = self.nv.epcomm_hierarchical_reduce(
             ptr(partial), ptr(partial_w), ctypes.c_int64(region_rows), ptr(st["flags"]), ptr(st["pos"]), ptr(bias0),
             ptr(bias1), ptr(out), ptr(out_w), num_tokens, hidden, num_topk, D, stream_ptr(self.device))
         check(code, "hierarchical combine (reduce)")

@@ -1,0 +1,400 @@
+// The hierarchical normal mode's dispatch (design: hierarchical.cuh): the counts exchange
+// (notify_kernel), the call counter (advance_kernel), staging (stage_kernel) and the kernel that
+// runs both tiers (dispatch_kernel).
+#include "hierarchical.cuh"
+
+namespace epcomm {
+namespace hierarchical {
+
+// ------------------------------------------------------------------ notify
+// The counts exchange of a dispatch, without a host collective (a dead rank is named within the
+// timeout, never waited for): every rank puts its counts row (tokens, shape digest, tokens per
+// rank, tokens per expert) from the outgoing row of its counts area into row `rank` of every rank's
+// incoming rows, in two sets used by alternate notifies (a rank may run one notify ahead of
+// another, never two, since each notify waits for every rank's), and signals it. Block r (a warp)
+// delivers to rank r, waits for rank r's row and copies it to row r of the current rows, which the
+// host and later kernels read (the same place whichever set it came in). A row with another shape
+// digest gives up the call (error 2); a rank whose inputs are invalid sends the digest kRefused, and
+// every rank gives up naming it (error 5). Counts area: incoming[2][R], outgoing, current[R] rows.
+__global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_ints) {
+    const int r = blockIdx.x, me = c.domain_rank(c.local);
+    int* counts = reinterpret_cast<int*>(c.sym + counts_offset);
+    int* incoming = counts + (ld_volatile(sym_notify_seq(c.sym)) % 2) * c.num_ranks * width;
+    const int* outgoing = counts + 2 * c.num_ranks * width;
+    int* current = counts + (2 * c.num_ranks + 1) * width;
+    bool ok = false;
+    if (threadIdx.x == 0) {
+        // An error of an earlier call still pending here: tell every rank, so all give up this call
+        // (error 6) instead of some of them waiting for a rank that raises on the host.
+        if (ld_volatile_int(c.info + kInfoError) != 0) {
+            const_cast<int*>(outgoing)[1] = kPendingError;
+            __threadfence();
+        }
+        nvshmem_putmem_nbi(incoming + me * width, outgoing, static_cast<size_t>(row_ints) * 4, r);
+        nvshmem_quiet();
+        __threadfence_system();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_notified(c.sym, me)), static_cast<uint64_t>(c.call()),
+                           NVSHMEM_SIGNAL_SET, r);
+        int64_t seen = 0;
+        ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
+        const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
+        const int mine = ld_volatile_int(outgoing + 1);
+        if (ok && (digest == kRefused || digest == kPendingError)) {  // every rank names rank r
+            c.abort(digest == kRefused ? 5 : 6, r);
+            ok = false;
+        } else if (ok && digest != mine) {
+            if (mine == kRefused || mine == kPendingError)
+                c.abort(mine == kRefused ? 5 : 6, me);
+            else
+                c.abort(2, r);
+            ok = false;
+        }
+    }
+    ok = __shfl_sync(kFullMask, ok, 0);
+    for (int k = threadIdx.x; k < row_ints; k += kWarpSize)
+        current[r * width + k] = ok ? ld_volatile_int(incoming + r * width + k) : 0;
+}
+
+// Before each operation: the next call number (and, for a dispatch's notify, the next notify).
+__global__ void advance_kernel(uint8_t* sym, int notify) {
+    *sym_seq(sym) += 1;
+    if (notify) *sym_notify_seq(sym) += 1;
+}
+
+// ------------------------------------------------------------------ dispatch
+// Slow-tier fields, in each area: token rows, scales, top-k ids (of the destination domain's
+// experts), weights, slots (per domain rank: the row's place in its block of this source there, -1).
+enum { kX, kScales, kTopk, kWeights, kSlots, kNumFields };
+// Fast-tier fields, in each rank's IPC area: token rows, scales, top-k ids (the rank's), weights.
+enum { kOutX, kOutScales, kOutTopk, kOutWeights, kNumOutFields };
+
+struct DispatchArgs {
+    Call c;
+    int64_t area, region_rows;
+    int64_t off[kNumFields];       // of each field's array in the staging area (the receive area: + area)
+    int64_t out_off[kNumOutFields];  // of each field's array in the IPC buffer
+    int64_t out_rows;              // rows each IPC area holds
+    int64_t x_bytes;
+    int num_scales, num_topk, experts_per_rank;
+    bool with_weights, fresh;      // fresh: routing travels (slots, top-k); cached: rows and scales only
+    const int* send_counts;        // [D]
+    int* recv_counts;              // [D] written
+    const int* start;              // [R, R]: where source s's block starts in rank r's output
+    const int* matrix;             // [R, R]: rows source s sends rank r (a slot past it is refused)
+    int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
+    const int* recv_total;         // rows this rank receives (device: no host sync needed)
+    int64_t num_out;               // rows of its outputs with num_worst_tokens, else -1 (the host sizes them)
+};
+
+// num_worst_tokens padding: this rank's rows [recv_total, num_out) get x = 0, scales = 0, ids = -1,
+// weights = 0 (the reference's padding); more received rows than num_out is an error (4). The
+// forwarder blocks share the rows; no other rank writes there.
+__device__ void pad_rows(const DispatchArgs& a, int b) {
+    const Call& c = a.c;
+    const int64_t total = *a.recv_total;
+    if (total > a.out_rows) {  // this rank's receive area cannot hold its rows (the forwarders skip them)
+        if (b == 0 && threadIdx.x == 0) report(c.info, 3, c.domain_rank(c.local));
+        return;
+    }
+    if (a.num_out < 0) return;
+    if (total > a.num_out) {
+        if (b == 0 && threadIdx.x == 0) report(c.info, 4, c.domain_rank(c.local));
+        return;
+    }
+    uint8_t* out = c.peers[c.local] + kDomainHeaderBytes;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    const int K = a.num_topk;
+    for (int64_t p = total + b * num_warps + warp; p < a.num_out; p += c.num_forwarders * num_warps) {
+        int4* x = reinterpret_cast<int4*>(out + a.out_off[kOutX] + p * a.x_bytes);
+        for (int k = lane; k < a.x_bytes / 16; k += kWarpSize) x[k] = make_int4(0, 0, 0, 0);
+        int* scales = reinterpret_cast<int*>(out + a.out_off[kOutScales] + p * a.num_scales * 4);
+        for (int k = lane; k < a.num_scales; k += kWarpSize) scales[k] = 0;
+        if (a.fresh && lane < K) {
+            reinterpret_cast<int64_t*>(out + a.out_off[kOutTopk] + p * K * 8)[lane] = -1;
+            if (a.with_weights) reinterpret_cast<float*>(out + a.out_off[kOutWeights] + p * K * 4)[lane] = 0.f;
+        }
+    }
+}
+
+// Sender block for chunk j of region d (another domain): once the mate has entered the call, its
+// rows go to the mate's receive area, then the chunk's signal (with the region's count).
+__device__ void send_chunk(const DispatchArgs& a, int d, int j) {
+    const Call& c = a.c;
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) {
+        if (j == 0)
+            nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
+                               static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
+        s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d));
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    const int64_t count = a.send_counts[d];
+    int64_t lo, hi;
+    chunk_rows(count, c.chunks, j, &lo, &hi);
+    const int64_t bytes[kNumFields] = {a.x_bytes, a.num_scales * 4, a.fresh ? a.num_topk * 8 : 0,
+                                       a.fresh && a.with_weights ? a.num_topk * 4 : 0,
+                                       a.fresh ? c.ranks_per_domain * 4 : 0};
+    for (int f = 0; f < kNumFields; ++f) {
+        if (bytes[f] == 0 || hi <= lo) continue;
+        const int64_t src = c.stage_offset + a.off[f] + (d * a.region_rows + lo) * bytes[f];
+        const int64_t dst = c.stage_offset + a.area + a.off[f] + (c.my_domain * a.region_rows + lo) * bytes[f];
+        copy_to_mate(c, d, dst, src, (hi - lo) * bytes[f]);
+    }
+    finish_to_mate(c, d, j, count);
+}
+
+// Forward the rows of chunk j of region d (source s = d's mate of this rank) to the domain's ranks.
+__device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
+    const Call& c = a.c;
+    __shared__ int s_count;
+    const bool own = d == c.my_domain;  // this rank's own tokens: read where they were staged
+    if (threadIdx.x == 0) {
+        s_count = own ? a.send_counts[d] : wait_chunk(c, d, j);
+        if (c.aborted()) s_count = -1;  // a given-up call forwards nothing (its counts may be zeros)
+        if (j == 0 && s_count >= 0) a.recv_counts[d] = s_count;
+    }
+    __syncthreads();
+    if (s_count < 0) {
+        __syncthreads();  // s_count is rewritten by the block's next chunk
+        return;
+    }
+    int64_t lo, hi;
+    chunk_rows(s_count, c.chunks, j, &lo, &hi);
+    const uint8_t* recv = c.sym + c.stage_offset + (own ? 0 : a.area);
+    const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
+    const int s = c.mate(d);
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    for (int64_t p = lo + warp; p < hi; p += num_warps) {
+        const int64_t q = d * a.region_rows + p;
+        int slot_lane = -1;
+        if (lane < L) {
+            if (a.fresh) {
+                slot_lane = reinterpret_cast<const int*>(recv + a.off[kSlots] + q * L * 4)[lane];
+                a.slots[q * L + lane] = slot_lane;
+            } else {
+                slot_lane = a.slots[q * L + lane];
+            }
+        }
+        const int4* x = reinterpret_cast<const int4*>(recv + a.off[kX] + q * a.x_bytes);
+        for (int i = 0; i < L; ++i) {
+            const int slot = __shfl_sync(kFullMask, slot_lane, i);
+            if (slot < 0) continue;
+            const int r = c.domain_rank(i);
+            // Rows that would land outside their block or the receive area are skipped and reported,
+            // without giving up the call: the others still arrive, so every rank reaches its host
+            // check instead of waiting out the timeout.
+            if (slot >= a.matrix[s * R + r]) {  // more rows than the source's counts promised
+                if (lane == 0) report(c.info, 5, s);
+                continue;
+            }
+            const int64_t pos = static_cast<int64_t>(a.start[s * R + r]) + slot;
+            if (pos >= a.out_rows) {
+                if (lane == 0) report(c.info, 3, r);
+                continue;
+            }
+            uint8_t* out = c.peers[i] + kDomainHeaderBytes;
+            warp_copy_int4(reinterpret_cast<int4*>(out + a.out_off[kOutX] + pos * a.x_bytes), x,
+                           static_cast<int>(a.x_bytes / 16), lane);
+            if (a.num_scales > 0) {
+                const int* src = reinterpret_cast<const int*>(recv + a.off[kScales] + q * a.num_scales * 4);
+                int* dst = reinterpret_cast<int*>(out + a.out_off[kOutScales] + pos * a.num_scales * 4);
+                for (int k = lane; k < a.num_scales; k += kWarpSize) dst[k] = src[k];
+            }
+            if (a.fresh && lane < K) {  // the domain's expert ids become rank r's (-1: another rank's)
+                const int64_t e = reinterpret_cast<const int64_t*>(recv + a.off[kTopk] + q * K * 8)[lane];
+                const int64_t first = static_cast<int64_t>(i) * a.experts_per_rank;
+                const bool mine = e >= first && e < first + a.experts_per_rank;
+                reinterpret_cast<int64_t*>(out + a.out_off[kOutTopk] + pos * K * 8)[lane] = mine ? e - first : -1;
+                if (a.with_weights) {
+                    const float w = reinterpret_cast<const float*>(recv + a.off[kWeights] + q * K * 4)[lane];
+                    reinterpret_cast<float*>(out + a.out_off[kOutWeights] + pos * K * 4)[lane] = mine ? w : 0.f;
+                }
+            }
+        }
+    }
+    __syncthreads();  // s_count is reused by the block's next chunk
+}
+
+// Blocks [0, (D - 1) x chunks) send a chunk of another domain's region each; the others forward
+// every region's chunks (this rank's own region straight from its staging area).
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+    const Call& c = a.c;
+    const int num_senders = (c.num_domains - 1) * c.chunks;
+    if (static_cast<int>(blockIdx.x) < num_senders) {
+        const int other = blockIdx.x / c.chunks;
+        send_chunk(a, other < c.my_domain ? other : other + 1, blockIdx.x % c.chunks);
+        return;
+    }
+    const int b = blockIdx.x - num_senders;
+    if (b == 0 && threadIdx.x == 0) enter_domain(c);
+    pad_rows(a, b);
+    if (domain_entered(c)) {
+        const int num_chunks = c.num_domains * c.chunks;
+        for (int k = b; k < num_chunks; k += c.num_forwarders) forward_chunk(a, k / c.chunks, k % c.chunks);
+    }
+    leave_domain(c, b);
+}
+
+// Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
+// domain d it has a destination in (flags[t][d]); pos is the exclusive prefix count of flags over
+// tokens, so each region holds its tokens in ascending order. Its top-k ids become ids of d's
+// experts (-1 where the expert is elsewhere), and its slots (the token's index among this rank's
+// tokens to each rank, -1 if not sent there) shrink to d's ranks. One warp per token: x is read once
+// for all its domains. Null pointers: fields not staged (a cached dispatch moves x and scales only).
+struct StageArgs {
+    const uint8_t* x;
+    int64_t x_bytes;
+    const uint8_t* scales;  // 4-byte elements at t * scale_stride0 + c * scale_stride1 (elements)
+    int num_scales;
+    int64_t scale_stride0, scale_stride1;
+    const int64_t* topk_idx;
+    const float* weights;
+    int num_topk;
+    const int* slots;       // [T, num_domains * ranks_per_domain]
+    const bool* flags;      // [T, D]
+    const int* pos;         // [T, D]
+    int num_tokens, num_domains, ranks_per_domain, experts_per_domain;
+    uint8_t* stage;
+    int64_t region_rows;
+    int64_t off_x, off_scales, off_topk, off_weights, off_slots;
+};
+
+__global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
+    const int num_warps = gridDim.x * blockDim.x / kWarpSize;
+    const int D = a.num_domains, L = a.ranks_per_domain, K = a.num_topk;
+    for (int t = warp; t < a.num_tokens; t += num_warps) {
+        const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
+        for (int d = 0; d < D; ++d) {
+            if (!a.flags[static_cast<int64_t>(t) * D + d]) continue;
+            const int64_t row = d * a.region_rows + a.pos[static_cast<int64_t>(t) * D + d];
+            warp_copy_int4(reinterpret_cast<int4*>(a.stage + a.off_x + row * a.x_bytes), x,
+                           static_cast<int>(a.x_bytes / 16), lane);
+            if (a.scales != nullptr) {
+                auto* dst = reinterpret_cast<int*>(a.stage + a.off_scales + row * a.num_scales * 4);
+                const auto* src = reinterpret_cast<const int*>(a.scales);
+                for (int c = lane; c < a.num_scales; c += kWarpSize)
+                    dst[c] = src[t * a.scale_stride0 + c * a.scale_stride1];
+            }
+            if (a.topk_idx != nullptr && lane < K) {
+                const int64_t e = a.topk_idx[static_cast<int64_t>(t) * K + lane];
+                const int64_t first = static_cast<int64_t>(d) * a.experts_per_domain;
+                const bool here = e >= first && e < first + a.experts_per_domain;
+                reinterpret_cast<int64_t*>(a.stage + a.off_topk + row * K * 8)[lane] = here ? e - first : -1;
+                if (a.weights != nullptr)
+                    reinterpret_cast<float*>(a.stage + a.off_weights + row * K * 4)[lane] =
+                        a.weights[static_cast<int64_t>(t) * K + lane];
+            }
+            if (a.slots != nullptr && lane < L)
+                reinterpret_cast<int*>(a.stage + a.off_slots + row * L * 4)[lane] =
+                    a.slots[static_cast<int64_t>(t) * D * L + d * L + lane];
+        }
+    }
+}
+
+}  // namespace hierarchical
+}  // namespace epcomm
+
+using namespace epcomm::hierarchical;
+
+extern "C" {
+
+int epcomm_hierarchical_constant(const char* name) {
+    const struct {
+        const char* name;
+        int value;
+    } entries[] = {{"sym_header_bytes", static_cast<int>(kSymHeaderBytes)},
+                   {"domain_header_bytes", static_cast<int>(kDomainHeaderBytes)},
+                   {"max_domains", kMaxDomains}, {"max_chunks", kMaxChunks}, {"max_local", kMaxLocal},
+                   {"max_forwarders", kMaxForwarders}, {"info_ints", kInfoInts}, {"tag_bits", kTagBits},
+                   {"max_group_ranks", kMaxGroupRanks}};
+    for (const auto& e : entries)
+        if (std::strcmp(e.name, name) == 0) return e.value;
+    return -1;
+}
+
+// counts: the counts area's offset, its row width (ints), the ints of this call's rows.
+int epcomm_hierarchical_notify(const int64_t* call_params, int64_t counts_offset, int width, int row_ints, int* info,
+                              cudaStream_t stream) {
+    Call c{};
+    const int status = make_call(call_params, info, &c);
+    if (status != 0) return status;
+    if (row_ints > width || row_ints < 2) return static_cast<int>(cudaErrorInvalidValue);
+    notify_kernel<<<c.num_ranks, 32, 0, stream>>>(c, counts_offset, width, row_ints);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int epcomm_hierarchical_advance(void* sym, int notify, cudaStream_t stream) {
+    advance_kernel<<<1, 1, 0, stream>>>(static_cast<uint8_t*>(sym), notify);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
+// experts_per_rank, with_weights, fresh, num_out.
+int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* params,
+                                const int* send_counts, int* recv_counts, const int* start, const int* matrix,
+                                int* slots, const int* recv_total, int* info, cudaStream_t stream) {
+    DispatchArgs a{};
+    const int status = make_call(call_params, info, &a.c);
+    if (status != 0) return status;
+    a.area = params[0];
+    a.region_rows = params[1];
+    for (int f = 0; f < kNumFields; ++f) a.off[f] = params[2 + f];
+    for (int f = 0; f < kNumOutFields; ++f) a.out_off[f] = params[7 + f];
+    a.out_rows = params[11];
+    a.x_bytes = params[12];
+    a.num_scales = static_cast<int>(params[13]);
+    a.num_topk = static_cast<int>(params[14]);
+    a.experts_per_rank = static_cast<int>(params[15]);
+    a.with_weights = params[16] != 0;
+    a.fresh = params[17] != 0;
+    a.num_out = params[18];
+    a.recv_total = recv_total;
+    a.send_counts = send_counts;
+    a.recv_counts = recv_counts;
+    a.start = start;
+    a.matrix = matrix;
+    a.slots = slots;
+    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
+    dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int epcomm_hierarchical_stage(const void* x, int64_t x_bytes, const void* scales, int num_scales, int64_t scale_stride0,
+                             int64_t scale_stride1, const int64_t* topk_idx, const float* weights, int num_topk,
+                             const int* slots, const bool* flags, const int* pos, int num_tokens, int num_domains,
+                             int ranks_per_domain, int experts_per_domain, void* stage, int64_t region_rows,
+                             const int64_t* offsets, cudaStream_t stream) {
+    if (num_tokens == 0) return 0;
+    if (x_bytes % 16 != 0) return static_cast<int>(cudaErrorInvalidValue);
+    StageArgs a{};
+    a.x = static_cast<const uint8_t*>(x);
+    a.x_bytes = x_bytes;
+    a.scales = static_cast<const uint8_t*>(scales);
+    a.num_scales = num_scales;
+    a.scale_stride0 = scale_stride0;
+    a.scale_stride1 = scale_stride1;
+    a.topk_idx = topk_idx;
+    a.weights = weights;
+    a.num_topk = num_topk;
+    a.slots = slots;
+    a.flags = flags;
+    a.pos = pos;
+    a.num_tokens = num_tokens;
+    a.num_domains = num_domains;
+    a.ranks_per_domain = ranks_per_domain;
+    a.experts_per_domain = experts_per_domain;
+    a.stage = static_cast<uint8_t*>(stage);
+    a.region_rows = region_rows;
+    a.off_x = offsets[0];
+    a.off_scales = offsets[1];
+    a.off_topk = offsets[2];
+    a.off_weights = offsets[3];
+    a.off_slots = offsets[4];
+    stage_kernel<<<grid_for(num_tokens), 256, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"
