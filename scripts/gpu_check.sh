@@ -6,6 +6,8 @@
 #   TEST_TIMEOUT_S=...  limit of the test step [420];  BENCH_TIMEOUT_S=... limit of the bench [300]
 #   PRESSURE=N          then the pressure test with N random cases on the CUDA backend (bench --pressure)
 #   SANITIZE=1          then scripts/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
+#   HIER_PUT=1          then the bench again with EPCOMM_HIER_TRANSPORT=put (hierarchical: NVSHMEM puts to
+#                       every mate, the inter-node path) into bench-put.json
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/epcomm-out}
@@ -35,6 +37,10 @@ EPCOMM_TEST_BACKEND=nccl timeout "${TEST_TIMEOUT_S:-420}" python3 -m pytest -q -
   ${K_ARGS[@]+"${K_ARGS[@]}"} 2>&1 | tee "$OUT/tests-nccl.log" | grep -v "^PASSED\|^SKIPPED" || status=1
 timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" \
   || status=1
+if [ "${HIER_PUT:-0}" = 1 ]; then
+  EPCOMM_HIER_TRANSPORT=put timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench-put.json" "$@" \
+    2>&1 | tail -8 || status=1
+fi
 if [ "${PRESSURE:-0}" -gt 0 ]; then
   timeout "${PRESSURE_TIMEOUT_S:-300}" python3 -m epcomm.bench --backend cuda --pressure "$PRESSURE" \
     --json "$OUT/pressure.json" ${COMMIT_ARGS[@]+"${COMMIT_ARGS[@]}"} 2>&1 | tee "$OUT/pressure.log" || status=1
