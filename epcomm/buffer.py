@@ -225,6 +225,8 @@ class Buffer:
             cuda, self._cuda = self._cuda, None  # hierarchical: NVSHMEM frees are collective, so meet first
             torch.cuda.synchronize(self.device)
             self._free_when_peers_done(cuda, "normal-mode")
+            self._local_nvl = self._local_rdma = None
+            self._destroyed = True  # before raising what the kernels reported: the Buffer is gone either way
             cuda.check_errors("destroy")
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None

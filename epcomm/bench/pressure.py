@@ -168,6 +168,34 @@ class _LowLatencySequence:
         return self.valid_outputs(self.launch())
 
 
+def _hierarchical_case(i: int, splits: list[int], hier: dict, draw: dict, rank: int, num_ranks: int,
+                       dev: torch.device, replays: int, counts: dict, failures: list[str], tag: str) -> None:
+    """One case on the hierarchical kernels, over the i-th split of the ranks into domains: against
+    the reference backend's hierarchical strategy, replayed, and replayed from a CUDA graph."""
+    rpd = splits[i % len(splits)]
+    if rpd in hier and i % 2 == 0:  # alternately recreate and reuse
+        for b in hier.pop(rpd):
+            b.destroy()
+    if rpd not in hier:
+        hier[rpd] = _hierarchical_buffers(num_ranks, rpd)
+        counts["buffers_created"] += 1
+    h_buf, h_ref = hier[rpd]
+    h_want = _Sequence(h_ref, draw, rank, num_ranks, dev).run()
+    h_seq = _Sequence(h_buf, draw, rank, num_ranks, dev)
+    h_got = h_seq.run()
+    h_tag = f"rank {rank} {tag} hierarchical {num_ranks // rpd}x{rpd}"
+    if not _same(h_got, h_want):
+        failures.append(f"{h_tag}: differs from the reference backend")
+    for _ in range(replays):
+        counts["hier_replays"] += 1
+        if not _same(h_seq.run(), h_got):
+            failures.append(f"{h_tag}: a replay differs from the first run")
+            break
+    if h_seq.worst:
+        counts["hier_graph_replays"] += _graph_replays(h_seq, h_got, replays, failures, h_tag, dev)
+    counts["hier_cases"] += 1
+
+
 def _hierarchical_splits(num_ranks: int) -> list[int]:
     """Ranks per domain to cycle through (every divisor up to 8; one domain included), or none
     without NVSHMEM."""
@@ -259,30 +287,14 @@ def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict
             counts["graph_replays"] += _graph_replays(seq, got, replays, failures, f"rank {rank} {tag}", dev)
         counts["cases"] += 1
 
-        # The hierarchical strategy's kernels, the next split of the ranks into domains.
+        # The hierarchical strategy's kernels, the next split of the ranks into domains. An error is
+        # recorded and ends this part (its Buffers may be unusable), not the run.
         if splits:
-            rpd = splits[i % len(splits)]
-            if rpd in hier and i % 2 == 0:  # alternately recreate and reuse
-                for b in hier.pop(rpd):
-                    b.destroy()
-            if rpd not in hier:
-                hier[rpd] = _hierarchical_buffers(num_ranks, rpd)
-                counts["buffers_created"] += 1
-            h_buf, h_ref = hier[rpd]
-            h_want = _Sequence(h_ref, draw, rank, num_ranks, dev).run()
-            h_seq = _Sequence(h_buf, draw, rank, num_ranks, dev)
-            h_got = h_seq.run()
-            h_tag = f"rank {rank} {tag} hierarchical {num_ranks // rpd}x{rpd}"
-            if not _same(h_got, h_want):
-                failures.append(f"{h_tag}: differs from the reference backend")
-            for _ in range(replays):
-                counts["hier_replays"] += 1
-                if not _same(h_seq.run(), h_got):
-                    failures.append(f"{h_tag}: a replay differs from the first run")
-                    break
-            if h_seq.worst:
-                counts["hier_graph_replays"] += _graph_replays(h_seq, h_got, replays, failures, h_tag, dev)
-            counts["hier_cases"] += 1
+            try:
+                _hierarchical_case(i, splits, hier, draw, rank, num_ranks, dev, replays, counts, failures, tag)
+            except (RuntimeError, ValueError) as error:
+                failures.append(f"rank {rank} {tag} hierarchical: {type(error).__name__}: {error}")
+                splits, hier = [], {}
 
         # Low-latency mode, same tokens and routing.
         if draw["ll_format"] == "fp8-ue8m0" and draw["hidden"] % 512:

@@ -226,13 +226,16 @@ class CudaHierarchical:
         return self.shared.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
 
     def _call_params(self, op: int, shape: tuple, num_sms: int, advance: bool = True,
-                     notify: bool = False) -> ctypes.Array:
+                     notify_digest: torch.Tensor | None = None) -> ctypes.Array:
         """The kernels' common arguments. ``advance``: first advance the call number, which lives on
         the GPU, so a CUDA graph's replays take new ones (a dispatch's notify and main kernel share
-        one; ``notify``: also the notify counter, whose parity picks the set of incoming rows)."""
+        one). ``notify_digest``: the notify's outgoing digest word: also advance the notify counter
+        (its parity picks the set of incoming rows), and mark the row when an earlier call of this
+        rank reported an error (advance_kernel)."""
         if advance:
-            check(self.nv.epcomm_hierarchical_advance(ctypes.c_void_p(self.sym.tensor.data_ptr()), int(notify),
-                                                     stream_ptr(self.device)), "hierarchical call counter")
+            check(self.nv.epcomm_hierarchical_advance(
+                ctypes.c_void_p(self.sym.tensor.data_ptr()), int(notify_digest is not None), ptr(notify_digest),
+                stream_ptr(self.device)), "hierarchical call counter")
         others = max(1, self.num_domains - 1)
         chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
         # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
@@ -303,7 +306,7 @@ class CudaHierarchical:
                 refused = refused | ((topk_idx < -1) | (topk_idx >= num_experts)).any()
             incoming = self._notify(num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_experts, (
                 hidden, x.dtype, num_scales, num_topk, with_weights, num_experts, num_worst_tokens), refused, num_sms)
-            matrix = incoming[:, 2:2 + R].contiguous()
+            matrix = incoming[:, 2:2 + R].clone()  # the handle keeps it; the next notify rewrites the rows
             start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
             recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
             flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
@@ -409,7 +412,7 @@ class CudaHierarchical:
         outgoing[1:2].copy_(torch.where(refused, -1, digest).view(1))  # -1: kRefused
         outgoing[2:2 + R] = num_tokens_per_rank
         outgoing[2 + R:] = num_tokens_per_expert
-        call = self._call_params(_OP_DISPATCH, (), num_sms, notify=True)
+        call = self._call_params(_OP_DISPATCH, (), num_sms, notify_digest=outgoing[1:2])
         code = self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
                                                  ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
         check(code, "hierarchical dispatch (notify)")

@@ -57,11 +57,11 @@ constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | sh
 // Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
 // free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here),
 // notified[64] (the call whose counts row each rank delivered here), seq and notify_seq (this
-// rank's operation and notify counters, advance_kernel). Then the counts area
+// rank's operation and notify counters, advance_kernel), sticky_error. Then the counts area
 // (notify_kernel), then the staging area (Call::stage_offset).
 constexpr int kMaxGroupRanks = 64;
 constexpr int64_t kSymHeaderBytes = 4096;
-static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks + 2) <= kSymHeaderBytes,
+static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks + 3) <= kSymHeaderBytes,
               "slow-tier header");
 // Fast-tier header (IPC, int64 words): ready[L] (a domain rank entered the call), flags[L][F] (a
 // domain rank's forwarder block finished with this rank's area).
@@ -87,6 +87,9 @@ __device__ __forceinline__ int64_t* sym_abort(uint8_t* sym) {
 __device__ __forceinline__ int64_t* sym_notified(uint8_t* sym, int r) { return sym_abort(sym) + 1 + r; }
 __device__ __forceinline__ int64_t* sym_seq(uint8_t* sym) { return sym_notified(sym, kMaxGroupRanks); }
 __device__ __forceinline__ int64_t* sym_notify_seq(uint8_t* sym) { return sym_seq(sym) + 1; }
+// Set by every error report and never cleared (the Buffer must be destroyed after one): the next
+// notify tells every rank (kPendingError), whatever the host has read and cleared of `info`.
+__device__ __forceinline__ int64_t* sym_sticky_error(uint8_t* sym) { return sym_notify_seq(sym) + 1; }
 __device__ __forceinline__ int64_t* dom_ready(uint8_t* buf, int i) { return reinterpret_cast<int64_t*>(buf) + i; }
 __device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
     return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
@@ -116,11 +119,19 @@ struct Call {
     __device__ int64_t call() const { return ld_volatile(sym_seq(sym)); }
     __device__ int64_t entered() const { return (call() << kTagBits) | shape_tag; }
     __device__ bool aborted() const { return ld_volatile(sym_abort(sym)) == call(); }
+    // Record an error for the host (`rank`: the rank involved) and for the next notify.
+    __device__ void report(int code, int rank) const {
+        epcomm::hierarchical::report(info, code, rank);
+        *sym_sticky_error(sym) = code;
+    }
     // Give up the call: every other wait of this rank's stops at its next look.
-    __device__ void abort(int code, int rank) const {
-        report(info, code, rank);
+    __device__ void give_up() const {
         *sym_abort(sym) = call();
         __threadfence_system();
+    }
+    __device__ void abort(int code, int rank) const {
+        report(code, rank);
+        give_up();
     }
 };
 
@@ -243,7 +254,7 @@ __device__ inline void leave_domain(const Call& c, int b) {
     }
     if (threadIdx.x < c.ranks_per_domain) {
         int64_t seen = 0;
-        wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v == c.call(); },
+        wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v >= c.call(); },
                  c.domain_rank(threadIdx.x), &seen);
     }
 }

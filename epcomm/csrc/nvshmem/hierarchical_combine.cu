@@ -26,7 +26,8 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_ok;
     const bool own = d == c.my_domain, direct = own || c.mates[d] != nullptr;
-    if (threadIdx.x == 0) s_ok = own || wait_entered(c, sym_ready(c.sym, d), c.mate(d));  // its area is free
+    if (threadIdx.x == 0)  // the mate's area is free; a given-up call sends nothing
+        s_ok = (own || wait_entered(c, sym_ready(c.sym, d), c.mate(d))) && !c.aborted();
     __syncthreads();
     if (!s_ok) {
         __syncthreads();  // s_ok is rewritten by the block's next chunk
@@ -56,7 +57,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
             if (i >= L || slot < 0) continue;
             const int64_t pos = static_cast<int64_t>(a.start[s * R + c.domain_rank(i)]) + slot;
             if (pos >= a.in_rows) {
-                if (lane == 0) report(c.info, 3, c.domain_rank(i));
+                if (lane == 0) c.report(3, c.domain_rank(i));
                 continue;
             }
             const uint8_t* in = c.peers[i] + kDomainHeaderBytes;

@@ -24,12 +24,6 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
     int* current = counts + (2 * c.num_ranks + 1) * width;
     bool ok = false;
     if (threadIdx.x == 0) {
-        // An error of an earlier call still pending here: tell every rank, so all give up this call
-        // (error 6) instead of some of them waiting for a rank that raises on the host.
-        if (ld_volatile_int(c.info + kInfoError) != 0) {
-            const_cast<int*>(outgoing)[1] = kPendingError;
-            __threadfence();
-        }
         nvshmem_putmem_nbi(incoming + me * width, outgoing, static_cast<size_t>(row_ints) * 4, r);
         nvshmem_quiet();
         __threadfence_system();
@@ -39,14 +33,14 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
         const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
         const int mine = ld_volatile_int(outgoing + 1);
-        if (ok && (digest == kRefused || digest == kPendingError)) {  // every rank names rank r
+        if (ok && mine == kPendingError) {  // this rank's own earlier error stands (not renamed)
+            c.give_up();
+            ok = false;
+        } else if (ok && (digest == kRefused || digest == kPendingError)) {  // every rank names rank r
             c.abort(digest == kRefused ? 5 : 6, r);
             ok = false;
         } else if (ok && digest != mine) {
-            if (mine == kRefused || mine == kPendingError)
-                c.abort(mine == kRefused ? 5 : 6, me);
-            else
-                c.abort(2, r);
+            c.abort(mine == kRefused ? 5 : 2, mine == kRefused ? me : r);
             ok = false;
         }
     }
@@ -55,10 +49,15 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         current[r * width + k] = ok ? ld_volatile_int(incoming + r * width + k) : 0;
 }
 
-// Before each operation: the next call number (and, for a dispatch's notify, the next notify).
-__global__ void advance_kernel(uint8_t* sym, int notify) {
+// Before each operation: the next call number (and, for a dispatch's notify, the next notify,
+// whose outgoing digest becomes kPendingError when an earlier call of this rank reported an error:
+// decided once here, so every block of the notify sends the same row).
+__global__ void advance_kernel(uint8_t* sym, int notify, int* outgoing_digest) {
     *sym_seq(sym) += 1;
-    if (notify) *sym_notify_seq(sym) += 1;
+    if (notify) {
+        *sym_notify_seq(sym) += 1;
+        if (ld_volatile(sym_sticky_error(sym)) != 0) *outgoing_digest = kPendingError;
+    }
 }
 
 // ------------------------------------------------------------------ dispatch
@@ -93,12 +92,12 @@ __device__ void pad_rows(const DispatchArgs& a, int b) {
     const Call& c = a.c;
     const int64_t total = *a.recv_total;
     if (total > a.out_rows) {  // this rank's receive area cannot hold its rows (the forwarders skip them)
-        if (b == 0 && threadIdx.x == 0) report(c.info, 3, c.domain_rank(c.local));
+        if (b == 0 && threadIdx.x == 0) c.report(3, c.domain_rank(c.local));
         return;
     }
     if (a.num_out < 0) return;
     if (total > a.num_out) {
-        if (b == 0 && threadIdx.x == 0) report(c.info, 4, c.domain_rank(c.local));
+        if (b == 0 && threadIdx.x == 0) c.report(4, c.domain_rank(c.local));
         return;
     }
     uint8_t* out = c.peers[c.local] + kDomainHeaderBytes;
@@ -125,7 +124,7 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
         if (j == 0)
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
                                static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
-        s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d));
+        s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d)) && !c.aborted();  // a given-up call sends nothing
     }
     __syncthreads();
     if (!s_ok) return;
@@ -185,12 +184,12 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
             // without giving up the call: the others still arrive, so every rank reaches its host
             // check instead of waiting out the timeout.
             if (slot >= a.matrix[s * R + r]) {  // more rows than the source's counts promised
-                if (lane == 0) report(c.info, 5, s);
+                if (lane == 0) c.report(5, s);
                 continue;
             }
             const int64_t pos = static_cast<int64_t>(a.start[s * R + r]) + slot;
             if (pos >= a.out_rows) {
-                if (lane == 0) report(c.info, 3, r);
+                if (lane == 0) c.report(3, r);
                 continue;
             }
             uint8_t* out = c.peers[i] + kDomainHeaderBytes;
@@ -326,8 +325,9 @@ int epcomm_hierarchical_notify(const int64_t* call_params, int64_t counts_offset
     return static_cast<int>(cudaGetLastError());
 }
 
-int epcomm_hierarchical_advance(void* sym, int notify, cudaStream_t stream) {
-    advance_kernel<<<1, 1, 0, stream>>>(static_cast<uint8_t*>(sym), notify);
+// outgoing_digest: the notify's outgoing row's digest word (used when notify != 0).
+int epcomm_hierarchical_advance(void* sym, int notify, int* outgoing_digest, cudaStream_t stream) {
+    advance_kernel<<<1, 1, 0, stream>>>(static_cast<uint8_t*>(sym), notify, outgoing_digest);
     return static_cast<int>(cudaGetLastError());
 }
 
