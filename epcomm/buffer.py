@@ -226,6 +226,7 @@ class Buffer:
             torch.cuda.synchronize(self.device)
             self._free_when_peers_done(cuda, "normal-mode")
             self._local_nvl = self._local_rdma = None
+            self._backend.ll_combine_buffers.clear()
             self._destroyed = True  # before raising what the kernels reported: the Buffer is gone either way
             cuda.check_errors("destroy")
         if self._cuda is not None:

@@ -192,6 +192,7 @@ class CudaHierarchical:
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
         self.traffic_state: dict[str, object] = {}
+        self.failed = False
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------ lifecycle and errors
@@ -204,7 +205,11 @@ class CudaHierarchical:
         """Raise what the kernels reported (call after a sync that covers them)."""
         code = int(self.info_np[0])
         if code == 0:
+            if self.failed and op != "destroy":  # an error was raised before: later calls give up on the GPU
+                raise RuntimeError(f"epcomm {op} (hierarchical) on rank {self.rank}: this Buffer had an error "
+                                   "before; destroy it and the process group")
             return
+        self.failed = True
         ranks = [r for r in range(self.num_ranks) if self.info_np[1 + r]]
         self.info_np[0] = 0  # only the words read (a kernel may be writing others)
         for r in ranks:

@@ -27,7 +27,9 @@
 // operation or shape, or a rank refusing its inputs gives up the call: it is reported in `info`
 // and the first waiter to give up marks the call aborted, so the others stop waiting too. Rows that
 // would land outside a receive area or their block are skipped and reported without giving up, so
-// every rank still reaches its host check.
+// every rank still reaches its host check. A call given up on one rank sends nothing, so its mates
+// wait out the timeout and name it. Every report also sets a sticky word: the rank's next dispatch
+// tells every rank (error 6), and its later calls give up; the Buffer must be destroyed.
 //
 // This header: the layout constants, the call's common state (Call), the bounded waits, the copies
 // to mates, the domain handshake, and the host side of the entry points. The kernels:

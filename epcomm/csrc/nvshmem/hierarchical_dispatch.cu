@@ -33,7 +33,8 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
         const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
         const int mine = ld_volatile_int(outgoing + 1);
-        if (ok && mine == kPendingError) {  // this rank's own earlier error stands (not renamed)
+        if (ok && mine == kPendingError) {  // this rank's own earlier error: give up this call too
+            if (ld_volatile_int(c.info + kInfoError) == 0) c.report(6, me);  // the host raised it already
             c.give_up();
             ok = false;
         } else if (ok && (digest == kRefused || digest == kPendingError)) {  // every rank names rank r
