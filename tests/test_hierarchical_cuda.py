@@ -141,7 +141,7 @@ def _fresh(ranks: int) -> LocalCluster:
     return LocalCluster(ranks, backend="nccl", env={**TEST_ENV, "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)})
 
 
-def _split(ranks: int, ranks_per_domain: int) -> None:
+def _needs_gpus(ranks: int) -> None:
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"needs {ranks} GPUs")
 
@@ -150,7 +150,7 @@ def _split(ranks: int, ranks_per_domain: int) -> None:
     (2, 1, "auto"), (2, 1, "put"), (2, 2, "auto"), (4, 2, "auto"), (4, 2, "put"), (4, 1, "auto"), (8, 4, "auto"),
     (8, 4, "put"), (8, 2, "auto")], ids=["2x1", "2x1-put", "1x2", "2x2", "2x2-put", "4x1", "2x4", "2x4-put", "4x2"])
 def test_hierarchical_cuda_matches_reference(ranks, ranks_per_domain, transport):
-    _split(ranks, ranks_per_domain)
+    _needs_gpus(ranks)
     with _fresh(ranks) as c:
         c.run(rank_cuda_vs_reference, ranks_per_domain, transport, timeout_s=400)
         c.run(rank_graph_replay, ranks_per_domain, transport, timeout_s=200)
@@ -200,7 +200,7 @@ def rank_dead_peer(timeout_s: float, path: str, when: str):
 
 @pytest.mark.parametrize("when", ["before dispatch", "before combine"])
 def test_hierarchical_dead_peer_is_named_within_the_timeout(when):
-    _split(2, 1)
+    _needs_gpus(2)
     timeout_s = 2.0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
@@ -224,7 +224,7 @@ def rank_mismatched_hidden():
 
 
 def test_hierarchical_mismatched_shapes_raise_on_every_rank():
-    _split(2, 1)
+    _needs_gpus(2)
     with _fresh(2) as c:
         c.run(rank_mismatched_hidden, timeout_s=120)
 
@@ -248,7 +248,7 @@ def rank_refused_inputs(fault: str):
 
 @pytest.mark.parametrize("fault", ["counts", "ids"])
 def test_hierarchical_refused_inputs_raise_on_every_rank(fault):
-    _split(2, 1)
+    _needs_gpus(2)
     with _fresh(2) as c:
         c.run(rank_refused_inputs, fault, timeout_s=120)
 
@@ -299,6 +299,6 @@ def rank_lifecycle(num_buffers: int):
 
 
 def test_hierarchical_create_and_destroy_buffers():
-    _split(2, 1)
+    _needs_gpus(2)
     with _fresh(2) as c:
         c.run(rank_lifecycle, 50, timeout_s=300)

@@ -162,13 +162,14 @@ class CudaHierarchical:
         self.nv = load_nvshmem_library()
         self.c = {name: self.nv.epcomm_hierarchical_constant(name.encode()) for name in (
             "sym_header_bytes", "domain_header_bytes", "max_domains", "max_chunks", "max_local", "max_forwarders",
-            "info_ints")}
+            "info_ints", "max_group_ranks")}
         if (self.c["sym_header_bytes"], self.c["domain_header_bytes"]) != (_SYM_HEADER, _DOMAIN_HEADER):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with hierarchical.py")
-        if self.num_domains > self.c["max_domains"] or ranks_per_domain > self.c["max_local"] or self.num_ranks > 64:
+        if self.num_domains > self.c["max_domains"] or ranks_per_domain > self.c["max_local"] or \
+                self.num_ranks > self.c["max_group_ranks"]:
             raise ValueError(f"the hierarchical kernels support up to {self.c['max_domains']} domains of up to "
-                             f"{self.c['max_local']} ranks (64 ranks); the group has {self.num_domains} of "
-                             f"{ranks_per_domain}")
+                             f"{self.c['max_local']} ranks ({self.c['max_group_ranks']} ranks); the group has "
+                             f"{self.num_domains} of {ranks_per_domain}")
         self.stage_offset = _stage_offset(self.num_ranks)
         if num_rdma_bytes <= self.stage_offset + 4 * _ALIGN * 5:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes}: the hierarchical CUDA backend needs the NVSHMEM buffer "
@@ -304,9 +305,10 @@ class CudaHierarchical:
                                  f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
                                  "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
             in_rank = is_token_in_rank.contiguous()
+            slots, wanted_per_rank = _exclusive_prefix(in_rank)
             # Invalid values are found on the device (no host sync): the rank sends a refusal instead
             # of its shape digest, and every rank gives up the call naming it.
-            refused = (in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any()
+            refused = (wanted_per_rank != num_tokens_per_rank).any()
             if num_topk:
                 refused = refused | ((topk_idx < -1) | (topk_idx >= num_experts)).any()
             incoming = self._notify(num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_experts, (
@@ -316,7 +318,6 @@ class CudaHierarchical:
             recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
             flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
             pos, send1 = _exclusive_prefix(flags)
-            slots, _ = _exclusive_prefix(in_rank)
             slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
             recv1 = torch.zeros(D, dtype=torch.int32, device=self.device)  # stays 0 if the call gives up
             # -1: no destination, for rows a given-up call leaves unwritten (combine then skips them)
@@ -376,7 +377,7 @@ class CudaHierarchical:
             got = self._nvl_view(off2[1], num_out, num_scales * 4).view(scales.dtype)
             recv_scales = got.t().contiguous().t() if col_major else got.clone()
             recv_x = (recv_x, recv_scales)
-        self.traffic_state.update(op="dispatch", send1=send1, row1=sum(row1), host=host, row2=sum(row2))
+        self.traffic_state.update(send1=send1, row1=sum(row1), host=host, row2=sum(row2))
         if cached:
             return recv_x, None, None, None, handle
         recv_topk_idx = recv_topk_weights = None
@@ -466,7 +467,7 @@ class CudaHierarchical:
         check(code, "hierarchical combine (reduce)")
         if not self._capturing():
             self.check_errors("combine")  # of earlier calls, raised after this call's launches (see dispatch)
-        self.traffic_state.update(op="combine", recv1=st["recv1"], row1c=sum(row1), row2c=sum(row2),
+        self.traffic_state.update(recv1=st["recv1"], row1c=sum(row1), row2c=sum(row2),
                                   host_c=self.traffic_state.get("host"))
         return out, out_w
 

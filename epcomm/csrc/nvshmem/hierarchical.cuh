@@ -77,7 +77,7 @@ constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: 
 constexpr int kRefused = -1;   // the shape digest of a rank whose inputs are invalid (notify_kernel)
 constexpr int kPendingError = -2;  // ... of a rank with an earlier call's error not yet raised
 constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
-constexpr int kInfoInts = 1 + 64;
+constexpr int kInfoInts = 1 + kMaxGroupRanks;
 
 __device__ __forceinline__ int64_t* sym_ready(uint8_t* sym, int d) { return reinterpret_cast<int64_t*>(sym) + d; }
 __device__ __forceinline__ int64_t* sym_done(uint8_t* sym, int d, int j) {
