@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,8 +63,61 @@ def rank_profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: 
             ts = sorted(ts)
             lines.append(f"rank {rank} {name}:   {kname.split('(')[0][:60]:60s} n={len(ts):3d} "
                          f"median {ts[len(ts) // 2]:8.1f} us")
+    lines += _timeline(buf, steps, rank)
     buf.destroy()
     return "\n".join(lines)
+
+
+class _Marked:
+    """Stands in for the kernel library: notes the host time and a CUDA event before each entry point."""
+
+    def __init__(self, lib, marks: list):
+        self._lib, self._marks = lib, marks
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+
+        def marked(*args):
+            self._marks.append((name.replace("epcomm_hierarchical_", ""), time.perf_counter(), _event()))
+            return fn(*args)
+        return marked
+
+
+def _event() -> torch.cuda.Event:
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _timeline(buf, steps: dict, rank: int) -> list[str]:
+    """Where the host and the GPU are at each step of a call: the host's time when it reaches the
+    step, and the GPU's (an event recorded there), both from the call's start, medians of 20 calls."""
+    cuda = buf._cuda
+    marks: list = []
+    lib, check_errors = cuda.nv, cuda.check_errors
+
+    def checked(op):
+        marks.append(("host read", time.perf_counter(), _event()))
+        return check_errors(op)
+    cuda.nv, cuda.check_errors = _Marked(lib, marks), checked
+    lines = []
+    for name, fn in steps.items():
+        rows: dict[str, list[tuple[float, float]]] = {}
+        for _ in range(20):
+            marks.clear()
+            marks.append(("start", time.perf_counter(), _event()))
+            fn()
+            marks.append(("end", time.perf_counter(), _event()))
+            torch.cuda.synchronize()
+            t0, e0 = marks[0][1], marks[0][2]
+            for i, (step, t, e) in enumerate(marks):
+                rows.setdefault(f"{i:2d} {step}", []).append(((t - t0) * 1e6, e0.elapsed_time(e) * 1e3))
+        for step, vals in rows.items():
+            host = sorted(v[0] for v in vals)[len(vals) // 2]
+            gpu = sorted(v[1] for v in vals)[len(vals) // 2]
+            lines.append(f"rank {rank} {name} timeline: {step:16s} host {host:8.1f} us  gpu {gpu:8.1f} us")
+    cuda.nv, cuda.check_errors = lib, check_errors
+    return lines
 
 
 def main() -> None:

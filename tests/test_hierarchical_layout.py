@@ -4,7 +4,6 @@ exactly what they promise, the prefix counts that place rows, and the transport 
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import env_var
 
 from epcomm import _env
@@ -31,18 +30,6 @@ def test_buffer_sizes_hold_what_they_promise(tokens, hidden, elem, ranks, rpd, t
     for row2 in ([hidden * elem, scales * 4, topk * 8, topk * 4], [hidden * 2, topk * 4]):
         fit = h._fit_rows(row2, nvl - h._DOMAIN_HEADER)
         assert fit >= received and h._offsets(row2, fit)[1] <= nvl - h._DOMAIN_HEADER
-
-
-def test_exclusive_prefix_places_rows_in_token_order():
-    gen = torch.Generator().manual_seed(3)
-    flags = torch.rand((50, 6), generator=gen) < 0.4
-    index, counts = h._exclusive_prefix(flags)
-    assert torch.equal(counts, flags.sum(0).to(torch.int32))
-    for c in range(flags.shape[1]):
-        rows = torch.nonzero(flags[:, c]).flatten()
-        assert torch.equal(index[rows, c], torch.arange(rows.numel(), dtype=torch.int32)), c
-    empty_index, empty_counts = h._exclusive_prefix(torch.zeros((0, 3), dtype=torch.bool))
-    assert empty_index.shape == (0, 3) and empty_counts.tolist() == [0, 0, 0]
 
 
 def test_transport_setting_is_parsed_strictly():

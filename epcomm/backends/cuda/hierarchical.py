@@ -121,16 +121,6 @@ def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_t
         _offsets([hidden * 2, num_topk * 4], rows)[1])
 
 
-def _exclusive_prefix(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a [T, C] bool tensor: each row's index among the rows set in its column (int32 [T, C],
-    valid where set), and each column's count. Scanned along the inner dimension of the transpose
-    (a scan down the outer dimension of [T, C] is two orders of magnitude slower on the GPU)."""
-    by_column = flags.t().to(torch.int32)
-    inclusive = torch.cumsum(by_column, 1, dtype=torch.int32)
-    return (inclusive - by_column).t().contiguous(), inclusive[:, -1].contiguous() if flags.shape[0] else \
-        torch.zeros(flags.shape[1], dtype=torch.int32, device=flags.device)
-
-
 _domain_groups: dict[tuple, dist.ProcessGroup] = {}
 
 
@@ -192,6 +182,21 @@ class CudaHierarchical:
         self.put_domains = sorted(d for d in range(self.num_domains) if d != self.my_domain and not self.mates[d])
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
+        # What a dispatch's host read needs (counts_kernel writes it, host-mapped): every rank's
+        # tokens, the count matrix, this rank's experts' totals.
+        self.summary = torch.zeros(self.num_ranks * (1 + self.num_ranks) + _MAX_EXPERTS, dtype=torch.int32,
+                                   pin_memory=True)
+        self.summary_np = self.summary.numpy()
+        self.refused = torch.zeros(1, dtype=torch.int32, device=device)  # plan_kernel -> advance_kernel
+        self.cached_recv = torch.zeros(self.num_domains, dtype=torch.int32, device=device)  # a cached call's counts
+        self.calls: dict[tuple, ctypes.Array] = {}  # the kernels' common arguments, per call shape
+        # The counts area (notify_kernel): incoming rows [2][R], the outgoing row, the current rows [R].
+        self.sym_ptr = ctypes.c_void_p(self.sym.tensor.data_ptr())
+        self.width = _counts_width(self.num_ranks)
+        self.outgoing_ptr = self.sym.tensor.data_ptr() + _SYM_HEADER + 2 * self.num_ranks * self.width * 4
+        self.current_ptr = self.outgoing_ptr + self.width * 4
+        self.out_area_ptr = self.shared.tensor.data_ptr() + _DOMAIN_HEADER
+        self.layouts: dict[tuple, tuple] = {}  # a dispatch's field layouts, per shape
         self.traffic_state: dict[str, object] = {}
         self.failed = False
         dist.barrier(group=group)
@@ -223,43 +228,75 @@ class CudaHierarchical:
         return torch.cuda.is_current_stream_capturing()
 
     # ------------------------------------------------------------------ kernel arguments
-    def _sym_view(self, offset: int, rows: int, row_bytes: int, recv: bool) -> torch.Tensor:
-        begin = self.stage_offset + (self.area if recv else 0) + offset
-        return self.sym.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
-
     def _nvl_view(self, offset: int, rows: int, row_bytes: int) -> torch.Tensor:
         begin = _DOMAIN_HEADER + offset
         return self.shared.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
 
-    def _call_params(self, op: int, shape: tuple, num_sms: int, advance: bool = True,
-                     notify_digest: torch.Tensor | None = None) -> ctypes.Array:
+    def _call_params(self, op: int, shape: tuple, num_sms: int, stream: ctypes.c_void_p, advance: bool = True,
+                     digest: int | None = None) -> ctypes.Array:
         """The kernels' common arguments. ``advance``: first advance the call number, which lives on
         the GPU, so a CUDA graph's replays take new ones (a dispatch's notify and main kernel share
-        one). ``notify_digest``: the notify's outgoing digest word: also advance the notify counter
-        (its parity picks the set of incoming rows), and mark the row when an earlier call of this
-        rank reported an error (advance_kernel)."""
+        one). ``digest``: a dispatch's notify: also advance the notify counter (its parity picks the
+        set of incoming rows) and decide the outgoing row's digest word: this shape digest, or the
+        mark of refused inputs (plan_kernel) or of an earlier call's error (advance_kernel)."""
         if advance:
+            notify = digest is not None
             check(self.nv.epcomm_hierarchical_advance(
-                ctypes.c_void_p(self.sym.tensor.data_ptr()), int(notify_digest is not None), ptr(notify_digest),
-                stream_ptr(self.device)), "hierarchical call counter")
-        others = max(1, self.num_domains - 1)
-        chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
-        # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
-        # combine: every SM forwards (and sends).
-        senders = 0 if op == _OP_COMBINE else (self.num_domains - 1) * chunks
-        forwarders = max(1, min(self.c["max_forwarders"], num_sms - senders))
-        tag = zlib.crc32(repr((op, shape, chunks, forwarders)).encode()) & 0xFFFFF  # ranks must agree on all
-        peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
-        mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
-        values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd, self.local,
-                  0, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
-        return (ctypes.c_int64 * len(values))(*values)
+                self.sym_ptr, int(notify), ctypes.c_void_p(self.outgoing_ptr + 4 if notify else 0),
+                ctypes.c_void_p(self.refused.data_ptr() if notify else 0), digest or 0, stream),
+                "hierarchical call counter")
+        key = (op, shape, num_sms)
+        call = self.calls.get(key)
+        if call is None:
+            others = max(1, self.num_domains - 1)
+            chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
+            # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
+            # combine: every SM forwards (and sends).
+            senders = 0 if op == _OP_COMBINE else (self.num_domains - 1) * chunks
+            forwarders = max(1, min(self.c["max_forwarders"], num_sms - senders))
+            tag = zlib.crc32(repr((op, shape, chunks, forwarders)).encode()) & 0xFFFFF  # ranks must agree on all
+            peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
+            mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
+            values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd,
+                      self.local, 0, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
+            call = self.calls[key] = (ctypes.c_int64 * len(values))(*values)
+        return call
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_domain: int):
         return dispatch_layout(self.lib, self.device, topk_idx, num_experts, self.num_ranks, ranks_per_domain)
 
     # ------------------------------------------------------------------ dispatch
+    def _dispatch_layout(self, x_bytes: int, num_scales: int, num_topk: int, with_weights: bool, fresh: bool,
+                         hidden: int) -> tuple:
+        """Row bytes of the slow-tier (row1) and fast-tier (row2) fields, the rows the IPC area holds,
+        the rows per region the NVSHMEM areas hold (sized by the buffer, the same on every rank), and
+        the fields' offsets at that size (row1's with region_rows filled in later). Made once per shape."""
+        key = (x_bytes, num_scales, num_topk, with_weights, fresh, hidden)
+        layout = self.layouts.get(key)
+        if layout is None:
+            row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, self.rpd, fresh)
+            row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
+            out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
+            region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) \
+                // self.num_domains
+            layout = self.layouts[key] = (row1, row2, out_rows, region_rows, _offsets(row2, out_rows)[0])
+        return layout
+
+    def _state_offsets(self, num_tokens: int, region_rows: int) -> dict[str, int]:
+        """Where each of a fresh dispatch's tables lies in its one int32 state tensor (16-byte aligned
+        entries): slots [T, R] and the rest for this call's kernels, then what the handle keeps for
+        cached dispatches and the combine."""
+        R, D, L = self.num_ranks, self.num_domains, self.rpd
+        at, total = {}, 0
+        for name, ints in (("slots", num_tokens * R), ("flags", -(-num_tokens * D // 4)), ("pos", num_tokens * D),
+                           ("send1", D), ("recv1", D), ("slots1", D * region_rows * L), ("matrix", R * R),
+                           ("start", R * R), ("recv_total", 1)):
+            at[name] = total
+            total += _round_up(ints, 4)
+        at["total"] = total
+        return at
+
     def dispatch(self, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                  topk_weights, expert_alignment, num_worst_tokens, num_experts, buffer_uid, num_sms):
         R, D, L = self.num_ranks, self.num_domains, self.rpd
@@ -269,9 +306,9 @@ class CudaHierarchical:
         num_scales = scales.shape[1] if scales is not None else 0
         num_topk = 0 if cached or topk_idx is None else topk_idx.shape[1]
         with_weights = not cached and topk_weights is not None
-        row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, L, not cached)
-        row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
-        out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
+        row1, row2, out_rows, region_rows, off2 = self._dispatch_layout(x_bytes, num_scales, num_topk, with_weights,
+                                                                         not cached, hidden)
+        stream = stream_ptr(self.device)
         # Checks before anything moves or the call counter advances. They fail on this rank alone: its
         # peers then time out waiting for it (name it); destroy the Buffer after such an error.
         worst = handle.num_worst_tokens if cached else num_worst_tokens
@@ -280,50 +317,54 @@ class CudaHierarchical:
                              f"num_nvl_bytes={self.shared.num_bytes} ({out_rows} rows); size it with "
                              "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
         if cached:
-            region_rows = handle.backend_state["region_rows"]
+            st = handle.backend_state
+            region_rows = st["region_rows"]
             if _offsets(row1, D * region_rows)[1] > self.area or hidden != handle.hidden:
                 raise ValueError("epcomm dispatch (hierarchical): a cached dispatch must move rows of its handle's "
                                  "shape")
-            if handle.backend_state["most_recv"] > out_rows:  # every rank knows the most: all raise
-                raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {handle.backend_state['most_recv']} "
-                                 f"rows, num_nvl_bytes={self.shared.num_bytes} holds {out_rows} of these; size it "
-                                 "with epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
-        if cached:
-            st = handle.backend_state
-            flags, pos, send1, region_rows, start = st["flags"], st["pos"], st["send1"], st["region_rows"], st["start"]
-            recv_total, recv1, slots1, matrix = st["recv_total"], st["recv1"], st["slots1"], st["matrix"]
+            if st["most_recv"] > out_rows:  # every rank knows the most: all raise
+                raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {st['most_recv']} rows, "
+                                 f"num_nvl_bytes={self.shared.num_bytes} holds {out_rows} of these; size it with "
+                                 "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
+            state, at = st["state"], st["at"]
             num_worst_tokens, num_recv = handle.num_worst_tokens, handle.num_recv_tokens
             experts_per_rank = 0
         else:
             experts_per_rank = num_experts // R
             if num_experts > _MAX_EXPERTS:
                 raise ValueError(f"the hierarchical CUDA kernels count up to {_MAX_EXPERTS} experts, got {num_experts}")
-            # The regions are sized by the buffer (the same on every rank), not by this call.
-            region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) // D
             if num_tokens > region_rows:
                 raise ValueError(f"epcomm dispatch (hierarchical): {num_tokens} tokens, but num_rdma_bytes="
                                  f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
                                  "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
-            in_rank = is_token_in_rank.contiguous()
-            slots, wanted_per_rank = _exclusive_prefix(in_rank)
-            # Invalid values are found on the device (no host sync): the rank sends a refusal instead
-            # of its shape digest, and every rank gives up the call naming it.
-            refused = (wanted_per_rank != num_tokens_per_rank).any()
-            if num_topk:
-                refused = refused | ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-            incoming = self._notify(num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_experts, (
-                hidden, x.dtype, num_scales, num_topk, with_weights, num_experts, num_worst_tokens), refused, num_sms)
-            matrix = incoming[:, 2:2 + R].clone()  # the handle keeps it; the next notify rewrites the rows
-            start = (torch.cumsum(matrix, 0, dtype=torch.int32) - matrix).contiguous()
-            recv_total = matrix[:, self.rank].sum(dtype=torch.int32).view(1)
-            flags = in_rank.view(num_tokens, D, L).any(-1).contiguous()
-            pos, send1 = _exclusive_prefix(flags)
-            slots = torch.where(in_rank, slots, torch.full_like(slots, -1))
-            recv1 = torch.zeros(D, dtype=torch.int32, device=self.device)  # stays 0 if the call gives up
-            # -1: no destination, for rows a given-up call leaves unwritten (combine then skips them)
-            slots1 = torch.full((D * region_rows, L), -1, dtype=torch.int32, device=self.device)
+            at = self._state_offsets(num_tokens, region_rows)
+            state = torch.empty(at["total"], dtype=torch.int32, device=self.device)
+        base = state.data_ptr()
+
+        def table(name: str) -> ctypes.c_void_p:
+            return ctypes.c_void_p(base + 4 * at[name])
+
+        if not cached:
+            # The layout's tables and this rank's counts row (plan_kernel; invalid inputs are found
+            # there, without a host sync, and refused with the counts: every rank gives up naming
+            # this one), the counts exchange (notify_kernel), the matrix's prefixes (counts_kernel).
+            sizes = (ctypes.c_int64 * 7)(num_tokens, R, D, L, num_topk, num_experts, D * region_rows * L)
+            check(self.nv.epcomm_hierarchical_plan(
+                ptr(is_token_in_rank.contiguous()), ptr(num_tokens_per_rank.contiguous()),
+                ptr(num_tokens_per_expert.contiguous()), ptr(topk_idx.contiguous() if num_topk else None), sizes,
+                ctypes.c_void_p(self.outgoing_ptr), ptr(self.refused), table("slots"), table("flags"), table("pos"),
+                table("send1"), table("recv1"), table("slots1"), stream), "hierarchical dispatch (plan)")
+            digest = zlib.crc32(repr((hidden, x.dtype, num_scales, num_topk, with_weights, num_experts,
+                                      num_worst_tokens)).encode()) & 0x7FFFFFFF
+            call = self._call_params(_OP_DISPATCH, (), num_sms, stream, digest=digest)
+            check(self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), self.width,
+                                                     2 + R + num_experts, ctypes.c_void_p(self.info.data_ptr()),
+                                                     stream), "hierarchical dispatch (notify)")
+            check(self.nv.epcomm_hierarchical_counts(
+                ctypes.c_void_p(self.current_ptr), self.width, R, self.rank, experts_per_rank, table("matrix"),
+                table("start"), table("recv_total"), ctypes.c_void_p(self.summary.data_ptr()), stream),
+                "hierarchical dispatch (counts)")
         off1, _ = _offsets(row1, D * region_rows)
-        off2, _ = _offsets(row2, out_rows)
 
         # Stage each token once per destination domain, then both tiers in one kernel; all of it is
         # queued before the host reads the counts (below), so the GPU does not wait for the host.
@@ -332,21 +373,21 @@ class CudaHierarchical:
             ctypes.c_int64(scales.stride(0) if scales is not None else 0),
             ctypes.c_int64(scales.stride(1) if scales is not None else 0),
             ptr(topk_idx.contiguous() if num_topk else None), ptr(topk_weights if with_weights else None),
-            num_topk, ptr(None if cached else slots), ptr(flags), ptr(pos), num_tokens, D, L,
+            num_topk, ctypes.c_void_p(0) if cached else table("slots"), table("flags"), table("pos"), num_tokens, D, L,
             (num_experts // D) if not cached else 0, ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset),
-            ctypes.c_int64(region_rows), (ctypes.c_int64 * 5)(*off1), stream_ptr(self.device))
+            ctypes.c_int64(region_rows), (ctypes.c_int64 * 5)(*off1), stream)
         check(code, "hierarchical dispatch (stage)")
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
                   int(with_weights), int(not cached), num_worst_tokens or -1]
-        call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms,
+        call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms, stream,
                                  advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_hierarchical_dispatch(
-            call, (ctypes.c_int64 * len(params))(*params), ptr(send1),
-            ptr(torch.empty(D, dtype=torch.int32, device=self.device) if cached else recv1), ptr(start), ptr(matrix),
-            ptr(slots1), ptr(recv_total), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
+            call, (ctypes.c_int64 * len(params))(*params), table("send1"),
+            ptr(self.cached_recv) if cached else table("recv1"), table("start"), table("matrix"), table("slots1"),
+            table("recv_total"), ctypes.c_void_p(self.info.data_ptr()), stream)
         check(code, "hierarchical dispatch")
 
-        host = totals = None
+        matrix = totals = None
         most = num_worst_tokens  # the most rows a rank receives (with num_worst_tokens: at most that)
         if (cached or num_worst_tokens) and not self._capturing():
             # No host sync: what the kernels of earlier calls reported, raised after this call's
@@ -354,14 +395,13 @@ class CudaHierarchical:
             # dispatch's counts exchange at the latest (notify_kernel, error 6).
             self.check_errors("dispatch")
         if not cached and not num_worst_tokens:  # the one host sync: it covers this call's kernels too
-            epr = experts_per_rank
-            expert_totals = incoming[:, 2 + R + self.rank * epr:2 + R + (self.rank + 1) * epr].sum(0)
-            both = torch.cat([incoming[:, :2 + R].flatten(), expert_totals]).cpu()
+            torch.cuda.current_stream(self.device).synchronize()
             self.check_errors("dispatch")  # a rank gone, another shape, refused inputs, an earlier call's error
-            host, totals = both[:R * (2 + R)].view(R, 2 + R), both[R * (2 + R):]
-            host = host[:, [0, *range(2, 2 + R)]]  # tokens, then the count matrix
-            num_recv = int(host[:, 1 + self.rank].sum())
-            most = int(host[:, 1:].sum(0).max())
+            summary = self.summary_np
+            matrix = summary[R:R + R * R].reshape(R, R).copy()
+            totals = summary[R + R * R:R + R * R + experts_per_rank].tolist()
+            num_recv = int(matrix[:, self.rank].sum())
+            most = int(matrix.sum(0).max())
             if most > out_rows:  # the kernels skipped those rows; every rank sees the matrix: all raise
                 raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {most} rows, num_nvl_bytes="
                                  f"{self.shared.num_bytes} holds {out_rows}; size it with "
@@ -370,59 +410,42 @@ class CudaHierarchical:
             num_recv = -1  # not known on the host: num_worst_tokens rows come back
         num_out = num_worst_tokens or num_recv
 
-        # The received rows, out of the IPC area (the next call reuses it).
-        recv_x = self._nvl_view(off2[0], num_out, x_bytes).view(x.dtype).clone()
+        # The received rows, out of the IPC area (the next call reuses it), in one launch.
+        recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
+        recv_scales = recv_topk_idx = recv_topk_weights = None
         if scales is not None:
             col_major = scales.stride(0) == 1 and num_scales > 1  # the layout comes back as it went
-            got = self._nvl_view(off2[1], num_out, num_scales * 4).view(scales.dtype)
-            recv_scales = got.t().contiguous().t() if col_major else got.clone()
+            recv_scales = torch.empty((num_scales, num_out), dtype=scales.dtype, device=self.device).t() \
+                if col_major else torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device)
+        if num_topk:
+            recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
+            if with_weights:
+                recv_topk_weights = torch.empty((num_out, num_topk), dtype=torch.float32, device=self.device)
+        sizes = (ctypes.c_int64 * 6)(num_out, x_bytes, num_scales, num_topk,
+                                     recv_scales.stride(0) if recv_scales is not None else 0,
+                                     recv_scales.stride(1) if recv_scales is not None else 0)
+        check(self.nv.epcomm_hierarchical_copy_out(
+            ctypes.c_void_p(self.out_area_ptr), (ctypes.c_int64 * 4)(*off2), sizes, ptr(recv_x), ptr(recv_scales),
+            ptr(recv_topk_idx), ptr(recv_topk_weights), stream), "hierarchical dispatch (copy out)")
+        if scales is not None:
             recv_x = (recv_x, recv_scales)
-        self.traffic_state.update(send1=send1, row1=sum(row1), host=host, row2=sum(row2))
+        self.traffic_state.update(state=state, at=at, row1=sum(row1), row2=sum(row2),
+                                  matrix=handle.backend_state["matrix"] if cached else matrix)
         if cached:
             return recv_x, None, None, None, handle
-        recv_topk_idx = recv_topk_weights = None
-        if num_topk:
-            recv_topk_idx = self._nvl_view(off2[2], num_out, num_topk * 8).view(torch.int64).clone()
-            if with_weights:
-                recv_topk_weights = self._nvl_view(off2[3], num_out, num_topk * 4).view(torch.float32).clone()
         if num_worst_tokens:
             expert_list, send_counts, recv_counts = [], [], []
         else:
             a = expert_alignment
-            expert_list = [(int(c) + a - 1) // a * a for c in totals.tolist()]
-            send_counts = host[self.rank, 1:1 + R].tolist()
-            recv_counts = host[:, 1 + self.rank].tolist()
+            expert_list = [(c + a - 1) // a * a for c in totals]
+            send_counts = matrix[self.rank].tolist()
+            recv_counts = matrix[:, self.rank].tolist()
         new_handle = DispatchHandle(
             buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
-            backend_state={"flags": flags, "pos": pos, "send1": send1, "recv1": recv1, "slots1": slots1,
-                           "start": start, "matrix": matrix, "recv_total": recv_total, "region_rows": region_rows,
-                           "most_recv": most})
+            backend_state={"state": state, "at": at, "region_rows": region_rows, "most_recv": most, "matrix": matrix})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
-
-    def _notify(self, num_tokens: int, num_tokens_per_rank, num_tokens_per_expert, num_experts: int, shape: tuple,
-                refused: torch.Tensor, num_sms: int) -> torch.Tensor:
-        """The counts exchange (notify_kernel over NVSHMEM): every rank's row of (tokens, shape digest,
-        tokens per rank, tokens per expert), as an int32 [R, width] view on the device. No host
-        collective, so a rank that is gone is named within the timeout instead of waited for; ranks
-        whose shapes differ give up the call alike."""
-        R = self.num_ranks
-        width = _counts_width(R)
-        counts = self.sym.tensor[_SYM_HEADER:_SYM_HEADER + (3 * R + 1) * width * 4].view(torch.int32).view(
-            3 * R + 1, width)
-        row_ints = 2 + R + num_experts
-        outgoing = counts[2 * R, :row_ints]
-        outgoing[:1].fill_(num_tokens)  # fills, not host copies: capturable in a CUDA graph
-        digest = zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF
-        outgoing[1:2].copy_(torch.where(refused, -1, digest).view(1))  # -1: kRefused
-        outgoing[2:2 + R] = num_tokens_per_rank
-        outgoing[2 + R:] = num_tokens_per_expert
-        call = self._call_params(_OP_DISPATCH, (), num_sms, notify_digest=outgoing[1:2])
-        code = self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), width, row_ints,
-                                                 ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
-        check(code, "hierarchical dispatch (notify)")
-        return counts[2 * R + 1:3 * R + 1]  # the rows of this notify (notify_kernel copies them here)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
@@ -450,25 +473,31 @@ class CudaHierarchical:
         row1 = combine_fields(hidden, num_topk)
         off1, _ = _offsets(row1, D * region_rows)
         params = [self.area, region_rows, off1[0], off1[1], off2[0], off2[1], hidden, num_topk, in_rows]
-        call = self._call_params(_OP_COMBINE, (region_rows, *row1), num_sms)
+        stream = stream_ptr(self.device)
+        base, at = st["state"].data_ptr(), st["at"]
+
+        def table(name: str) -> ctypes.c_void_p:
+            return ctypes.c_void_p(base + 4 * at[name])
+
+        call = self._call_params(_OP_COMBINE, (region_rows, *row1), num_sms, stream)
         code = self.nv.epcomm_hierarchical_combine(
-            call, (ctypes.c_int64 * len(params))(*params), ptr(st["recv1"]), ptr(st["start"]),
-            ptr(st["slots1"]), ctypes.c_void_p(self.info.data_ptr()), stream_ptr(self.device))
+            call, (ctypes.c_int64 * len(params))(*params), table("recv1"), table("start"), table("slots1"),
+            ctypes.c_void_p(self.info.data_ptr()), stream)
         check(code, "hierarchical combine")
         out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
         bias0 = biases[0] if len(biases) > 0 else None
         bias1 = biases[1] if len(biases) > 1 else None
-        partial = self._sym_view(off1[0], D * region_rows, hidden * 4, recv=True)
-        partial_w = self._sym_view(off1[1], D * region_rows, num_topk * 4, recv=True) if num_topk else None
+        recv_area = self.sym.tensor.data_ptr() + self.stage_offset + self.area
         code = self.nv.epcomm_hierarchical_reduce(
-            ptr(partial), ptr(partial_w), ctypes.c_int64(region_rows), ptr(st["flags"]), ptr(st["pos"]), ptr(bias0),
-            ptr(bias1), ptr(out), ptr(out_w), num_tokens, hidden, num_topk, D, stream_ptr(self.device))
+            ctypes.c_void_p(recv_area + off1[0]), ctypes.c_void_p(recv_area + off1[1] if num_topk else 0),
+            ctypes.c_int64(region_rows), table("flags"), table("pos"), ptr(bias0), ptr(bias1), ptr(out), ptr(out_w),
+            num_tokens, hidden, num_topk, D, stream)
         check(code, "hierarchical combine (reduce)")
         if not self._capturing():
             self.check_errors("combine")  # of earlier calls, raised after this call's launches (see dispatch)
-        self.traffic_state.update(recv1=st["recv1"], row1c=sum(row1), row2c=sum(row2),
-                                  host_c=self.traffic_state.get("host"))
+        self.traffic_state.update(recv1_state=(st["state"], at), row1c=sum(row1), row2c=sum(row2),
+                                  matrix_c=st["matrix"])
         return out, out_w
 
     # ------------------------------------------------------------------ per-tier bytes
@@ -478,17 +507,19 @@ class CudaHierarchical:
         rows: what this rank forwarded to the other ranks of its domain (the flat matrix tells: the
         rows of the sources with its local index to each of them)."""
         s = self.traffic_state
-        host = s.get("host") if op == "dispatch" else s.get("host_c")
-        if op == "dispatch" and "send1" in s:
-            sent1, row1, row2 = s["send1"].tolist(), s["row1"], s["row2"]
+        if op == "dispatch" and "row1" in s:
+            state, at = s["state"], s["at"]
+            sent1, row1, row2, m = state[at["send1"]:at["send1"] + self.num_domains].tolist(), s["row1"], s["row2"], \
+                s["matrix"]
         elif op == "combine" and "row1c" in s:
-            sent1, row1, row2 = s["recv1"].tolist(), s["row1c"], s["row2c"]
+            state, at = s["recv1_state"]
+            sent1, row1, row2, m = state[at["recv1"]:at["recv1"] + self.num_domains].tolist(), s["row1c"], s["row2c"], \
+                s["matrix_c"]
         else:
             return {}
         inter = sum(c for d, c in enumerate(sent1) if d != self.my_domain)
         intra = 0
-        if host is not None:
-            m = host[:, 1:1 + self.num_ranks]
+        if m is not None:  # the count matrix (None after num_worst_tokens calls: not read on the host)
             first = self.my_domain * self.rpd
             for i in range(self.rpd):
                 if i == self.local:

@@ -1,6 +1,7 @@
 // The hierarchical normal mode's dispatch (design: hierarchical.cuh): the counts exchange
-// (notify_kernel), the call counter (advance_kernel), staging (stage_kernel) and the kernel that
-// runs both tiers (dispatch_kernel).
+// (notify_kernel), the call counter (advance_kernel), the layout's derived tables (plan_kernel,
+// before the exchange; counts_kernel, after it), staging (stage_kernel) and the kernel that runs
+// both tiers (dispatch_kernel).
 #include "hierarchical.cuh"
 
 namespace epcomm {
@@ -50,14 +51,155 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         current[r * width + k] = ok ? ld_volatile_int(incoming + r * width + k) : 0;
 }
 
-// Before each operation: the next call number (and, for a dispatch's notify, the next notify,
-// whose outgoing digest becomes kPendingError when an earlier call of this rank reported an error:
-// decided once here, so every block of the notify sends the same row).
-__global__ void advance_kernel(uint8_t* sym, int notify, int* outgoing_digest) {
+// Before each operation: the next call number; for a dispatch's notify also the next notify and
+// its outgoing digest: kPendingError when an earlier call of this rank reported an error, kRefused
+// when plan_kernel refused the inputs (the word is cleared for the next plan), else the call's
+// shape digest. Decided once here, so every block of the notify sends the same row.
+__global__ void advance_kernel(uint8_t* sym, int notify, int* outgoing_digest, int* refused, int digest) {
     *sym_seq(sym) += 1;
     if (notify) {
         *sym_notify_seq(sym) += 1;
-        if (ld_volatile(sym_sticky_error(sym)) != 0) *outgoing_digest = kPendingError;
+        int value = digest;
+        if (*refused != 0) value = kRefused;
+        *refused = 0;
+        if (ld_volatile(sym_sticky_error(sym)) != 0) value = kPendingError;
+        *outgoing_digest = value;
+    }
+}
+
+// ------------------------------------------------------------------ plan
+// What a fresh dispatch derives from its layout before the counts exchange, in one launch (as
+// tensor operations it cost more host time than the transfer itself). Block c < R scans column c of
+// is_token_in_rank: each token's slot at rank c (its index among this rank's tokens to c, -1 when
+// not sent there) and their count, which must equal num_tokens_per_rank[c]; block R + d scans "sent
+// to any of domain d's ranks": flags, each token's row in staging region d (pos: the exclusive
+// prefix count) and the region's count. All blocks share the copy of the per-expert counts into the
+// counts row, the check of the top-k ids and the -1 fill of the handle's slot table. A count that
+// disagrees or an id outside [-1, E) sets `refused` (advance_kernel makes it the row's digest).
+constexpr int kPlanThreads = 512;
+
+struct PlanArgs {
+    const bool* in_rank;           // [T, R]
+    const int* tokens_per_rank;    // [R]
+    const int* tokens_per_expert;  // [E]
+    const int64_t* topk_idx;       // [T, K] or null
+    int num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts;
+    int* outgoing;     // the counts row: tokens, digest (advance_kernel), tokens per rank, per expert
+    int* refused;
+    int* slots;        // [T, R]
+    bool* flags;       // [T, D]
+    int* pos;          // [T, D]
+    int* send_counts;  // [D]
+    int* recv_counts;  // [D]: zeroed (stays 0 when the call gives up)
+    int* slot_table;   // [table_ints]: -1 (rows a given-up call leaves unwritten have no destination)
+    int64_t table_ints;
+};
+
+__device__ __forceinline__ bool plan_column(const PlanArgs& a, int col, int64_t t) {
+    const bool* row = a.in_rank + t * a.num_ranks;
+    if (col < a.num_ranks) return row[col];
+    const int first = (col - a.num_ranks) * a.ranks_per_domain;
+    bool any = false;
+    for (int i = 0; i < a.ranks_per_domain; ++i) any |= row[first + i];
+    return any;
+}
+
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
+    constexpr int kWarps = kPlanThreads / kWarpSize;
+    __shared__ int s_warp[kWarps];
+    const int col = blockIdx.x, R = a.num_ranks, D = a.num_domains;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    // Each thread takes a contiguous segment of tokens; a block-wide scan of the segments' counts
+    // gives each segment's first index.
+    const int64_t per = (a.num_tokens + kPlanThreads - 1) / kPlanThreads;
+    const int64_t num_tokens = a.num_tokens;
+    const int64_t lo = min(num_tokens, static_cast<int64_t>(threadIdx.x) * per), hi = min(num_tokens, lo + per);
+    int count = 0;
+    for (int64_t t = lo; t < hi; ++t) count += plan_column(a, col, t);
+    int inclusive = count;
+    for (int o = 1; o < kWarpSize; o <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, o);
+        if (lane >= o) inclusive += v;
+    }
+    if (lane == kWarpSize - 1) s_warp[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < kWarps ? s_warp[lane] : 0;
+        for (int o = 1; o < kWarpSize; o <<= 1) {
+            const int v = __shfl_up_sync(kFullMask, w, o);
+            if (lane >= o) w += v;
+        }
+        if (lane < kWarps) s_warp[lane] = w;
+    }
+    __syncthreads();
+    int index = inclusive - count + (warp > 0 ? s_warp[warp - 1] : 0);
+    const int total = s_warp[kWarps - 1];
+    for (int64_t t = lo; t < hi; ++t) {
+        const bool set = plan_column(a, col, t);
+        if (col < R) {
+            a.slots[t * R + col] = set ? index : -1;
+        } else {
+            a.flags[t * D + col - R] = set;
+            a.pos[t * D + col - R] = index;
+        }
+        index += set;
+    }
+    if (threadIdx.x == 0) {
+        if (col < R) {
+            a.outgoing[2 + col] = a.tokens_per_rank[col];
+            if (total != a.tokens_per_rank[col]) *a.refused = 1;
+        } else {
+            a.send_counts[col - R] = total;
+            a.recv_counts[col - R] = 0;
+        }
+        if (col == 0) a.outgoing[0] = a.num_tokens;
+    }
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t e = first; e < a.num_experts; e += stride) a.outgoing[2 + R + e] = a.tokens_per_expert[e];
+    if (a.topk_idx != nullptr) {
+        bool bad = false;
+        for (int64_t i = first; i < static_cast<int64_t>(a.num_tokens) * a.num_topk; i += stride)
+            bad |= a.topk_idx[i] < -1 || a.topk_idx[i] >= a.num_experts;
+        if (bad) *a.refused = 1;
+    }
+    for (int64_t i = first; i < a.table_ints; i += stride) a.slot_table[i] = -1;
+}
+
+// After the notify: the handle's copy of the count matrix (the next notify rewrites the rows), where
+// each source's block starts in each rank's output (the prefix of the matrix's columns), this rank's
+// total, and what the host reads after its sync (`summary`, host-mapped): every rank's token count,
+// the matrix, and the totals of this rank's experts.
+struct CountsArgs {
+    const int* current;  // [R, width]: the notify's rows
+    int width, num_ranks, rank, experts_per_rank;
+    int* matrix;         // [R, R]
+    int* start;          // [R, R]
+    int* recv_total;     // [1]
+    int* summary;        // [R + R * R + experts_per_rank]
+};
+
+__global__ void counts_kernel(CountsArgs a) {
+    const int R = a.num_ranks;
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+        const int v = a.current[(i / R) * a.width + 2 + i % R];
+        a.matrix[i] = v;
+        a.summary[R + i] = v;
+    }
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        a.summary[r] = a.current[r * a.width];
+        int running = 0;
+        for (int s = 0; s < R; ++s) {
+            a.start[s * R + r] = running;
+            running += a.current[s * a.width + 2 + r];
+        }
+        if (r == a.rank) *a.recv_total = running;
+    }
+    const int first_expert = 2 + R + a.rank * a.experts_per_rank;
+    for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
+        int sum = 0;
+        for (int s = 0; s < R; ++s) sum += a.current[s * a.width + first_expert + e];
+        a.summary[R + R * R + e] = sum;
     }
 }
 
@@ -294,6 +436,42 @@ __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
     }
 }
 
+// After the dispatch kernel: this rank's received rows out of its IPC area (the next call reuses
+// it) into the caller's tensors, every field in one launch; a warp per row. Scales are written with
+// the output's strides (in elements), so column-major scales come back column-major.
+struct CopyOutArgs {
+    const uint8_t* area;           // this rank's IPC receive area (after the header)
+    int64_t off[kNumOutFields];    // of each field's array in it
+    int64_t num_rows, x_bytes;
+    int num_scales, num_topk;
+    int64_t scale_stride0, scale_stride1;
+    uint8_t* x;
+    int* scales;                   // or null
+    int64_t* topk_idx;             // or null
+    float* weights;                // or null
+};
+
+__global__ void __launch_bounds__(256) copy_out_kernel(CopyOutArgs a) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+    const int K = a.num_topk;
+    for (int64_t p = warp; p < a.num_rows; p += num_warps) {
+        warp_copy_int4(reinterpret_cast<int4*>(a.x + p * a.x_bytes),
+                       reinterpret_cast<const int4*>(a.area + a.off[kOutX] + p * a.x_bytes),
+                       static_cast<int>(a.x_bytes / 16), lane);
+        if (a.scales != nullptr) {
+            const int* src = reinterpret_cast<const int*>(a.area + a.off[kOutScales]) + p * a.num_scales;
+            for (int k = lane; k < a.num_scales; k += kWarpSize)
+                a.scales[p * a.scale_stride0 + k * a.scale_stride1] = src[k];
+        }
+        if (a.topk_idx != nullptr && lane < K)
+            a.topk_idx[p * K + lane] = reinterpret_cast<const int64_t*>(a.area + a.off[kOutTopk])[p * K + lane];
+        if (a.weights != nullptr && lane < K)
+            a.weights[p * K + lane] = reinterpret_cast<const float*>(a.area + a.off[kOutWeights])[p * K + lane];
+    }
+}
+
 }  // namespace hierarchical
 }  // namespace epcomm
 
@@ -326,9 +504,48 @@ int epcomm_hierarchical_notify(const int64_t* call_params, int64_t counts_offset
     return static_cast<int>(cudaGetLastError());
 }
 
-// outgoing_digest: the notify's outgoing row's digest word (used when notify != 0).
-int epcomm_hierarchical_advance(void* sym, int notify, int* outgoing_digest, cudaStream_t stream) {
-    advance_kernel<<<1, 1, 0, stream>>>(static_cast<uint8_t*>(sym), notify, outgoing_digest);
+// outgoing_digest, refused, digest: the notify's outgoing digest word, plan_kernel's refusal word
+// and the call's shape digest (used when notify != 0).
+int epcomm_hierarchical_advance(void* sym, int notify, int* outgoing_digest, int* refused, int digest,
+                                cudaStream_t stream) {
+    if (notify && (outgoing_digest == nullptr || refused == nullptr || digest < 0))
+        return static_cast<int>(cudaErrorInvalidValue);
+    advance_kernel<<<1, 1, 0, stream>>>(static_cast<uint8_t*>(sym), notify, outgoing_digest, refused, digest);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// sizes: num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts, table_ints.
+int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, const int* tokens_per_expert,
+                             const int64_t* topk_idx, const int64_t* sizes, int* outgoing, int* refused, int* slots,
+                             bool* flags, int* pos, int* send_counts, int* recv_counts, int* slot_table,
+                             cudaStream_t stream) {
+    PlanArgs a{in_rank, tokens_per_rank, tokens_per_expert, topk_idx};
+    a.num_tokens = static_cast<int>(sizes[0]);
+    a.num_ranks = static_cast<int>(sizes[1]);
+    a.num_domains = static_cast<int>(sizes[2]);
+    a.ranks_per_domain = static_cast<int>(sizes[3]);
+    a.num_topk = static_cast<int>(sizes[4]);
+    a.num_experts = static_cast<int>(sizes[5]);
+    a.table_ints = sizes[6];
+    a.outgoing = outgoing;
+    a.refused = refused;
+    a.slots = slots;
+    a.flags = flags;
+    a.pos = pos;
+    a.send_counts = send_counts;
+    a.recv_counts = recv_counts;
+    a.slot_table = slot_table;
+    if (a.num_ranks != a.num_domains * a.ranks_per_domain || a.num_ranks < 1 || a.num_tokens < 0)
+        return static_cast<int>(cudaErrorInvalidValue);
+    plan_kernel<<<a.num_ranks + a.num_domains, kPlanThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// current: the notify's rows (width ints each); summary: host-mapped.
+int epcomm_hierarchical_counts(const int* current, int width, int num_ranks, int rank, int experts_per_rank,
+                               int* matrix, int* start, int* recv_total, int* summary, cudaStream_t stream) {
+    const CountsArgs a{current, width, num_ranks, rank, experts_per_rank, matrix, start, recv_total, summary};
+    counts_kernel<<<1, 1024, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -395,6 +612,30 @@ int epcomm_hierarchical_stage(const void* x, int64_t x_bytes, const void* scales
     a.off_weights = offsets[3];
     a.off_slots = offsets[4];
     stage_kernel<<<grid_for(num_tokens), 256, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// offsets: of each field's array in the IPC area; sizes: num_rows, x_bytes, num_scales, num_topk,
+// scale_stride0, scale_stride1 (of the output scales, in elements).
+int epcomm_hierarchical_copy_out(const void* area, const int64_t* offsets, const int64_t* sizes, void* x, int* scales,
+                                 int64_t* topk_idx, float* weights, cudaStream_t stream) {
+    CopyOutArgs a{static_cast<const uint8_t*>(area)};
+    for (int f = 0; f < kNumOutFields; ++f) a.off[f] = offsets[f];
+    a.num_rows = sizes[0];
+    a.x_bytes = sizes[1];
+    a.num_scales = static_cast<int>(sizes[2]);
+    a.num_topk = static_cast<int>(sizes[3]);
+    a.scale_stride0 = sizes[4];
+    a.scale_stride1 = sizes[5];
+    a.x = static_cast<uint8_t*>(x);
+    a.scales = scales;
+    a.topk_idx = topk_idx;
+    a.weights = weights;
+    if (a.num_rows == 0) return 0;
+    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize || (reinterpret_cast<uintptr_t>(x) % 16) != 0)
+        return static_cast<int>(cudaErrorInvalidValue);
+    copy_out_kernel<<<grid_for(static_cast<int>(a.num_rows < (1 << 30) ? a.num_rows : (1 << 30))), 256, 0,
+                      stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
