@@ -348,6 +348,16 @@ class Buffer:
             return self._run(fn, None, True, False, keep_alive)
         return fn(), EventOverlap(None)
 
+    def _default_config(self, dispatch: bool) -> Config:
+        """The config a call without one uses (made once per SM count: calls are host-latency bound;
+        never handed out, so nobody can change it)."""
+        key = (dispatch, Buffer.num_sms)
+        config = _DEFAULT_CONFIGS.get((key, self.group_size))
+        if config is None:
+            config = _DEFAULT_CONFIGS[(key, self.group_size)] = (
+                self.get_dispatch_config if dispatch else self.get_combine_config)(self.group_size)
+        return config
+
     def _capturing(self) -> bool:
         """Inside a CUDA graph capture: checks that read values on the host are skipped (they would sync)."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -414,7 +424,7 @@ class Buffer:
                 return self._cuda.dispatch(data, scales, handle, num_tokens_per_rank, is_token_in_rank,
                                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                            num_worst_tokens, num_experts, self.uid,
-                                           (config or self.get_dispatch_config(self.group_size)).num_sms)
+                                           (config or self._default_config(True)).num_sms)
             return self._normal.dispatch(self._backend, data, scales, handle, num_tokens_per_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                          num_worst_tokens, num_experts, self.uid)
@@ -488,7 +498,7 @@ class Buffer:
                     raise ValueError("topk_weights given without topk_idx")
                 check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
                              device=self.device, contiguous=True)
-        self._check_nvl_bytes(hidden * max(data.element_size(), 2), config or self.get_dispatch_config(r))
+        self._check_nvl_bytes(hidden * max(data.element_size(), 2), config or self._default_config(True))
         return data, scales, num_experts
 
     def _check_nvl_bytes(self, hidden_bytes: int, config: Config) -> None:
@@ -520,7 +530,7 @@ class Buffer:
         def run():
             if self._cuda is not None:
                 return self._cuda.combine(x, handle, topk_weights, biases,
-                                          (config or self.get_combine_config(self.group_size)).num_sms)
+                                          (config or self._default_config(False)).num_sms)
             return self._normal.combine(self._backend, x, handle, topk_weights, biases)
 
         result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream,
@@ -542,7 +552,7 @@ class Buffer:
                 raise ValueError(f"topk_weights must have {rows} rows, got {topk_weights.shape[0]}")
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an epcomm.Config, got {type(config).__name__}")
-        self._check_nvl_bytes(x.shape[1] * 2, config or self.get_combine_config(self.group_size))
+        self._check_nvl_bytes(x.shape[1] * 2, config or self._default_config(False))
         biases: tuple = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
         if len(biases) > 2:
             raise ValueError(f"bias must be a tensor or a tuple of at most two, got {len(biases)}")
@@ -837,6 +847,7 @@ class Buffer:
 
 # Shared buffers that destroy could not prove unused by every peer: kept alive for the process.
 _LEAKED: list[Any] = []
+_DEFAULT_CONFIGS: dict[tuple, Config] = {}
 
 
 def _nothing() -> None:
