@@ -46,23 +46,27 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
         const int64_t q = d * a.region_rows + p, q_dst = dst_region * a.region_rows + p;
-        const int slot_lane = lane < L ? a.slots[q * L + lane] : -1;
+        // Lane i < L: the row's position at domain rank i, or -1 (not sent there, or past the area).
+        int64_t pos_lane = -1;
+        if (lane < L) {
+            const int slot = a.slots[q * L + lane];
+            if (slot >= 0) {
+                pos_lane = static_cast<int64_t>(a.start[s * R + c.domain_rank(lane)]) + slot;
+                if (pos_lane >= a.in_rows) {
+                    c.report(3, c.domain_rank(lane));
+                    pos_lane = -1;
+                }
+            }
+        }
+        // The rows' addresses stay in registers through the sum; the weights' are made when used
+        // (both at once would spill at 1024 threads per block).
         const int4* rows[kMaxLocal];
-        const float* weights[kMaxLocal];
 #pragma unroll
         for (int i = 0; i < kMaxLocal; ++i) {
-            const int slot = __shfl_sync(kFullMask, slot_lane, i);
-            rows[i] = nullptr;
-            weights[i] = nullptr;
-            if (i >= L || slot < 0) continue;
-            const int64_t pos = static_cast<int64_t>(a.start[s * R + c.domain_rank(i)]) + slot;
-            if (pos >= a.in_rows) {
-                if (lane == 0) c.report(3, c.domain_rank(i));
-                continue;
-            }
-            const uint8_t* in = c.peers[i] + kDomainHeaderBytes;
-            rows[i] = reinterpret_cast<const int4*>(in + a.in_off_y + pos * H * 2);
-            if (K > 0) weights[i] = reinterpret_cast<const float*>(in + a.in_off_weights + pos * K * 4);
+            const int64_t pos = __shfl_sync(kFullMask, pos_lane, i);
+            rows[i] = i < L && pos >= 0
+                          ? reinterpret_cast<const int4*>(c.peers[i] + kDomainHeaderBytes + a.in_off_y + pos * H * 2)
+                          : nullptr;
         }
         float4* partial = reinterpret_cast<float4*>(dst_base + a.off_partial + q_dst * H * 4);
         for (int k = lane; k < H / 8; k += kWarpSize) {
@@ -82,12 +86,15 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
             partial[2 * k] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             partial[2 * k + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
         }
-        if (lane < K) {
+        if (K > 0) {
             float acc = 0.f;
-#pragma unroll
-            for (int i = 0; i < kMaxLocal; ++i)
-                if (weights[i] != nullptr) acc += weights[i][lane];
-            reinterpret_cast<float*>(dst_base + a.off_partial_weights + q_dst * K * 4)[lane] = acc;
+            for (int i = 0; i < L; ++i) {  // ascending rank order, as the rows
+                const int64_t pos = __shfl_sync(kFullMask, pos_lane, i);
+                if (pos >= 0 && lane < K)
+                    acc += reinterpret_cast<const float*>(c.peers[i] + kDomainHeaderBytes + a.in_off_weights)[pos * K +
+                                                                                                            lane];
+            }
+            if (lane < K) reinterpret_cast<float*>(dst_base + a.off_partial_weights + q_dst * K * 4)[lane] = acc;
         }
     }
     if (own) {
