@@ -1,6 +1,8 @@
 """Where a hierarchical normal-mode call's time goes on the GPU machine: per-kernel device time
 (torch.profiler) of dispatch, cached dispatch and combine on the CUDA backend, at the benchmark's
-shape. Usage (on the GPU machine): EPCOMM_RANKS_PER_DOMAIN=1 python scripts/hier_profile.py [--tokens 4096]
+shape; then a timeline of each call: when the host and the GPU reach each kernel launch (host-bound
+steps show the GPU waiting for the host).
+Usage (on the GPU machine): EPCOMM_RANKS_PER_DOMAIN=1 python scripts/hier_profile.py [--tokens 4096]
 """
 
 from __future__ import annotations

@@ -8,11 +8,16 @@ bitwise equal to it. The kernels: csrc/nvshmem/hierarchical.cuh (design, shared 
 hierarchical_dispatch.cu and hierarchical_combine.cu.
 
 Dispatch
+  0. plan: one kernel derives the layout's tables on the device (each token's slot at each rank,
+     the domains it goes to and its row in each staging region, the regions' counts) and checks
+     the inputs (a fresh dispatch is host-bound otherwise: as tensor operations these took longer
+     than the transfer);
   1. notify: every rank puts its counts (tokens, tokens per rank, tokens per expert, a digest of
      the call's shape) to every rank over NVSHMEM (bounded waits: no host collective to hang on a
-     dead rank). The flat count matrix's prefix sums say where each source's rows start in each
-     receiver's output; the host reads the sizes (the one host sync, like DeepEP's notify;
-     ``num_worst_tokens`` skips the host read, so the call can be captured in a CUDA graph);
+     dead rank). The flat count matrix's prefix sums (counts kernel) say where each source's rows
+     start in each receiver's output; the host reads the sizes (the one host sync, like DeepEP's
+     notify, after every kernel of the call is queued; ``num_worst_tokens`` skips the host read, so
+     the call can be captured in a CUDA graph);
   2. stage: each token is copied once per destination domain into that domain's region of the
      NVSHMEM staging area, ascending, with its top-k ids rebased to the domain's experts and its
      slot at each of the domain's ranks (its index among this rank's tokens to that rank);
@@ -20,7 +25,7 @@ Dispatch
      mate there (NVSHMEM puts and signals); forwarder blocks take each chunk as its signal lands and
      store its rows over NVLink (CUDA IPC) straight into the final positions in the domain ranks'
      receive areas (start of the source's block + slot): the flat order, with no sort;
-  4. each rank copies its received rows out of its area.
+  4. each rank copies its received rows out of its area (one launch for every field).
 Combine reverses it in one kernel: each rank's expert outputs are copied into its IPC area; the
 forwarders pull, for every row they forwarded, what the domain's ranks return, sum it in fp32 in
 ascending rank order without rounding, and put each chunk's partial sums back to the source,

@@ -33,7 +33,7 @@
 //
 // This header: the layout constants, the call's common state (Call), the bounded waits, the copies
 // to mates, the domain handshake, and the host side of the entry points. The kernels:
-// hierarchical_dispatch.cu (notify, advance, stage, dispatch) and hierarchical_combine.cu.
+// hierarchical_dispatch.cu (advance, plan, notify, counts, stage, dispatch, copy-out) and hierarchical_combine.cu.
 #pragma once
 
 #include <cstdint>
