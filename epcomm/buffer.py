@@ -429,7 +429,7 @@ class Buffer:
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                          num_worst_tokens, num_experts, self.uid)
 
-        keep = (x, topk_idx, topk_weights, is_token_in_rank)
+        keep = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert)
         result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream, keep)
         return (*result, event)
 

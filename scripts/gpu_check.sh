@@ -17,7 +17,7 @@ export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvidia-smi topo -m
-} 2>&1 | tee "$OUT/gpus.txt"
+} 2>&1  # to stdout only: the device tool brings back few files from $OUT
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 status=0
 # The commit id to record when the tree was copied without .git: the --commit given to the bench.
@@ -28,12 +28,14 @@ for arg in "$@"; do
   prev=$arg
 done
 # Build once here, so a compile error shows plainly instead of inside every rank.
-python3 -c "from epcomm.backends.cuda.build import load_library; load_library(); print('kernels built')" \
-  2>&1 | tee "$OUT/build.log" || status=1
+# Nothing else can run without the kernels: stop here, with the compiler's message last.
+python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; load_library(); \
+load_nvshmem_library(); print('kernels built')" 2>&1 || { echo "gpu_check: the kernels did not build"; exit 1; }
 # -rA: the log names every test that passed, failed or was skipped (the record of what ran).
 K_ARGS=()
 [ -n "${TEST_K:-}" ] && K_ARGS=(-k "$TEST_K")
-EPCOMM_TEST_BACKEND=nccl timeout "${TEST_TIMEOUT_S:-420}" python3 -m pytest -q -rA -p no:cacheprovider ${TESTS:-tests} \
+# SIGINT at the limit: pytest then still prints what failed so far (SIGTERM would lose it).
+EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-420}" python3 -m pytest -q -rA -p no:cacheprovider ${TESTS:-tests} \
   ${K_ARGS[@]+"${K_ARGS[@]}"} 2>&1 | tee "$OUT/tests-nccl.log" | grep -v "^PASSED\|^SKIPPED" || status=1
 timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" \
   || status=1

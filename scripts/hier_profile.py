@@ -98,10 +98,17 @@ def _timeline(buf, steps: dict, rank: int) -> list[str]:
     marks: list = []
     lib, check_errors = cuda.nv, cuda.check_errors
 
-    def checked(op):
-        marks.append(("host read", time.perf_counter(), _event()))
+    def checked(op):  # after the host sync in a dispatch without num_worst_tokens; no sync elsewhere
+        marks.append(("check_errors", time.perf_counter(), _event()))
         return check_errors(op)
     cuda.nv, cuda.check_errors = _Marked(lib, marks), checked
+    try:
+        return _timeline_lines(steps, rank, marks)
+    finally:
+        cuda.nv, cuda.check_errors = lib, check_errors
+
+
+def _timeline_lines(steps: dict, rank: int, marks: list) -> list[str]:
     lines = []
     for name, fn in steps.items():
         rows: dict[str, list[tuple[float, float]]] = {}
@@ -118,7 +125,6 @@ def _timeline(buf, steps: dict, rank: int) -> list[str]:
             host = sorted(v[0] for v in vals)[len(vals) // 2]
             gpu = sorted(v[1] for v in vals)[len(vals) // 2]
             lines.append(f"rank {rank} {name} timeline: {step:16s} host {host:8.1f} us  gpu {gpu:8.1f} us")
-    cuda.nv, cuda.check_errors = lib, check_errors
     return lines
 
 

@@ -53,7 +53,11 @@ constexpr int kMaxDomains = 16;
 constexpr int kMaxChunks = 16;      // per region
 constexpr int kMaxLocal = kMaxRanks;  // ranks per domain
 constexpr int kMaxForwarders = 160;
-constexpr int kThreads = 1024;  // 32 warps: twice the bytes in flight per SM of 512 (combine 642 -> 557 us, 2x1)
+// Threads per block. The combine's blocks are bound by bytes in flight per SM: 32 warps (combine
+// 642 -> 557 us on 2x1 against 16) take a whole SM's registers. The dispatch kernel keeps 16 warps
+// (no measured gain from 32) so that its blocks can share an SM with the caller's compute kernels.
+constexpr int kDispatchThreads = 512;
+constexpr int kCombineThreads = 1024;
 constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | shape tag
 
 // Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
@@ -192,20 +196,20 @@ __device__ inline void block_copy(uint8_t* dst, const uint8_t* src, int64_t byte
         int4* d = reinterpret_cast<int4*>(dst);
         const int4* s = reinterpret_cast<const int4*>(src);
         const int64_t n = bytes / 16;
-        for (int64_t i = threadIdx.x; i < n; i += kUnroll * kThreads) {
+        for (int64_t i = threadIdx.x; i < n; i += kUnroll * static_cast<int64_t>(blockDim.x)) {
             int4 v[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-                if (i + u * kThreads < n) v[u] = s[i + u * kThreads];
+                if (i + u * blockDim.x < n) v[u] = s[i + u * blockDim.x];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-                if (i + u * kThreads < n) d[i + u * kThreads] = v[u];
+                if (i + u * blockDim.x < n) d[i + u * blockDim.x] = v[u];
         }
         return;
     }
     int* d = reinterpret_cast<int*>(dst);
     const int* s = reinterpret_cast<const int*>(src);
-    for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) d[i] = s[i];
+    for (int64_t i = threadIdx.x; i < bytes / 4; i += blockDim.x) d[i] = s[i];
 }
 
 // Move `bytes` of this rank's NVSHMEM buffer at `offset` to mate d's buffer at `dst_offset`: stores

@@ -43,7 +43,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     uint8_t* dst_base = own ? c.sym + c.stage_offset + a.area
                             : (direct ? c.mates[d] + c.stage_offset + a.area : c.sym + c.stage_offset);
     const int64_t dst_region = direct ? c.my_domain : d;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kCombineThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
         const int64_t q = d * a.region_rows + p, q_dst = dst_region * a.region_rows + p;
         // Lane i < L: the row's position at domain rank i, or -1 (not sent there, or past the area).
@@ -113,7 +113,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineArgs a) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
     const Call& c = a.c;
     const int b = blockIdx.x, num_chunks = c.num_domains * c.chunks;
     if (b == 0 && threadIdx.x == 0) {
@@ -218,7 +218,7 @@ int epcomm_hierarchical_combine(const int64_t* call_params, const int64_t* param
     a.start = start;
     a.slots = slots;
     if (a.hidden % 8 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
-    combine_kernel<<<a.c.num_forwarders, kThreads, 0, stream>>>(a);
+    combine_kernel<<<a.c.num_forwarders, kCombineThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,7 +1,7 @@
 // The hierarchical normal mode's dispatch (design: hierarchical.cuh): the counts exchange
 // (notify_kernel), the call counter (advance_kernel), the layout's derived tables (plan_kernel,
-// before the exchange; counts_kernel, after it), staging (stage_kernel) and the kernel that runs
-// both tiers (dispatch_kernel).
+// before the exchange; counts_kernel, after it), staging (stage_kernel), the kernel that runs
+// both tiers (dispatch_kernel) and the copy of the received rows out of the IPC area (copy_out_kernel).
 #include "hierarchical.cuh"
 
 namespace epcomm {
@@ -244,7 +244,7 @@ __device__ void pad_rows(const DispatchArgs& a, int b) {
         return;
     }
     uint8_t* out = c.peers[c.local] + kDomainHeaderBytes;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kDispatchThreads / kWarpSize;
     const int K = a.num_topk;
     for (int64_t p = total + b * num_warps + warp; p < a.num_out; p += c.num_forwarders * num_warps) {
         int4* x = reinterpret_cast<int4*>(out + a.out_off[kOutX] + p * a.x_bytes);
@@ -306,7 +306,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     const uint8_t* recv = c.sym + c.stage_offset + (own ? 0 : a.area);
     const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
     const int s = c.mate(d);
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kThreads / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kDispatchThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
         const int64_t q = d * a.region_rows + p;
         int slot_lane = -1;
@@ -360,7 +360,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
 
 // Blocks [0, (D - 1) x chunks) send a chunk of another domain's region each; the others forward
 // every region's chunks (this rank's own region straight from its staging area).
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchArgs a) {
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
     const Call& c = a.c;
     const int num_senders = (c.num_domains - 1) * c.chunks;
     if (static_cast<int>(blockIdx.x) < num_senders) {
@@ -576,7 +576,7 @@ int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* para
     a.matrix = matrix;
     a.slots = slots;
     if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
-    dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kThreads, 0, stream>>>(a);
+    dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kDispatchThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
