@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A/B kernel variants in one device call: each variant is a set of sed edits of kernel sources,
+# built (the build cache is keyed by the sources' hash, so each variant compiles once) and measured
+# with the same benchmark; the sources are restored after each. Nothing is committed: a variant
+# that wins is then written properly, tested, and measured again by gpu_check.sh.
+# Usage (on the GPU machine):
+#   bash scripts/variants.sh 'NAME|FILE|SED-EXPR[|FILE|SED-EXPR...]' ... -- BENCH ARGS
+# e.g.
+#   bash scripts/variants.sh 'base' \
+#     'unroll8|epcomm/csrc/kernels/intranode.cu|s/constexpr int kUnroll = 4;/constexpr int kUnroll = 8;/' \
+#     -- --backend cuda --modes normal --num-sms 24
+# Writes $OUT/variant-NAME.json per variant and prints each variant's table rows; a sed edit that
+# changes nothing is reported (a typo must not pass for a measured variant).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/epcomm-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+variants=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  variants+=("$1")
+  shift
+done
+[ "${1:-}" = "--" ] && shift
+backup=$(mktemp -d)
+cp -r epcomm/csrc "$backup/"
+status=0
+for spec in "${variants[@]}"; do
+  IFS='|' read -r -a parts <<< "$spec"
+  name=${parts[0]}
+  ok=1
+  for ((i = 1; i + 1 < ${#parts[@]}; i += 2)); do
+    file=${parts[i]}
+    expr=${parts[i + 1]}
+    before=$(md5sum "$file" | cut -d' ' -f1)
+    sed -i "$expr" "$file"
+    if [ "$(md5sum "$file" | cut -d' ' -f1)" = "$before" ]; then
+      echo "variant $name: '$expr' changed nothing in $file: skipped"
+      ok=0
+    fi
+  done
+  if [ $ok = 1 ]; then
+    echo "== variant $name"
+    timeout "${VARIANT_TIMEOUT_S:-150}" python3 -m epcomm.bench --json "$OUT/variant-$name.json" "$@" 2>&1 \
+      | grep -E "^ +(normal|low_latency) |Error|error" || status=1
+  else
+    status=1
+  fi
+  rm -rf epcomm/csrc
+  cp -r "$backup/csrc" epcomm/csrc
+done
+rm -rf "$backup"
+exit $status
