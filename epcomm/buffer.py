@@ -351,10 +351,10 @@ class Buffer:
     def _default_config(self, dispatch: bool) -> Config:
         """The config a call without one uses (made once per SM count: calls are host-latency bound;
         never handed out, so nobody can change it)."""
-        key = (dispatch, Buffer.num_sms)
-        config = _DEFAULT_CONFIGS.get((key, self.group_size))
+        key = (dispatch, Buffer.num_sms, self.group_size)
+        config = _DEFAULT_CONFIGS.get(key)
         if config is None:
-            config = _DEFAULT_CONFIGS[(key, self.group_size)] = (
+            config = _DEFAULT_CONFIGS[key] = (
                 self.get_dispatch_config if dispatch else self.get_combine_config)(self.group_size)
         return config
 

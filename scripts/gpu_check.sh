@@ -9,11 +9,7 @@
 #   HIER_PUT=1          then the bench again with EPCOMM_HIER_TRANSPORT=put (hierarchical: NVSHMEM puts to
 #                       every mate, the inter-node path) into bench-put.json
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/epcomm-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+source "$(dirname "$0")/device_env.sh"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvidia-smi topo -m

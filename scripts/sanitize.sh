@@ -5,11 +5,8 @@
 # long EPCOMM_TIMEOUT_S and a small selection of cases (SANITIZE_TESTS, SANITIZE_K).
 # Usage: bash scripts/sanitize.sh   (a summary under $OUT, and the log of each tool that failed)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/epcomm-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache} EPCOMM_TEST_BACKEND=nccl EPCOMM_TEST_TIMEOUT_S=300
+source "$(dirname "$0")/device_env.sh"
+export EPCOMM_TEST_BACKEND=nccl EPCOMM_TEST_TIMEOUT_S=300
 TESTS=${SANITIZE_TESTS:-tests/test_intranode_cuda.py}
 SELECT=${SANITIZE_K:-"T81 or T0- or graph or refused"}
 python3 -c "from epcomm.backends.cuda.build import load_library; load_library()" || exit 1

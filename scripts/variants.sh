@@ -12,11 +12,7 @@
 # Writes $OUT/variant-NAME.json per variant and prints each variant's table rows; a sed edit that
 # changes nothing is reported (a typo must not pass for a measured variant).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/epcomm-out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+source "$(dirname "$0")/device_env.sh"
 variants=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   variants+=("$1")

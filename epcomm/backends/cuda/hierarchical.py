@@ -126,6 +126,11 @@ def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_t
         _offsets([hidden * 2, num_topk * 4], rows)[1])
 
 
+def _table(state: torch.Tensor, at: dict[str, int], name: str) -> ctypes.c_void_p:
+    """The address of table ``name`` in a dispatch's int32 state tensor (offsets: _state_offsets)."""
+    return ctypes.c_void_p(state.data_ptr() + 4 * at[name])
+
+
 _domain_groups: dict[tuple, dist.ProcessGroup] = {}
 
 
@@ -344,11 +349,11 @@ class CudaHierarchical:
                                  "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
             at = self._state_offsets(num_tokens, region_rows)
             state = torch.empty(at["total"], dtype=torch.int32, device=self.device)
-        base = state.data_ptr()
 
         def table(name: str) -> ctypes.c_void_p:
-            return ctypes.c_void_p(base + 4 * at[name])
+            return _table(state, at, name)
 
+        idx = topk_idx.contiguous() if num_topk else None  # read by plan and stage
         if not cached:
             # The layout's tables and this rank's counts row (plan_kernel; invalid inputs are found
             # there, without a host sync, and refused with the counts: every rank gives up naming
@@ -356,7 +361,7 @@ class CudaHierarchical:
             sizes = (ctypes.c_int64 * 7)(num_tokens, R, D, L, num_topk, num_experts, D * region_rows * L)
             check(self.nv.epcomm_hierarchical_plan(
                 ptr(is_token_in_rank.contiguous()), ptr(num_tokens_per_rank.contiguous()),
-                ptr(num_tokens_per_expert.contiguous()), ptr(topk_idx.contiguous() if num_topk else None), sizes,
+                ptr(num_tokens_per_expert.contiguous()), ptr(idx), sizes,
                 ctypes.c_void_p(self.outgoing_ptr), ptr(self.refused), table("slots"), table("flags"), table("pos"),
                 table("send1"), table("recv1"), table("slots1"), stream), "hierarchical dispatch (plan)")
             digest = zlib.crc32(repr((hidden, x.dtype, num_scales, num_topk, with_weights, num_experts,
@@ -377,7 +382,7 @@ class CudaHierarchical:
             ptr(x), ctypes.c_int64(x_bytes), ptr(scales), num_scales,
             ctypes.c_int64(scales.stride(0) if scales is not None else 0),
             ctypes.c_int64(scales.stride(1) if scales is not None else 0),
-            ptr(topk_idx.contiguous() if num_topk else None), ptr(topk_weights if with_weights else None),
+            ptr(idx), ptr(topk_weights if with_weights else None),
             num_topk, ctypes.c_void_p(0) if cached else table("slots"), table("flags"), table("pos"), num_tokens, D, L,
             (num_experts // D) if not cached else 0, ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset),
             ctypes.c_int64(region_rows), (ctypes.c_int64 * 5)(*off1), stream)
@@ -479,10 +484,10 @@ class CudaHierarchical:
         off1, _ = _offsets(row1, D * region_rows)
         params = [self.area, region_rows, off1[0], off1[1], off2[0], off2[1], hidden, num_topk, in_rows]
         stream = stream_ptr(self.device)
-        base, at = st["state"].data_ptr(), st["at"]
+        state, at = st["state"], st["at"]
 
         def table(name: str) -> ctypes.c_void_p:
-            return ctypes.c_void_p(base + 4 * at[name])
+            return _table(state, at, name)
 
         call = self._call_params(_OP_COMBINE, (region_rows, *row1), num_sms, stream)
         code = self.nv.epcomm_hierarchical_combine(
@@ -501,7 +506,7 @@ class CudaHierarchical:
         check(code, "hierarchical combine (reduce)")
         if not self._capturing():
             self.check_errors("combine")  # of earlier calls, raised after this call's launches (see dispatch)
-        self.traffic_state.update(recv1_state=(st["state"], at), row1c=sum(row1), row2c=sum(row2),
+        self.traffic_state.update(recv1_state=(state, at), row1c=sum(row1), row2c=sum(row2),
                                   matrix_c=st["matrix"])
         return out, out_w
 
