@@ -124,6 +124,8 @@ class CudaIntranode:
         # combine reduce-bound; bench/results/2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2.txt).
         self.send_share = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") / 100
                            for op in ("dispatch", "combine")}
+        # Senders move rows by bulk copies through shared memory (more bytes in flight per SM).
+        self.send_tma = int(_env.env_str("EPCOMM_SEND_TMA") != "0")
         dist.barrier(group=group)
 
     def close(self) -> None:
@@ -312,7 +314,7 @@ class CudaIntranode:
             ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
             ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), ptr(recv_topk_idx),
             ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms, "dispatch"), mode, op_code,
-            self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
+            self.send_tma, self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
         check(code, "dispatch")
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
@@ -339,7 +341,7 @@ class CudaIntranode:
             self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, ptr(x), ptr(topk_weights),
             ptr(st["in_rank"]), ptr(st["slot"]), ptr(st["layout"]), row_bytes,
             ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), ptr(out_w), num_sms,
-            self._send_blocks(num_sms, "combine"), self._info_ptr, ctypes.c_uint64(self.timeout_ns),
+            self._send_blocks(num_sms, "combine"), self.send_tma, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
             stream_ptr(self.device))
         check(code, "combine")
         return out, out_w

@@ -23,6 +23,7 @@
 // Count regions alternate by call parity: a fast rank can be at most one barrier ahead of a slow
 // one, so it never overwrites counts the slow one still reads.
 #include "../../include/epcomm/common.cuh"
+#include "../../include/epcomm/tma.cuh"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -380,6 +381,7 @@ struct DispatchArgs {
     int num_out_rows;           // num_recv (host-synced) or num_worst_tokens
     int num_send_blocks;        // fused kernel: blocks [0, num_send_blocks) send, the rest receive
     bool local_by_receiver;     // this rank's rows to itself: copied by the receivers straight from x
+    int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
     int op;
     int* info;
     uint64_t timeout_ns;
@@ -508,6 +510,60 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
     }
 }
 
+// Stages of a sending warp's row ring: two rows loading while one is stored.
+constexpr int kSendStages = 3;
+
+// The sender with bulk copies: the same rows, metadata and flags as dispatch_send, but x's row is
+// loaded once into the warp's ring and stored from there to every destination by the TMA unit, so
+// several rows per warp are in flight instead of a few KB of registers.
+__device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp,
+                                  int num_warps, const RowRing<kSendStages>& ring) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int R = a.num_ranks, me = a.rank;
+    const DispatchRow row(a.x_bytes, a.num_topk);
+    auto destinations = [&](int t) {
+        const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane] &&
+                         !(lane == me && a.local_by_receiver);
+        return __ballot_sync(kFullMask, hit);
+    };
+    auto source = [&](int t) -> const void* {
+        return destinations(t) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes : nullptr;
+    };
+    auto send = [&](int t, const uint8_t* stage, int64_t** flags) {
+        const unsigned mask = destinations(t);
+        const int pos_lane = (mask >> lane & 1u) ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * R + lane] : 0;
+        int64_t e;
+        float w;
+        load_topk(a, t, lane, e, w);
+        int64_t* my_flag = nullptr;  // lane d: the flag of destination d's row
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            if (!(mask >> d & 1u)) continue;
+            const int pos = __shfl_sync(kFullMask, pos_lane, d);
+            if (d == me) {  // this rank's own output row: no flag
+                if (pos >= a.num_out_rows) continue;
+                if (lane == 0) bulk_store(a.recv_x + static_cast<int64_t>(pos) * a.x_bytes, stage, a.x_bytes);
+                write_own_meta(a, t, pos, e, w, lane);
+                continue;
+            }
+            uint8_t* dst = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
+            if (lane == 0) bulk_store(dst, stage, a.x_bytes);
+            if (a.has_topk && lane < a.num_topk) {
+                int64_t local_e;
+                float local_w;
+                local_topk(a, e, w, d, local_e, local_w);
+                reinterpret_cast<int64_t*>(dst + row.idx_offset)[lane] = local_e;
+                if (a.has_weights) reinterpret_cast<float*>(dst + row.weight_offset)[lane] = local_w;
+            }
+            for (int c = lane; c < a.num_scales; c += kWarpSize)
+                reinterpret_cast<uint32_t*>(dst + row.scale_offset)[c] = a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+            if (lane == d) my_flag = reinterpret_cast<int64_t*>(dst + a.row_stride - kRowTrailerBytes);
+        }
+        if (lane < kMaxRanks) flags[lane] = my_flag;
+    };
+    warp_row_pipeline(ring, a.num_tokens, warp, num_warps, a.x_bytes, flag_value, source, send);
+}
+
 // Receivers keep more loads in flight than senders (they hold fewer registers: no destination table).
 constexpr int kRecvUnroll = 8;
 
@@ -576,6 +632,27 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
     }
 }
 
+// The block's dynamic shared memory: the sending warps' row rings (bulk-copy senders only).
+__device__ __forceinline__ uint8_t* dynamic_smem() {
+    extern __shared__ __align__(128) uint8_t smem[];
+    return smem;
+}
+
+// Sending block `block` of `num_blocks`: its first tma_warps warps with bulk copies, or all of its
+// warps with register copies.
+__device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
+                                   int num_blocks) {
+    const int w = threadIdx.x / kWarpSize;
+    if (a.tma_warps > 0) {
+        if (w >= a.tma_warps) return;
+        const auto ring = RowRing<kSendStages>::carve(dynamic_smem(), w, a.tma_warps, a.x_bytes);
+        dispatch_send_tma(a, s_layout, flag_value, block * a.tma_warps + w, num_blocks * a.tma_warps, ring);
+        return;
+    }
+    const int warps_per_block = blockDim.x / kWarpSize;
+    dispatch_send(a, s_layout, flag_value, block * warps_per_block + w, num_blocks * warps_per_block);
+}
+
 // kSend and kRecv: the fused kernel (num_worst_tokens and cached dispatch: one launch, no host
 // round trip), its first blocks send and the others receive. One role alone: the two halves of a
 // dispatch whose outputs are sized after the host reads the counts; the send half is launched on
@@ -601,13 +678,12 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
     const int warp_in_block = threadIdx.x / kWarpSize;
     if (kSend && kRecv) {
         if (static_cast<int>(blockIdx.x) < a.num_send_blocks)
-            dispatch_send(a, s_layout, flag_value, blockIdx.x * warps_per_block + warp_in_block,
-                          a.num_send_blocks * warps_per_block);
+            dispatch_send_role(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks);
         else
             dispatch_recv(a, s_layout, seq, flag_value, (blockIdx.x - a.num_send_blocks) * warps_per_block + warp_in_block,
                           (gridDim.x - a.num_send_blocks) * warps_per_block);
     } else if (kSend) {
-        dispatch_send(a, s_layout, flag_value, blockIdx.x * warps_per_block + warp_in_block, gridDim.x * warps_per_block);
+        dispatch_send_role(a, s_layout, flag_value, blockIdx.x, gridDim.x);
     } else {
         dispatch_recv(a, s_layout, seq, flag_value, blockIdx.x * warps_per_block + warp_in_block,
                       gridDim.x * warps_per_block);
@@ -630,6 +706,7 @@ struct CombineArgs {
     __nv_bfloat16* out;         // [T, H]
     float* out_weights;         // [T, K] or nullptr
     int num_send_blocks;
+    int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
     int* info;
     uint64_t timeout_ns;
 };
@@ -644,118 +721,152 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
     }
 }
 
-__global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
-    const int lane = threadIdx.x % kWarpSize, warps_per_block = blockDim.x / kWarpSize;
-    const int R = a.num_ranks, me = a.rank, K = a.num_topk;
-    uint8_t* mine = a.peers.bufs[me];
-    __shared__ int s_layout[kLayoutInts];
-    if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
-    __syncthreads();
-    if (s_layout[kLayAbort] != 0) return;
-    const int64_t seq = ld_volatile(seq_word(mine));
-    if (ld_volatile(abort_word(mine)) == seq) return;
-    if (s_layout[kLayMaxSend] > a.cap_rows) {
-        if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, kOpCombine, -1);
-        return;
-    }
-    const int64_t flag_value = seq ^ kFlagMagic;
-    const int x_int4 = a.hidden / 8;
-    const int own_begin = s_layout[kLayRecvOff + me], own_end = s_layout[kLayRecvOff + me + 1];
+// Combine row j of the rows this rank returns (its received rows of other ranks, in receive
+// order): its index i among the received rows and the slot it goes to in its source's buffer.
+__device__ __forceinline__ uint8_t* combine_return_row(const CombineArgs& a, const int* s_layout, int j, int& i) {
+    const int R = a.num_ranks, me = a.rank;
+    const int own_begin = s_layout[kLayRecvOff + me], num_own = s_layout[kLayRecvOff + me + 1] - own_begin;
+    i = j < own_begin ? j : j + num_own;
+    int src = 0;
+    while (src + 1 < R && i >= s_layout[kLayRecvOff + src + 1]) ++src;
+    const int64_t pos = s_layout[kLayRetBase + src] + (i - s_layout[kLayRecvOff + src]);
+    return a.peers.bufs[src] + kRowsOffset + pos * a.row_stride;
+}
 
-    if (static_cast<int>(blockIdx.x) < a.num_send_blocks) {
-        // ---- sender: every received row of another rank goes back to its source, at the slot
-        // the source reduces from.
-        const int warp = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize;
-        const int num_warps = a.num_send_blocks * warps_per_block;
-        const int num_recv = s_layout[kLayRecvOff + R];
-        const int num_own = own_end - own_begin;
-        for (int j = warp; j < num_recv - num_own; j += num_warps) {
-            const int i = j < own_begin ? j : j + num_own;
-            int src = 0;
-            while (src + 1 < R && i >= s_layout[kLayRecvOff + src + 1]) ++src;
-            const int64_t pos = s_layout[kLayRetBase + src] + (i - s_layout[kLayRecvOff + src]);
-            uint8_t* r = a.peers.bufs[src] + kRowsOffset + pos * a.row_stride;
-            const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(i) * a.hidden);
-            constexpr int kUnroll = 4;
-            for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
-                int4 v[kUnroll];
+__device__ __forceinline__ int combine_num_returned(const CombineArgs& a, const int* s_layout) {
+    return s_layout[kLayRecvOff + a.num_ranks] - (s_layout[kLayRecvOff + a.rank + 1] - s_layout[kLayRecvOff + a.rank]);
+}
+
+// Sender with register copies: every received row of another rank goes back to its source, at
+// the slot the source reduces from.
+__device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
+    const int lane = threadIdx.x % kWarpSize, K = a.num_topk, x_int4 = a.hidden / 8;
+    const int num_returned = combine_num_returned(a, s_layout);
+    for (int j = warp; j < num_returned; j += num_warps) {
+        int i;
+        uint8_t* r = combine_return_row(a, s_layout, j, i);
+        const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(i) * a.hidden);
+        constexpr int kUnroll = 4;
+        for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
+            int4 v[kUnroll];
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (c + u * kWarpSize < x_int4) v[u] = ld_nc_int4(x + c + u * kWarpSize);
+            for (int u = 0; u < kUnroll; ++u)
+                if (c + u * kWarpSize < x_int4) v[u] = ld_nc_int4(x + c + u * kWarpSize);
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
-            }
-            if (lane < K)  // K = 0 without weights (the pointer is null also when no rows arrived)
-                reinterpret_cast<float*>(r + a.hidden * 2)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
-            __syncwarp();
-            if (lane == 0) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+            for (int u = 0; u < kUnroll; ++u)
+                if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
         }
-        return;
+        if (lane < K)  // K = 0 without weights (the pointer is null also when no rows arrived)
+            reinterpret_cast<float*>(r + a.hidden * 2)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
+        __syncwarp();
+        if (lane == 0) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
     }
+}
 
-    // ---- reducer: token t sums, in fp32 and ascending rank order, the rows its destinations
-    // returned (its own destination's row straight from x), then the biases; one rounding to bf16.
-    const int warp = (blockIdx.x - a.num_send_blocks) * warps_per_block + threadIdx.x / kWarpSize;
-    const int num_warps = (gridDim.x - a.num_send_blocks) * warps_per_block;
+// The same with bulk copies through the warp's row ring (see dispatch_send_tma).
+__device__ void combine_send_tma(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp,
+                                 int num_warps, const RowRing<kSendStages>& ring) {
+    const int lane = threadIdx.x % kWarpSize, K = a.num_topk;
+    const int row_bytes = a.hidden * 2;
+    auto source = [&](int j) -> const void* {
+        int i;
+        combine_return_row(a, s_layout, j, i);
+        return a.x + static_cast<int64_t>(i) * a.hidden;
+    };
+    auto send = [&](int j, const uint8_t* stage, int64_t** flags) {
+        int i;
+        uint8_t* r = combine_return_row(a, s_layout, j, i);
+        if (lane == 0) bulk_store(r, stage, row_bytes);
+        if (lane < K) reinterpret_cast<float*>(r + row_bytes)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
+        if (lane < kMaxRanks)
+            flags[lane] = lane == 0 ? reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes) : nullptr;
+    };
+    warp_row_pipeline(ring, combine_num_returned(a, s_layout), warp, num_warps, row_bytes, flag_value, source, send);
+}
+
+// Reducer: token t sums, in fp32 and ascending rank order, the rows its destinations returned
+// (its own destination's row straight from x), then the biases; one rounding to bf16.
+__device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_t seq, int64_t flag_value, int warp,
+                               int num_warps) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int R = a.num_ranks, me = a.rank, K = a.num_topk, x_int4 = a.hidden / 8;
+    uint8_t* mine = a.peers.bufs[me];
+    const int own_begin = s_layout[kLayRecvOff + me];
     for (int t = warp; t < a.num_tokens; t += num_warps) {
         const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane];
         const unsigned mask = __ballot_sync(kFullMask, hit);
-        const int slot_lane = hit ? a.slot[static_cast<int64_t>(t) * R + lane] : 0;
-        const int4* src[kMaxRanks];
-        const float* src_w[kMaxRanks];
+        // Lane d finds (and for another rank, waits for) the row destination d returned: the waits
+        // of all sources overlap.
+        const int4* row_lane = nullptr;
+        const float* w_lane = nullptr;
         bool ok = true;
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-            const int64_t s = __shfl_sync(kFullMask, slot_lane, d);
-            src[d] = nullptr;
-            src_w[d] = nullptr;
-            if (!(mask >> d & 1u)) continue;
-            if (d == me) {
-                const int64_t i = own_begin + s;
-                src[d] = reinterpret_cast<const int4*>(a.x + i * a.hidden);
-                if (K > 0) src_w[d] = a.weights + i * K;
+        if (hit) {
+            const int64_t s = a.slot[static_cast<int64_t>(t) * R + lane];
+            if (lane == me) {
+                row_lane = reinterpret_cast<const int4*>(a.x + (own_begin + s) * a.hidden);
+                if (K > 0) w_lane = a.weights + (own_begin + s) * K;
             } else {
-                const uint8_t* r = mine + kRowsOffset + (s_layout[kLayCombBase + d] + s) * a.row_stride;
-                ok = ok && wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes),
-                                         flag_value, mine, seq, a.timeout_ns, a.info, kOpCombine, d);
-                src[d] = reinterpret_cast<const int4*>(r);
-                if (K > 0) src_w[d] = reinterpret_cast<const float*>(r + a.hidden * 2);
+                const uint8_t* r = mine + kRowsOffset + (s_layout[kLayCombBase + lane] + s) * a.row_stride;
+                ok = wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value,
+                                   mine, seq, a.timeout_ns, a.info, kOpCombine, lane);
+                row_lane = reinterpret_cast<const int4*>(r);
+                if (K > 0) w_lane = reinterpret_cast<const float*>(r + a.hidden * 2);
             }
         }
         if (!__all_sync(kFullMask, ok)) return;  // lanes must leave together (warp collectives follow)
-        if (a.out_weights != nullptr && lane < K) {
+        auto row_of = [&](int d) {
+            return reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<uint64_t>(row_lane), d));
+        };
+        if (a.out_weights != nullptr) {
             float acc = 0.f;
-#pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d)
-                if (src_w[d] != nullptr) acc += src_w[d][lane];
-            a.out_weights[static_cast<int64_t>(t) * K + lane] = acc;
+            for (unsigned m = mask; m != 0; m &= m - 1) {
+                const int d = __ffs(m) - 1;
+                const auto* w = reinterpret_cast<const float*>(
+                    __shfl_sync(kFullMask, reinterpret_cast<uint64_t>(w_lane), d));
+                if (lane < K) acc += w[lane];
+            }
+            if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = acc;
         }
         int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
         const int4* b0 = a.bias0 != nullptr ? reinterpret_cast<const int4*>(a.bias0 + static_cast<int64_t>(t) * a.hidden)
                                             : nullptr;
         const int4* b1 = a.bias1 != nullptr ? reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * a.hidden)
                                             : nullptr;
-        // kUnroll words per lane at a time: every source's loads are in flight before the first add.
+        // kUnroll words per lane at a time; the next source's loads are issued before the current
+        // source's adds, so two sources' loads are in flight (the adds keep ascending rank order).
         constexpr int kUnroll = 4;
+        auto load = [&](int d, int c0, int4 (&v)[kUnroll]) {
+            const int4* p = row_of(d);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int c = c0 + u * kWarpSize;
+                if (c < x_int4) v[u] = d == me ? ld_nc_int4(p + c) : p[c];
+            }
+        };
         for (int c0 = lane; c0 < x_int4; c0 += kUnroll * kWarpSize) {
             float acc[kUnroll][8];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
                 for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
-#pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) {
-                if (src[d] == nullptr) continue;
-                int4 v[kUnroll];
+            unsigned m = mask;
+            int4 cur[kUnroll], next[kUnroll];
+            if (m != 0) {
+                load(__ffs(m) - 1, c0, cur);
+                m &= m - 1;
+            }
+            for (; m != 0; m &= m - 1) {
+                load(__ffs(m) - 1, c0, next);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
-                    const int c = c0 + u * kWarpSize;
-                    if (c < x_int4) v[u] = d == me ? ld_nc_int4(src[d] + c) : src[d][c];
+                    if (c0 + u * kWarpSize < x_int4) add_bf16x8(acc[u], cur[u]);
+                    cur[u] = next[u];
                 }
+            }
+            if (mask != 0) {
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u)
-                    if (c0 + u * kWarpSize < x_int4) add_bf16x8(acc[u], v[u]);
+                    if (c0 + u * kWarpSize < x_int4) add_bf16x8(acc[u], cur[u]);
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
@@ -773,10 +884,62 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     }
 }
 
+__global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
+    const int w = threadIdx.x / kWarpSize, warps_per_block = blockDim.x / kWarpSize;
+    uint8_t* mine = a.peers.bufs[a.rank];
+    __shared__ int s_layout[kLayoutInts];
+    if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
+    __syncthreads();
+    if (s_layout[kLayAbort] != 0) return;
+    const int64_t seq = ld_volatile(seq_word(mine));
+    if (ld_volatile(abort_word(mine)) == seq) return;
+    if (s_layout[kLayMaxSend] > a.cap_rows) {
+        if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, kOpCombine, -1);
+        return;
+    }
+    const int64_t flag_value = seq ^ kFlagMagic;
+    const int block = blockIdx.x;
+    if (block < a.num_send_blocks) {
+        if (a.tma_warps > 0) {
+            if (w >= a.tma_warps) return;
+            const auto ring = RowRing<kSendStages>::carve(dynamic_smem(), w, a.tma_warps, a.hidden * 2);
+            combine_send_tma(a, s_layout, flag_value, block * a.tma_warps + w, a.num_send_blocks * a.tma_warps, ring);
+        } else {
+            combine_send(a, s_layout, flag_value, block * warps_per_block + w, a.num_send_blocks * warps_per_block);
+        }
+        return;
+    }
+    combine_reduce(a, s_layout, seq, flag_value, (block - a.num_send_blocks) * warps_per_block + w,
+                   (gridDim.x - a.num_send_blocks) * warps_per_block);
+}
+
 }  // namespace epcomm
 
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
 using namespace epcomm;
+
+// Shared memory the bulk-copy senders may take per block (of the 227 KB an SM has): their row rings.
+constexpr int64_t kSendSmemBudget = 200 * 1024;
+
+// Warps per sending block that move rows of `row_bytes` by bulk copies (0: register copies, when
+// asked for or when not even one ring fits), and the dynamic shared memory they need.
+static int send_tma_warps(bool use_tma, int row_bytes, int64_t& smem) {
+    const int64_t per_warp = RowRing<kSendStages>::smem_bytes(1, row_bytes);
+    int warps = use_tma ? static_cast<int>(kSendSmemBudget / per_warp) : 0;
+    warps = warps > 16 ? 16 : warps;  // a block has 512 threads
+    smem = warps * per_warp;
+    return warps;
+}
+
+// Let `kernel` take `smem` bytes of dynamic shared memory (above the default 48 KB); set once per size.
+template <class Kernel>
+static cudaError_t allow_smem(Kernel kernel, int64_t smem, int64_t& allowed) {
+    if (smem <= allowed) return cudaSuccess;
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err == cudaSuccess) allowed = smem;
+    return err;
+}
 
 static PeerTable make_table(const uint64_t* bufs, int num_ranks) {
     PeerTable table{};
@@ -890,7 +1053,7 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
                     const int* layout, int row_stride, int64_t cap_rows, void* recv_x, void* recv_scales,
                     int64_t recv_scale_stride_t, int64_t recv_scale_stride_c, int64_t* recv_topk_idx,
                     float* recv_topk_weights, int num_out_rows, int num_sms, int num_send_blocks, int mode, int op,
-                    int* info, uint64_t timeout_ns, cudaStream_t stream) {
+                    int use_tma, int* info, uint64_t timeout_ns, cudaStream_t stream) {
     DispatchArgs a{};
     a.peers = make_table(bufs, num_ranks);
     a.rank = rank;
@@ -926,23 +1089,30 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
     a.timeout_ns = timeout_ns;
     const int blocks = num_sms > 1 ? num_sms : 2;
     a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
+    int64_t smem = 0;
+    a.tma_warps = send_tma_warps(use_tma != 0 && mode != 2, x_bytes, smem);
+    cudaError_t err = cudaSuccess;
     if (mode == 0) {
+        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = false;
-        dispatch_kernel<true, true><<<blocks, 512, 0, stream>>>(a);
+        err = allow_smem(dispatch_kernel<true, true>, smem, allowed);
+        if (err == cudaSuccess) dispatch_kernel<true, true><<<blocks, 512, smem, stream>>>(a);
     } else if (mode == 1) {
+        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = true;
-        dispatch_kernel<true, false><<<a.num_send_blocks, 512, 0, stream>>>(a);
+        err = allow_smem(dispatch_kernel<true, false>, smem, allowed);
+        if (err == cudaSuccess) dispatch_kernel<true, false><<<a.num_send_blocks, 512, smem, stream>>>(a);
     } else {
         a.local_by_receiver = true;
         dispatch_kernel<false, true><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
     }
-    return static_cast<int>(cudaGetLastError());
+    return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
                    const void* x, const float* weights, const bool* in_rank, const int* slot, const int* layout,
                    int row_stride, int64_t cap_rows, const void* bias0, const void* bias1, void* out,
-                   float* out_weights, int num_sms, int num_send_blocks, int* info, uint64_t timeout_ns,
+                   float* out_weights, int num_sms, int num_send_blocks, int use_tma, int* info, uint64_t timeout_ns,
                    cudaStream_t stream) {
     CombineArgs a{};
     a.peers = make_table(bufs, num_ranks);
@@ -966,7 +1136,12 @@ int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens
     a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
     a.info = info;
     a.timeout_ns = timeout_ns;
-    combine_kernel<<<blocks, 512, 0, stream>>>(a);
+    int64_t smem = 0;
+    a.tma_warps = send_tma_warps(use_tma != 0, hidden * 2, smem);
+    static int64_t allowed = 48 * 1024;
+    const cudaError_t err = allow_smem(combine_kernel, smem, allowed);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    combine_kernel<<<blocks, 512, smem, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
