@@ -510,14 +510,17 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
     }
 }
 
-// Stages of a sending warp's row ring: two rows loading while one is stored.
+// A sending warp's row ring: two rows loading while one is stored, and the stores of the last
+// kSendInFlight rows in flight (a remote store takes microseconds to complete).
 constexpr int kSendStages = 3;
+constexpr int kSendInFlight = 8;
+using SendRing = RowRing<kSendStages, kSendInFlight>;
 
 // The sender with bulk copies: the same rows, metadata and flags as dispatch_send, but x's row is
 // loaded once into the warp's ring and stored from there to every destination by the TMA unit, so
 // several rows per warp are in flight instead of a few KB of registers.
 __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp,
-                                  int num_warps, const RowRing<kSendStages>& ring) {
+                                  int num_warps, const SendRing& ring) {
     const int lane = threadIdx.x % kWarpSize;
     const int R = a.num_ranks, me = a.rank;
     const DispatchRow row(a.x_bytes, a.num_topk);
@@ -645,7 +648,7 @@ __device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, i
     const int w = threadIdx.x / kWarpSize;
     if (a.tma_warps > 0) {
         if (w >= a.tma_warps) return;
-        const auto ring = RowRing<kSendStages>::carve(dynamic_smem(), w, a.tma_warps, a.x_bytes);
+        const auto ring = SendRing::carve(dynamic_smem(), w, a.tma_warps, a.x_bytes);
         dispatch_send_tma(a, s_layout, flag_value, block * a.tma_warps + w, num_blocks * a.tma_warps, ring);
         return;
     }
@@ -765,7 +768,7 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
 
 // The same with bulk copies through the warp's row ring (see dispatch_send_tma).
 __device__ void combine_send_tma(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp,
-                                 int num_warps, const RowRing<kSendStages>& ring) {
+                                 int num_warps, const SendRing& ring) {
     const int lane = threadIdx.x % kWarpSize, K = a.num_topk;
     const int row_bytes = a.hidden * 2;
     auto source = [&](int j) -> const void* {
@@ -902,7 +905,7 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     if (block < a.num_send_blocks) {
         if (a.tma_warps > 0) {
             if (w >= a.tma_warps) return;
-            const auto ring = RowRing<kSendStages>::carve(dynamic_smem(), w, a.tma_warps, a.hidden * 2);
+            const auto ring = SendRing::carve(dynamic_smem(), w, a.tma_warps, a.hidden * 2);
             combine_send_tma(a, s_layout, flag_value, block * a.tma_warps + w, a.num_send_blocks * a.tma_warps, ring);
         } else {
             combine_send(a, s_layout, flag_value, block * warps_per_block + w, a.num_send_blocks * warps_per_block);
@@ -924,7 +927,7 @@ constexpr int64_t kSendSmemBudget = 200 * 1024;
 // Warps per sending block that move rows of `row_bytes` by bulk copies (0: register copies, when
 // asked for or when not even one ring fits), and the dynamic shared memory they need.
 static int send_tma_warps(bool use_tma, int row_bytes, int64_t& smem) {
-    const int64_t per_warp = RowRing<kSendStages>::smem_bytes(1, row_bytes);
+    const int64_t per_warp = SendRing::smem_bytes(1, row_bytes);
     int warps = use_tma ? static_cast<int>(kSendSmemBudget / per_warp) : 0;
     warps = warps > 16 ? 16 : warps;  // a block has 512 threads
     smem = warps * per_warp;

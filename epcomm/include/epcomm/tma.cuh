@@ -71,18 +71,23 @@ __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 
-// Shared memory of one warp's row pipeline: kStages row buffers, one mbarrier each, and per stage
-// the flags (addresses, 0 = none) to release once the stage's stores have completed.
-template <int kStages>
+// Shared memory of one warp's row pipeline: kStages row buffers with one mbarrier each, and for
+// the last kInFlight steps the flags (addresses, nullptr = none) to release once that step's stores
+// have completed. A stage is reused as soon as its stores have read it, so more steps' stores are
+// in flight (kInFlight) than rows fit in shared memory (kStages).
+template <int kStages, int kInFlight>
 struct RowRing {
+    static_assert(kStages >= 2 && kInFlight >= kStages - 1 && kInFlight <= 32, "2+ stages, 32 steps in flight at most");
     uint8_t* rows;       // [kStages][stage_bytes], 128-byte aligned
     uint64_t* bars;      // [kStages]
-    int64_t** flags;     // [kStages][kMaxRanks]
+    int64_t** flags;     // [kInFlight + 1][kMaxRanks]
     int stage_bytes;
+
+    static constexpr int kFlagSteps = kInFlight + 1;
 
     // Bytes of dynamic shared memory for `warps` rings of rows of `row_bytes`.
     __host__ __device__ static int64_t smem_bytes(int warps, int row_bytes) {
-        return static_cast<int64_t>(warps) * kStages * (stage_size(row_bytes) + 8 + 8 * kMaxRanks);
+        return static_cast<int64_t>(warps) * (kStages * (stage_size(row_bytes) + 8) + kFlagSteps * kMaxRanks * 8);
     }
     __host__ __device__ static int stage_size(int row_bytes) { return (row_bytes + 127) / 128 * 128; }
 
@@ -93,24 +98,25 @@ struct RowRing {
         r.rows = smem + static_cast<int64_t>(w) * kStages * r.stage_bytes;
         uint8_t* tail = smem + static_cast<int64_t>(warps) * kStages * r.stage_bytes;
         r.bars = reinterpret_cast<uint64_t*>(tail) + w * kStages;
-        r.flags = reinterpret_cast<int64_t**>(tail + static_cast<int64_t>(warps) * kStages * 8) + w * kStages * kMaxRanks;
+        r.flags = reinterpret_cast<int64_t**>(tail + static_cast<int64_t>(warps) * kStages * 8) +
+                  w * kFlagSteps * kMaxRanks;
         return r;
     }
 };
 
-// One warp moves the rows of items warp, warp + num_warps, ... < num_items through its ring:
-// up to kStages - 1 rows are being loaded ahead while earlier ones are stored, and a row's flags
-// are released once all its stores have completed.
+// One warp moves the rows of items warp, warp + num_warps, ... < num_items through its ring: up
+// to kStages - 1 rows are loaded ahead while earlier ones are stored, and up to kInFlight steps'
+// stores are in flight; a step's flags are released once all its stores have completed.
 //   source(item) -> const void*: the row to load (row_bytes), or nullptr: nothing to move;
 //   send(item, stage, flags): called by every lane of the warp once the row is in `stage`
 //     (lane 0 issues the bulk stores of it, every lane may write metadata with plain stores) and
 //     sets flags[d] (lanes d < kMaxRanks) to the flag address to release for destination d, or
 //     nullptr. The flags are then released with `flag_value` by lane 0, after the stores complete
 //     (the warp's plain stores before that are ordered by a __syncwarp and the release).
-template <int kStages, class Source, class Send>
-__device__ void warp_row_pipeline(const RowRing<kStages>& ring, int num_items, int warp, int num_warps, int row_bytes,
-                                  int64_t flag_value, Source source, Send send) {
-    static_assert(kStages >= 2 && kStages <= 32, "a ring needs 2..32 stages");
+template <int kStages, int kInFlight, class Source, class Send>
+__device__ void warp_row_pipeline(const RowRing<kStages, kInFlight>& ring, int num_items, int warp, int num_warps,
+                                  int row_bytes, int64_t flag_value, Source source, Send send) {
+    using Ring = RowRing<kStages, kInFlight>;
     const int lane = threadIdx.x % kWarpSize;
     if (lane == 0)
         for (int s = 0; s < kStages; ++s) mbarrier_init(ring.bars + s);
@@ -124,7 +130,7 @@ __device__ void warp_row_pipeline(const RowRing<kStages>& ring, int num_items, i
             bulk_load(ring.rows + (k % kStages) * ring.stage_bytes, src, row_bytes, ring.bars + k % kStages);
     };
     auto release = [&](int k) {  // lane 0, after the stores of step k completed
-        int64_t* const* flags = ring.flags + (k % kStages) * kMaxRanks;
+        int64_t* const* flags = ring.flags + (k % Ring::kFlagSteps) * kMaxRanks;
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d)
             if (flags[d] != nullptr) st_release_sys(flags[d], flag_value);
@@ -133,7 +139,7 @@ __device__ void warp_row_pipeline(const RowRing<kStages>& ring, int num_items, i
     int k = 0;
     for (; warp + k * num_warps < num_items; ++k) {
         const int item = warp + k * num_warps, s = k % kStages;
-        int64_t** flags = ring.flags + s * kMaxRanks;
+        int64_t** flags = ring.flags + (k % Ring::kFlagSteps) * kMaxRanks;
         const void* src = source(item);
         if (src != nullptr) {
             if (lane == 0) {
@@ -151,15 +157,15 @@ __device__ void warp_row_pipeline(const RowRing<kStages>& ring, int num_items, i
         if (lane == 0) bulk_wait_read<1>();
         __syncwarp();
         prefetch(k + kStages - 1);
-        // Step k - (S - 1) has completed: its rows are in their destinations, release their flags.
-        if (lane == 0 && k >= kStages - 1) {
-            bulk_wait<kStages - 1>();
-            release(k - (kStages - 1));
+        // Step k - kInFlight has completed: its rows are in their destinations, release their flags.
+        if (lane == 0 && k >= kInFlight) {
+            bulk_wait<kInFlight>();
+            release(k - kInFlight);
         }
     }
     if (lane == 0) {
         bulk_wait<0>();
-        for (int j = k - (kStages - 1) < 0 ? 0 : k - (kStages - 1); j < k; ++j) release(j);
+        for (int j = k - kInFlight < 0 ? 0 : k - kInFlight; j < k; ++j) release(j);
     }
     __syncwarp();
 }
