@@ -18,8 +18,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_DISPATCH_SEND_SMS_PCT": ("50", "CUDA backend: percent of a dispatch's SMs that send (the rest "
                                            "receive)"),
     "EPCOMM_COMBINE_SEND_SMS_PCT": ("33", "CUDA backend: percent of a combine's SMs that send (the rest reduce)"),
-    "EPCOMM_SEND_TMA": ("1", "CUDA backend, normal mode inside a node: senders move rows with bulk copies (TMA) "
-                             "through shared memory, several rows in flight per warp (0: register copies)"),
+    "EPCOMM_SEND_TMA": ("0", "CUDA backend, normal mode inside a node: 1 = senders move rows with bulk copies "
+                             "(TMA) through shared memory, several rows in flight per warp; 0 = register copies "
+                             "(faster as measured on 2 H200: see the README)"),
     "EPCOMM_LL_TRANSPORT": ("auto", "CUDA low-latency mode: ipc (CUDA IPC, one host), nvshmem (NVSHMEM symmetric "
                                     "heap; NVLink peers still get direct stores) or auto (ipc on one host, else "
                                     "nvshmem)"),
