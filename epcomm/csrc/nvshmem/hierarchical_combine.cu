@@ -69,41 +69,22 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
                           : nullptr;
         }
         float4* partial = reinterpret_cast<float4*>(dst_base + a.off_partial + q_dst * H * 4);
-        // kUnroll words per lane at a time: a source's loads are all in flight before its adds
-        // (bytes in flight bound the sum; 1024 threads leave 64 registers each).
-        constexpr int kUnroll = 2;
-        for (int k0 = lane; k0 < H / 8; k0 += kUnroll * kWarpSize) {
-            float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+        for (int k = lane; k < H / 8; k += kWarpSize) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < kMaxLocal; ++i) {
                 if (rows[i] == nullptr) continue;
-                int4 v[kUnroll];
+                const int4 v = rows[i][k];
+                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (k0 + u * kWarpSize < H / 8) v[u] = rows[i][k0 + u * kWarpSize];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    if (k0 + u * kWarpSize >= H / 8) continue;
-                    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float2 f = __bfloat1622float2(h[e]);
-                        acc[u][2 * e] += f.x;
-                        acc[u][2 * e + 1] += f.y;
-                    }
+                for (int u = 0; u < 4; ++u) {
+                    const float2 f = __bfloat1622float2(h[u]);
+                    acc[2 * u] += f.x;
+                    acc[2 * u + 1] += f.y;
                 }
             }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int k = k0 + u * kWarpSize;
-                if (k >= H / 8) continue;
-                partial[2 * k] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
-                partial[2 * k + 1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
-            }
+            partial[2 * k] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            partial[2 * k + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
         }
         if (K > 0) {
             float acc = 0.f;
@@ -176,53 +157,30 @@ __global__ void __launch_bounds__(256) reduce_kernel(ReduceArgs a) {
     for (int t = warp; t < a.num_tokens; t += num_warps) {
         const bool* flags = a.flags + static_cast<int64_t>(t) * D;
         const int* pos = a.pos + static_cast<int64_t>(t) * D;
-        // kUnroll words per lane at a time: a domain's loads are all in flight before its adds.
-        constexpr int kUnroll = 4;
-        for (int c0 = lane; c0 < a.hidden / 8; c0 += kUnroll * kWarpSize) {
-            float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+        for (int c = lane; c < a.hidden / 8; c += kWarpSize) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int d = 0; d < D; ++d) {
                 if (!flags[d]) continue;
                 const float4* p = reinterpret_cast<const float4*>(
-                    a.partial + (d * a.region_rows + pos[d]) * static_cast<int64_t>(a.hidden));
-                float4 lo[kUnroll], hi[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int c = c0 + u * kWarpSize;
-                    if (c < a.hidden / 8) {
-                        lo[u] = p[2 * c];
-                        hi[u] = p[2 * c + 1];
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    if (c0 + u * kWarpSize >= a.hidden / 8) continue;
-                    acc[u][0] += lo[u].x; acc[u][1] += lo[u].y; acc[u][2] += lo[u].z; acc[u][3] += lo[u].w;
-                    acc[u][4] += hi[u].x; acc[u][5] += hi[u].y; acc[u][6] += hi[u].z; acc[u][7] += hi[u].w;
+                    a.partial + (d * a.region_rows + pos[d]) * static_cast<int64_t>(a.hidden)) + 2 * c;
+                const float4 lo = p[0], hi = p[1];
+                acc[0] += lo.x; acc[1] += lo.y; acc[2] += lo.z; acc[3] += lo.w;
+                acc[4] += hi.x; acc[5] += hi.y; acc[6] += hi.z; acc[7] += hi.w;
+            }
+            for (const __nv_bfloat16* bias : {a.bias0, a.bias1}) {
+                if (bias == nullptr) continue;
+                const int4 v = *reinterpret_cast<const int4*>(bias + static_cast<int64_t>(t) * a.hidden + 8 * c);
+                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+                for (int k = 0; k < 4; ++k) {
+                    const float2 f = __bfloat1622float2(h[k]);
+                    acc[2 * k] += f.x;
+                    acc[2 * k + 1] += f.y;
                 }
             }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int c = c0 + u * kWarpSize;
-                if (c >= a.hidden / 8) continue;
-                for (const __nv_bfloat16* bias : {a.bias0, a.bias1}) {
-                    if (bias == nullptr) continue;
-                    const int4 v = *reinterpret_cast<const int4*>(bias + static_cast<int64_t>(t) * a.hidden + 8 * c);
-                    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-                    for (int k = 0; k < 4; ++k) {
-                        const float2 f = __bfloat1622float2(h[k]);
-                        acc[u][2 * k] += f.x;
-                        acc[u][2 * k + 1] += f.y;
-                    }
-                }
-                int4 o;
-                auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-                for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[u][2 * k], acc[u][2 * k + 1]);
-                reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden)[c] = o;
-            }
+            int4 o;
+            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+            for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
+            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden)[c] = o;
         }
         if (a.out_weights != nullptr && lane < K) {
             float acc = 0.f;
