@@ -49,6 +49,13 @@ def send_sms_pct(name: str) -> float:
     return value
 
 
+def send_tma() -> bool:
+    value = env_str("EPCOMM_SEND_TMA")
+    if value not in ("0", "1"):
+        raise ValueError(f"EPCOMM_SEND_TMA must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def timeout_s() -> float:
     raw = env_str("EPCOMM_TIMEOUT_S")
     try:

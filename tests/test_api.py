@@ -129,6 +129,15 @@ def test_low_latency_transport_settings():
     assert _env.env_str("EPCOMM_LL_TRANSPORT") == "auto"
 
 
+def test_send_tma_setting():
+    """EPCOMM_SEND_TMA is 0 (default) or 1; anything else is an error, not the default."""
+    assert _env.send_tma() is False
+    with env_var("EPCOMM_SEND_TMA", "1"):
+        assert _env.send_tma() is True
+    with env_var("EPCOMM_SEND_TMA", "yes"), pytest.raises(ValueError, match="must be 0 or 1"):
+        _env.send_tma()
+
+
 def rank_choose_transport() -> dict:
     from epcomm.backends.cuda.low_latency import _choose_transport
 

@@ -126,10 +126,7 @@ class CudaIntranode:
                            for op in ("dispatch", "combine")}
         # Senders move rows by register copies, or by bulk copies through shared memory (slower as
         # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
-        send_tma = _env.env_str("EPCOMM_SEND_TMA")
-        if send_tma not in ("0", "1"):
-            raise ValueError(f"EPCOMM_SEND_TMA must be 0 or 1, got {send_tma!r}")
-        self.send_tma = int(send_tma)
+        self.send_tma = int(_env.send_tma())
         dist.barrier(group=group)
 
     def close(self) -> None:
