@@ -22,7 +22,7 @@ L2_FLUSH_BYTES = 256 * 1000 * 1000
 _flush_buffer: torch.Tensor | None = None
 
 
-def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+def l2_flush_buffer(device: torch.device) -> torch.Tensor:
     """One 256 MB buffer per process, allocated on first use and reused (allocation is not timed)."""
     global _flush_buffer
     if _flush_buffer is None or _flush_buffer.device != device:
@@ -80,7 +80,7 @@ def _time_cpu(fn: Callable[[], Any], warmup: int, iters: int, before: Callable[[
 
 def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device,
                before: Callable[[], None] | None, on_start: Callable[[], None] | None) -> tuple[list[float], Any]:
-    flush = _l2_flush_buffer(device)
+    flush = l2_flush_buffer(device)
     result = None
     for _ in range(warmup):
         if before is not None:
