@@ -1,5 +1,6 @@
 """How the Python side calls the kernel library's C ABI (ctypes): tensor and stream pointers,
-return codes, and the alignment every kernel relies on. One place for both CUDA backends."""
+call records (ctypes.Structure mirrors of C structs, checked against the library), return codes,
+and the alignment every kernel relies on. One place for both CUDA backends."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import ctypes
 import torch
 
 
+def addr(t: torch.Tensor | None) -> int:
+    """A tensor's device address as an integer, for a call record's uint64 field (0 for None or an
+    empty tensor)."""
+    return t.data_ptr() if t is not None else 0
+
+
 def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     """A tensor's device address (NULL for None or an empty tensor)."""
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+    return ctypes.c_void_p(addr(t))
 
 
 def stream_ptr(device: torch.device) -> ctypes.c_void_p:
@@ -29,3 +36,41 @@ def check_aligned(name: str, t: torch.Tensor) -> None:
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (the kernels move 16-byte words; a view "
                          "with an odd storage offset is not aligned); pass a fresh or .clone()d tensor")
+
+
+def fields(ctype: type, names: str) -> list[tuple[str, type]]:
+    """``_fields_`` entries of one C type, for a run of fields the C struct declares in one line."""
+    return [(name, ctype) for name in names.split()]
+
+
+def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure]) -> None:
+    """Raise unless the library's struct of the same name has this mirror's size and, field by
+    field in order, its names, offsets and sizes (the library's epcomm_struct_layout and
+    epcomm_struct_field_name say them). A field added, removed, retyped or moved on one side only
+    would make every call pass garbage."""
+    name = structure.__name__
+    mirror = [(field, getattr(structure, field).offset, getattr(structure, field).size)
+              for field, _ in structure._fields_]
+    count = 1 + 2 * len(mirror)
+    out = (ctypes.c_int64 * count)()
+    n = lib.epcomm_struct_layout(name.encode(), out, count)
+    if n < 0:
+        raise RuntimeError(f"epcomm: the kernel library has no struct {name} (its ctypes mirror is "
+                           f"{structure.__module__}.{name}); rebuild it from the same sources")
+    if n > count:  # more fields in C: read them all to name the first one the mirror lacks
+        out = (ctypes.c_int64 * n)()
+        lib.epcomm_struct_layout(name.encode(), out, n)
+    lib.epcomm_struct_field_name.restype = ctypes.c_char_p
+    library = [(lib.epcomm_struct_field_name(name.encode(), i).decode(), out[1 + 2 * i], out[2 + 2 * i])
+               for i in range((n - 1) // 2)]
+    if out[0] == ctypes.sizeof(structure) and library == mirror:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(library, mirror)) if a != b), min(len(library), len(mirror)))
+
+    def describe(fields: list[tuple[str, int, int]]) -> str:
+        return "nothing" if i >= len(fields) else "{} at offset {} ({} bytes)".format(*fields[i])
+
+    raise RuntimeError(f"epcomm: the kernel library's {name} ({out[0]} bytes) does not match its ctypes mirror "
+                       f"{structure.__module__}.{name} ({ctypes.sizeof(structure)} bytes): field {i} is "
+                       f"{describe(library)} in the library, {describe(mirror)} in the mirror; the two must "
+                       "declare the same fields in the same order")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from .build import load_library
-from .capi import check, check_aligned, ptr, stream_ptr
+from .capi import addr, check, check_aligned, check_struct_layout, fields, ptr, stream_ptr
 from .ipc import SharedBuffer
 
 _ROW_ALIGN = 16
@@ -71,6 +71,48 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 
 
 
+class CallContext(ctypes.Structure):
+    """What every call of one rank's Buffer shares. This and the call records below mirror the
+    structs of the same names in csrc/kernels/intranode.cu (checked when the library loads)."""
+    _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), *fields(ctypes.c_int32, "rank num_ranks")]
+
+
+class NotifyCall(ctypes.Structure):
+    _fields_ = [("context", CallContext),
+                *fields(ctypes.c_uint64, "in_rank send_counts expert_counts topk_idx slot own_tokens layout"),
+                *fields(ctypes.c_int32, "op num_tokens experts_per_rank num_topk expert_alignment num_worst_tokens "
+                                        "row_bytes pad0")]
+
+
+class DispatchCall(ctypes.Structure):
+    _fields_ = [("context", CallContext),
+                *fields(ctypes.c_uint64, "x scales topk_idx topk_weights in_rank slot own_tokens layout"),
+                *fields(ctypes.c_uint64, "recv_x recv_scales recv_topk_idx recv_topk_weights"),
+                *fields(ctypes.c_int64, "scale_stride_t scale_stride_c recv_scale_stride_t recv_scale_stride_c "
+                                        "cap_rows"),
+                *fields(ctypes.c_int32, "num_tokens x_bytes num_scales num_topk has_topk has_weights experts_per_rank "
+                                        "row_stride"),
+                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma")]
+
+
+class CombineCall(ctypes.Structure):
+    _fields_ = [("context", CallContext),
+                *fields(ctypes.c_uint64, "x weights in_rank slot layout bias0 bias1 out out_weights"),
+                *fields(ctypes.c_int64, "cap_rows"),
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks use_tma pad0")]
+
+
+def bind_calls(lib: ctypes.CDLL) -> None:
+    """Check the call records against the library and declare the entry points that take them (so a
+    record of the wrong kind is refused)."""
+    for record in (CallContext, NotifyCall, DispatchCall, CombineCall):
+        check_struct_layout(lib, record)
+    for function, record in ((lib.epcomm_notify, NotifyCall), (lib.epcomm_dispatch, DispatchCall),
+                             (lib.epcomm_combine, CombineCall)):
+        function.argtypes = [ctypes.POINTER(record), ctypes.c_void_p]
+        function.restype = ctypes.c_int
+
+
 def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
                     ranks_per_domain: int):
     """get_dispatch_layout on the device: tokens per rank, per domain (None with one domain), per
@@ -93,6 +135,7 @@ def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tens
 class CudaIntranode:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
+        bind_calls(self.lib)
         self.group = group
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
@@ -116,7 +159,6 @@ class CudaIntranode:
         # Host words the kernels write (pinned and mapped): counts for the CPU, and errors.
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
-        self._info_ptr = ctypes.c_void_p(self.info.data_ptr())
         # A dispatch that waits for its counts on the host starts its sends on this stream first.
         self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"
         self.send_stream = torch.cuda.Stream(device)
@@ -127,6 +169,14 @@ class CudaIntranode:
         # Senders move rows by register copies, or by bulk copies through shared memory (slower as
         # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
         self.send_tma = int(_env.send_tma())
+        # One record per entry point, reused: a call sets only the fields that vary between calls.
+        context = CallContext(peer_bufs=ctypes.addressof(self.ptrs), info=self.info.data_ptr(),
+                              timeout_ns=self.timeout_ns, rank=self.rank, num_ranks=self.num_ranks)
+        self._notify_call = NotifyCall(context=context, op=self.c["op_dispatch"])
+        self._dispatch_call = DispatchCall(context=context, use_tma=self.send_tma)
+        self._combine_call = CombineCall(context=context, use_tma=self.send_tma)
+        self._barrier_calls = {op: NotifyCall(context=context, op=op, expert_alignment=1)
+                               for op in (self.c["op_cached_dispatch"], self.c["op_combine"], self.c["op_barrier"])}
         dist.barrier(group=group)
 
     def close(self) -> None:
@@ -175,10 +225,7 @@ class CudaIntranode:
 
     def _notify_barrier(self, op_code: int, op: str) -> None:
         """The notify kernel without a count exchange: advance the call counter and meet every peer."""
-        code = self.lib.epcomm_notify(self.ptrs, self.rank, self.num_ranks, op_code, 0, None, None, None, 0, None, 0,
-                                      1, 0, 0, None, None, None, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
-                                      stream_ptr(self.device))
-        check(code, op)
+        check(self.lib.epcomm_notify(self._barrier_calls[op_code], stream_ptr(self.device)), op)
 
     def barrier(self, op: str) -> None:
         self._notify_barrier(self.c["op_barrier"], op)
@@ -225,13 +272,15 @@ class CudaIntranode:
             slot = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=self.device)
             own_tokens = torch.empty(num_tokens, dtype=torch.int32, device=self.device)
             layout = torch.empty(LAYOUT_INTS, dtype=torch.int32, device=self.device)
-            code = self.lib.epcomm_notify(
-                self.ptrs, rank, num_ranks, c["op_dispatch"], num_tokens, ptr(in_rank),
-                ptr(num_tokens_per_rank.contiguous()), ptr(num_tokens_per_expert.contiguous()),
-                experts_per_rank, ptr(topk_idx), num_topk, expert_alignment, num_worst_tokens, row_bytes,
-                ptr(slot), ptr(own_tokens), ptr(layout), self._info_ptr,
-                ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
-            check(code, "dispatch")
+            # Held until the launch: a temporary copy freed earlier could be reused by the next one.
+            send_counts, expert_counts = num_tokens_per_rank.contiguous(), num_tokens_per_expert.contiguous()
+            call = self._notify_call
+            call.num_tokens, call.num_topk, call.experts_per_rank = num_tokens, num_topk, experts_per_rank
+            call.expert_alignment, call.num_worst_tokens, call.row_bytes = expert_alignment, num_worst_tokens, row_bytes
+            call.in_rank, call.send_counts, call.expert_counts = addr(in_rank), addr(send_counts), addr(expert_counts)
+            call.topk_idx, call.slot = addr(topk_idx), addr(slot)
+            call.own_tokens, call.layout = addr(own_tokens), addr(layout)
+            check(self.lib.epcomm_notify(call, stream_ptr(self.device)), "dispatch")
             num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
             if not num_worst_tokens:
                 counted = torch.cuda.Event()
@@ -304,19 +353,21 @@ class CudaIntranode:
                          own_tokens, layout, row_bytes, cap_rows, recv_x, recv_scales, recv_topk_idx,
                          recv_topk_weights, num_out, num_sms, op_code) -> None:
         """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu)."""
-        code = self.lib.epcomm_dispatch(
-            self.ptrs, self.rank, self.num_ranks, x.shape[0], ptr(x), x.shape[1] * x.element_size(),
-            ptr(scales), scales.shape[1] if scales is not None else 0,
-            ctypes.c_int64(scales.stride(0) if scales is not None else 0),
-            ctypes.c_int64(scales.stride(1) if scales is not None else 0), ptr(topk_idx),
-            ptr(topk_weights), num_topk, int(topk_idx is not None), int(topk_weights is not None),
-            experts_per_rank, ptr(in_rank), ptr(slot), ptr(own_tokens), ptr(layout), row_bytes,
-            ctypes.c_int64(cap_rows), ptr(recv_x), ptr(recv_scales),
-            ctypes.c_int64(recv_scales.stride(0) if recv_scales is not None else 0),
-            ctypes.c_int64(recv_scales.stride(1) if recv_scales is not None else 0), ptr(recv_topk_idx),
-            ptr(recv_topk_weights), num_out, num_sms, self._send_blocks(num_sms, "dispatch"), mode, op_code,
-            self.send_tma, self._info_ptr, ctypes.c_uint64(self.timeout_ns), stream_ptr(self.device))
-        check(code, "dispatch")
+        call = self._dispatch_call
+        call.mode, call.op = mode, op_code
+        call.num_sms, call.num_send_blocks = num_sms, self._send_blocks(num_sms, "dispatch")
+        call.num_tokens, call.x_bytes, call.x = x.shape[0], x.shape[1] * x.element_size(), addr(x)
+        call.scales, call.num_scales = addr(scales), scales.shape[1] if scales is not None else 0
+        call.scale_stride_t, call.scale_stride_c = scales.stride() if scales is not None else (0, 0)
+        call.topk_idx, call.topk_weights, call.num_topk = addr(topk_idx), addr(topk_weights), num_topk
+        call.has_topk, call.has_weights = topk_idx is not None, topk_weights is not None
+        call.experts_per_rank, call.row_stride, call.cap_rows = experts_per_rank, row_bytes, cap_rows
+        call.in_rank, call.slot = addr(in_rank), addr(slot)
+        call.own_tokens, call.layout = addr(own_tokens), addr(layout)
+        call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
+        call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
+        call.recv_topk_idx, call.recv_topk_weights = addr(recv_topk_idx), addr(recv_topk_weights)
+        check(self.lib.epcomm_dispatch(call, stream_ptr(self.device)), "dispatch")
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
@@ -338,13 +389,14 @@ class CudaIntranode:
         out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
         bias0 = biases[0] if len(biases) > 0 else None
         bias1 = biases[1] if len(biases) > 1 else None
-        code = self.lib.epcomm_combine(
-            self.ptrs, self.rank, self.num_ranks, num_tokens, hidden, num_topk, ptr(x), ptr(topk_weights),
-            ptr(st["in_rank"]), ptr(st["slot"]), ptr(st["layout"]), row_bytes,
-            ctypes.c_int64(cap_rows), ptr(bias0), ptr(bias1), ptr(out), ptr(out_w), num_sms,
-            self._send_blocks(num_sms, "combine"), self.send_tma, self._info_ptr, ctypes.c_uint64(self.timeout_ns),
-            stream_ptr(self.device))
-        check(code, "combine")
+        call = self._combine_call
+        call.num_sms, call.num_send_blocks = num_sms, self._send_blocks(num_sms, "combine")
+        call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
+        call.row_stride, call.cap_rows = row_bytes, cap_rows
+        call.x, call.weights, call.out, call.out_weights = addr(x), addr(topk_weights), addr(out), addr(out_w)
+        call.in_rank, call.slot, call.layout = addr(st["in_rank"]), addr(st["slot"]), addr(st["layout"])
+        call.bias0, call.bias1 = addr(bias0), addr(bias1)
+        check(self.lib.epcomm_combine(call, stream_ptr(self.device)), "combine")
         return out, out_w
 
     # ------------------------------------------------------------------ calls larger than the buffer

@@ -28,6 +28,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <array>
+#include <cstddef>
 #include <cstring>
 
 namespace epcomm {
@@ -420,6 +422,39 @@ __device__ __forceinline__ void write_own_meta(const DispatchArgs& a, int t, int
             a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
 }
 
+// Metadata of token t into its row slot `dst_row` in destination d's buffer: top-k ids local to d,
+// weights, scales. Plain stores: the caller orders them before the row's flag.
+__device__ __forceinline__ void write_peer_meta(const DispatchArgs& a, uint8_t* dst_row, int d, int t, int64_t e,
+                                                float w, int lane) {
+    const DispatchRow row(a.x_bytes, a.num_topk);
+    if (a.has_topk && lane < a.num_topk) {
+        int64_t local_e;
+        float local_w;
+        local_topk(a, e, w, d, local_e, local_w);
+        reinterpret_cast<int64_t*>(dst_row + row.idx_offset)[lane] = local_e;
+        if (a.has_weights) reinterpret_cast<float*>(dst_row + row.weight_offset)[lane] = local_w;
+    }
+    for (int c = lane; c < a.num_scales; c += kWarpSize)
+        reinterpret_cast<uint32_t*>(dst_row + row.scale_offset)[c] =
+            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+}
+
+// Bit d: token t goes to rank d, and this sender writes it (the receivers copy this rank's own
+// rows when `local_by_receiver`). A ballot: every lane of the warp calls it.
+__device__ __forceinline__ unsigned dispatch_destinations(const DispatchArgs& a, int t, int lane) {
+    const int R = a.num_ranks;
+    const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane] &&
+                     !(lane == a.rank && a.local_by_receiver);
+    return __ballot_sync(kFullMask, hit);
+}
+
+// Lane d: where token t's row goes in destination d's output, for the destinations in `mask`.
+__device__ __forceinline__ int dispatch_row_pos(const DispatchArgs& a, const int* s_layout, unsigned mask, int t,
+                                                int lane) {
+    return (mask >> lane & 1u) ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * a.num_ranks + lane]
+                               : 0;
+}
+
 __device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane, int64_t& e, float& w) {
     e = -1;
     w = 0.f;
@@ -434,15 +469,12 @@ __device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane
 // outputs unless the receivers do it (`local_by_receiver`).
 __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
     const int lane = threadIdx.x % kWarpSize;
-    const int R = a.num_ranks, me = a.rank;
-    const DispatchRow row(a.x_bytes, a.num_topk);
+    const int me = a.rank;
     const int x_int4 = a.x_bytes / 16;
     for (int t = warp; t < a.num_tokens; t += num_warps) {
-        const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane] &&
-                         !(lane == me && a.local_by_receiver);
-        const unsigned mask = __ballot_sync(kFullMask, hit);
+        const unsigned mask = dispatch_destinations(a, t, lane);
         if (mask == 0) continue;
-        const int pos_lane = hit ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * R + lane] : 0;
+        const int pos_lane = dispatch_row_pos(a, s_layout, mask, t, lane);
         int4* dst_x[kMaxRanks];
         uint8_t* dst_row[kMaxRanks];  // remote row slot, or nullptr
         int dst_pos[kMaxRanks];
@@ -482,20 +514,10 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
             if (dst_x[d] == nullptr) continue;
-            if (dst_row[d] == nullptr) {
+            if (dst_row[d] == nullptr)
                 write_own_meta(a, t, dst_pos[d], e, w, lane);
-                continue;
-            }
-            if (a.has_topk && lane < a.num_topk) {
-                int64_t local_e;
-                float local_w;
-                local_topk(a, e, w, d, local_e, local_w);
-                reinterpret_cast<int64_t*>(dst_row[d] + row.idx_offset)[lane] = local_e;
-                if (a.has_weights) reinterpret_cast<float*>(dst_row[d] + row.weight_offset)[lane] = local_w;
-            }
-            for (int c = lane; c < a.num_scales; c += kWarpSize)
-                reinterpret_cast<uint32_t*>(dst_row[d] + row.scale_offset)[c] =
-                    a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+            else
+                write_peer_meta(a, dst_row[d], d, t, e, w, lane);
         }
         // Publish: after the warp's stores, lane d releases the flag of destination d's row.
         __syncwarp();
@@ -522,19 +544,13 @@ using SendRing = RowRing<kSendStages, kSendInFlight>;
 __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp,
                                   int num_warps, const SendRing& ring) {
     const int lane = threadIdx.x % kWarpSize;
-    const int R = a.num_ranks, me = a.rank;
-    const DispatchRow row(a.x_bytes, a.num_topk);
-    auto destinations = [&](int t) {
-        const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane] &&
-                         !(lane == me && a.local_by_receiver);
-        return __ballot_sync(kFullMask, hit);
-    };
+    const int me = a.rank;
     auto source = [&](int t) -> const void* {
-        return destinations(t) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes : nullptr;
+        return dispatch_destinations(a, t, lane) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes : nullptr;
     };
     auto send = [&](int t, const uint8_t* stage, int64_t** flags) {
-        const unsigned mask = destinations(t);
-        const int pos_lane = (mask >> lane & 1u) ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * R + lane] : 0;
+        const unsigned mask = dispatch_destinations(a, t, lane);
+        const int pos_lane = dispatch_row_pos(a, s_layout, mask, t, lane);
         int64_t e;
         float w;
         load_topk(a, t, lane, e, w);
@@ -551,15 +567,7 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
             }
             uint8_t* dst = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
             if (lane == 0) bulk_store(dst, stage, a.x_bytes);
-            if (a.has_topk && lane < a.num_topk) {
-                int64_t local_e;
-                float local_w;
-                local_topk(a, e, w, d, local_e, local_w);
-                reinterpret_cast<int64_t*>(dst + row.idx_offset)[lane] = local_e;
-                if (a.has_weights) reinterpret_cast<float*>(dst + row.weight_offset)[lane] = local_w;
-            }
-            for (int c = lane; c < a.num_scales; c += kWarpSize)
-                reinterpret_cast<uint32_t*>(dst + row.scale_offset)[c] = a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+            write_peer_meta(a, dst, d, t, e, w, lane);
             if (lane == d) my_flag = reinterpret_cast<int64_t*>(dst + a.row_stride - kRowTrailerBytes);
         }
         if (lane < kMaxRanks) flags[lane] = my_flag;
@@ -944,10 +952,161 @@ static cudaError_t allow_smem(Kernel kernel, int64_t smem, int64_t& allowed) {
     return err;
 }
 
-static PeerTable make_table(const uint64_t* bufs, int num_ranks) {
-    PeerTable table{};
-    for (int r = 0; r < num_ranks; ++r) table.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
-    return table;
+// The records Python fills for a call (ctypes mirrors in backends/cuda/intranode.py). Fixed-width
+// fields only (device addresses as uint64, flags as int32: no bool), grouped by width with the
+// padding spelled out, so the layout reads the same on both sides; epcomm_struct_layout and
+// epcomm_struct_field_name let the loader verify it. A field means what the kernel argument of the
+// same name means (NotifyArgs, DispatchArgs, CombineArgs).
+
+// What every call of one rank's Buffer shares.
+struct CallContext {
+    uint64_t peer_bufs;  // const uint64_t [num_ranks]: every rank's buffer in this process's address space
+    uint64_t info, timeout_ns;
+    int32_t rank, num_ranks;
+};
+
+struct NotifyCall {
+    CallContext context;
+    uint64_t in_rank, send_counts, expert_counts, topk_idx, slot, own_tokens, layout;
+    int32_t op, num_tokens, experts_per_rank, num_topk, expert_alignment, num_worst_tokens, row_bytes, pad0;
+};
+
+struct DispatchCall {
+    CallContext context;
+    uint64_t x, scales, topk_idx, topk_weights, in_rank, slot, own_tokens, layout;
+    uint64_t recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
+    int64_t scale_stride_t, scale_stride_c, recv_scale_stride_t, recv_scale_stride_c, cap_rows;
+    int32_t num_tokens, x_bytes, num_scales, num_topk, has_topk, has_weights, experts_per_rank, row_stride;
+    int32_t num_out_rows, num_sms, num_send_blocks, mode, op, use_tma;
+};
+
+struct CombineCall {
+    CallContext context;
+    uint64_t x, weights, in_rank, slot, layout, bias0, bias1, out, out_weights;
+    int64_t cap_rows;
+    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, pad0;
+};
+
+struct FieldLayout {
+    int64_t offset, size;
+    const char* name;
+};
+
+// Every field of call record S, in declaration order.
+template <class S>
+constexpr auto fields_of();
+
+#define EPCOMM_FIELD(f) FieldLayout{static_cast<int64_t>(offsetof(S, f)), static_cast<int64_t>(sizeof(S::f)), #f}
+template <>
+constexpr auto fields_of<CallContext>() {
+    using S = CallContext;
+    return std::array{EPCOMM_FIELD(peer_bufs), EPCOMM_FIELD(info), EPCOMM_FIELD(timeout_ns), EPCOMM_FIELD(rank),
+                      EPCOMM_FIELD(num_ranks)};
+}
+template <>
+constexpr auto fields_of<NotifyCall>() {
+    using S = NotifyCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(in_rank), EPCOMM_FIELD(send_counts),
+                      EPCOMM_FIELD(expert_counts), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(slot),
+                      EPCOMM_FIELD(own_tokens), EPCOMM_FIELD(layout), EPCOMM_FIELD(op), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(experts_per_rank), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(expert_alignment),
+                      EPCOMM_FIELD(num_worst_tokens), EPCOMM_FIELD(row_bytes), EPCOMM_FIELD(pad0)};
+}
+template <>
+constexpr auto fields_of<DispatchCall>() {
+    using S = DispatchCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(scales), EPCOMM_FIELD(topk_idx),
+                      EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(in_rank), EPCOMM_FIELD(slot), EPCOMM_FIELD(own_tokens),
+                      EPCOMM_FIELD(layout), EPCOMM_FIELD(recv_x), EPCOMM_FIELD(recv_scales),
+                      EPCOMM_FIELD(recv_topk_idx), EPCOMM_FIELD(recv_topk_weights), EPCOMM_FIELD(scale_stride_t),
+                      EPCOMM_FIELD(scale_stride_c), EPCOMM_FIELD(recv_scale_stride_t),
+                      EPCOMM_FIELD(recv_scale_stride_c), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(x_bytes), EPCOMM_FIELD(num_scales), EPCOMM_FIELD(num_topk),
+                      EPCOMM_FIELD(has_topk), EPCOMM_FIELD(has_weights), EPCOMM_FIELD(experts_per_rank),
+                      EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_out_rows), EPCOMM_FIELD(num_sms),
+                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op), EPCOMM_FIELD(use_tma)};
+}
+template <>
+constexpr auto fields_of<CombineCall>() {
+    using S = CombineCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(weights), EPCOMM_FIELD(in_rank),
+                      EPCOMM_FIELD(slot), EPCOMM_FIELD(layout), EPCOMM_FIELD(bias0), EPCOMM_FIELD(bias1),
+                      EPCOMM_FIELD(out), EPCOMM_FIELD(out_weights), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_sms),
+                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(pad0)};
+}
+#undef EPCOMM_FIELD
+
+// Each field starts where the one before it ends and the last ends at sizeof(S): no implicit
+// padding, and fields_of<S> misses no field and keeps their order (what the ctypes check relies on).
+template <class S>
+constexpr bool lists_every_field() {
+    int64_t end = 0;
+    for (const FieldLayout& f : fields_of<S>()) {
+        if (f.offset != end) return false;
+        end += f.size;
+    }
+    return end == static_cast<int64_t>(sizeof(S));
+}
+
+struct RecordLayout {
+    const char* name;
+    int64_t size;
+    const FieldLayout* fields;
+    int num_fields;
+};
+
+template <class S>
+static RecordLayout record_layout(const char* name) {
+    static_assert(lists_every_field<S>(), "a call record has implicit padding, or fields_of misses a field");
+    static constexpr auto fields = fields_of<S>();
+    return {name, sizeof(S), fields.data(), static_cast<int>(fields.size())};
+}
+
+static const RecordLayout* find_record(const char* name) {
+    static const RecordLayout records[] = {
+        record_layout<CallContext>("CallContext"), record_layout<NotifyCall>("NotifyCall"),
+        record_layout<DispatchCall>("DispatchCall"), record_layout<CombineCall>("CombineCall")};
+    for (const RecordLayout& r : records)
+        if (std::strcmp(r.name, name) == 0) return &r;
+    return nullptr;
+}
+
+template <class T>
+static void set_ptr(T*& field, uint64_t address) {
+    field = reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
+
+// The fields every kernel's arguments share, from the call's context.
+template <class Args>
+static void set_context(Args& a, const CallContext& c) {
+    const auto* bufs = reinterpret_cast<const uint64_t*>(static_cast<uintptr_t>(c.peer_bufs));
+    for (int r = 0; r < c.num_ranks; ++r) set_ptr(a.peers.bufs[r], bufs[r]);
+    a.rank = c.rank;
+    a.num_ranks = c.num_ranks;
+    set_ptr(a.info, c.info);
+    a.timeout_ns = c.timeout_ns;
+}
+
+// What a dispatch and its combine share: the dispatch's routing, the buffer's row slots, the
+// token count and top-k width.
+template <class Args, class Call>
+static void set_routing(Args& a, const Call& c) {
+    a.num_tokens = c.num_tokens;
+    a.num_topk = c.num_topk;
+    set_ptr(a.in_rank, c.in_rank);
+    set_ptr(a.slot, c.slot);
+    set_ptr(a.layout, c.layout);
+    a.row_stride = c.row_stride;
+    a.cap_rows = c.cap_rows;
+}
+
+// Blocks of a kernel whose first num_send_blocks send and the others receive (or reduce): num_sms,
+// and at least one block for each role.
+static int split_blocks(int num_sms, int num_send_blocks, int& send_blocks) {
+    const int blocks = num_sms > 1 ? num_sms : 2;
+    send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
+    return blocks;
 }
 
 extern "C" {
@@ -1019,88 +1178,65 @@ int epcomm_get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_
     return static_cast<int>(cudaGetLastError());
 }
 
-int epcomm_notify(const uint64_t* bufs, int rank, int num_ranks, int op, int num_tokens, const bool* in_rank,
-                  const int* send_counts, const int* expert_counts, int experts_per_rank, const int64_t* topk_idx,
-                  int num_topk, int expert_alignment, int num_worst_tokens, int row_bytes, int* slot,
-                  int* own_tokens, int* layout, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+int epcomm_notify(const NotifyCall* call, cudaStream_t stream) {
+    const NotifyCall& c = *call;
     NotifyArgs a{};
-    a.peers = make_table(bufs, num_ranks);
-    a.rank = rank;
-    a.num_ranks = num_ranks;
-    a.op = op;
-    a.num_tokens = num_tokens;
-    a.in_rank = in_rank;
-    a.send_counts = send_counts;
-    a.expert_counts = expert_counts;
-    a.experts_per_rank = experts_per_rank;
-    a.topk_idx = topk_idx;
-    a.num_topk = num_topk;
-    a.expert_alignment = expert_alignment;
-    a.num_worst_tokens = num_worst_tokens;
-    a.row_bytes = row_bytes;
-    a.slot = slot;
-    a.own_tokens = own_tokens;
-    a.layout = layout;
-    a.info = info;
-    a.timeout_ns = timeout_ns;
+    set_context(a, c.context);
+    a.op = c.op;
+    a.num_tokens = c.num_tokens;
+    set_ptr(a.in_rank, c.in_rank);
+    set_ptr(a.send_counts, c.send_counts);
+    set_ptr(a.expert_counts, c.expert_counts);
+    a.experts_per_rank = c.experts_per_rank;
+    set_ptr(a.topk_idx, c.topk_idx);
+    a.num_topk = c.num_topk;
+    a.expert_alignment = c.expert_alignment;
+    a.num_worst_tokens = c.num_worst_tokens;
+    a.row_bytes = c.row_bytes;
+    set_ptr(a.slot, c.slot);
+    set_ptr(a.own_tokens, c.own_tokens);
+    set_ptr(a.layout, c.layout);
     notify_kernel<<<1, kNotifyThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
 // mode 0: the fused kernel (its senders write this rank's own rows); 1: send half only; 2: receive
 // half only (1 and 2 together: own rows copied by the receivers from x).
-int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, const void* x, int x_bytes,
-                    const void* scales, int num_scales, int64_t scale_stride_t, int64_t scale_stride_c,
-                    const int64_t* topk_idx, const float* topk_weights, int num_topk, int has_topk, int has_weights,
-                    int experts_per_rank, const bool* in_rank, const int* slot, const int* own_tokens,
-                    const int* layout, int row_stride, int64_t cap_rows, void* recv_x, void* recv_scales,
-                    int64_t recv_scale_stride_t, int64_t recv_scale_stride_c, int64_t* recv_topk_idx,
-                    float* recv_topk_weights, int num_out_rows, int num_sms, int num_send_blocks, int mode, int op,
-                    int use_tma, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+int epcomm_dispatch(const DispatchCall* call, cudaStream_t stream) {
+    const DispatchCall& c = *call;
     DispatchArgs a{};
-    a.peers = make_table(bufs, num_ranks);
-    a.rank = rank;
-    a.num_ranks = num_ranks;
-    a.num_tokens = num_tokens;
-    a.x = static_cast<const uint8_t*>(x);
-    a.x_bytes = x_bytes;
-    a.scales = static_cast<const uint32_t*>(scales);
-    a.num_scales = num_scales;
-    a.scale_stride_t = scale_stride_t;
-    a.scale_stride_c = scale_stride_c;
-    a.topk_idx = topk_idx;
-    a.topk_weights = topk_weights;
-    a.num_topk = num_topk;
-    a.has_topk = has_topk != 0;
-    a.has_weights = has_weights != 0;
-    a.experts_per_rank = experts_per_rank;
-    a.in_rank = in_rank;
-    a.slot = slot;
-    a.own_tokens = own_tokens;
-    a.layout = layout;
-    a.row_stride = row_stride;
-    a.cap_rows = cap_rows;
-    a.recv_x = static_cast<uint8_t*>(recv_x);
-    a.recv_scales = static_cast<uint32_t*>(recv_scales);
-    a.recv_scale_stride_t = recv_scale_stride_t;
-    a.recv_scale_stride_c = recv_scale_stride_c;
-    a.recv_topk_idx = recv_topk_idx;
-    a.recv_topk_weights = recv_topk_weights;
-    a.num_out_rows = num_out_rows;
-    a.op = op;
-    a.info = info;
-    a.timeout_ns = timeout_ns;
-    const int blocks = num_sms > 1 ? num_sms : 2;
-    a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
+    set_context(a, c.context);
+    set_routing(a, c);
+    set_ptr(a.own_tokens, c.own_tokens);
+    set_ptr(a.x, c.x);
+    a.x_bytes = c.x_bytes;
+    set_ptr(a.scales, c.scales);
+    a.num_scales = c.num_scales;
+    a.scale_stride_t = c.scale_stride_t;
+    a.scale_stride_c = c.scale_stride_c;
+    set_ptr(a.topk_idx, c.topk_idx);
+    set_ptr(a.topk_weights, c.topk_weights);
+    a.has_topk = c.has_topk != 0;
+    a.has_weights = c.has_weights != 0;
+    a.experts_per_rank = c.experts_per_rank;
+    set_ptr(a.recv_x, c.recv_x);
+    set_ptr(a.recv_scales, c.recv_scales);
+    a.recv_scale_stride_t = c.recv_scale_stride_t;
+    a.recv_scale_stride_c = c.recv_scale_stride_c;
+    set_ptr(a.recv_topk_idx, c.recv_topk_idx);
+    set_ptr(a.recv_topk_weights, c.recv_topk_weights);
+    a.num_out_rows = c.num_out_rows;
+    a.op = c.op;
+    const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
-    a.tma_warps = send_tma_warps(use_tma != 0 && mode != 2, x_bytes, smem);
+    a.tma_warps = send_tma_warps(c.use_tma != 0 && c.mode != 2, c.x_bytes, smem);
     cudaError_t err = cudaSuccess;
-    if (mode == 0) {
+    if (c.mode == 0) {
         static int64_t allowed = 48 * 1024;
         a.local_by_receiver = false;
         err = allow_smem(dispatch_kernel<true, true>, smem, allowed);
         if (err == cudaSuccess) dispatch_kernel<true, true><<<blocks, 512, smem, stream>>>(a);
-    } else if (mode == 1) {
+    } else if (c.mode == 1) {
         static int64_t allowed = 48 * 1024;
         a.local_by_receiver = true;
         err = allow_smem(dispatch_kernel<true, false>, smem, allowed);
@@ -1112,40 +1248,50 @@ int epcomm_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_token
     return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
-int epcomm_combine(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
-                   const void* x, const float* weights, const bool* in_rank, const int* slot, const int* layout,
-                   int row_stride, int64_t cap_rows, const void* bias0, const void* bias1, void* out,
-                   float* out_weights, int num_sms, int num_send_blocks, int use_tma, int* info, uint64_t timeout_ns,
-                   cudaStream_t stream) {
+int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
+    const CombineCall& c = *call;
     CombineArgs a{};
-    a.peers = make_table(bufs, num_ranks);
-    a.rank = rank;
-    a.num_ranks = num_ranks;
-    a.num_tokens = num_tokens;
-    a.hidden = hidden;
-    a.num_topk = num_topk;
-    a.x = static_cast<const __nv_bfloat16*>(x);
-    a.weights = weights;
-    a.in_rank = in_rank;
-    a.slot = slot;
-    a.layout = layout;
-    a.row_stride = row_stride;
-    a.cap_rows = cap_rows;
-    a.bias0 = static_cast<const __nv_bfloat16*>(bias0);
-    a.bias1 = static_cast<const __nv_bfloat16*>(bias1);
-    a.out = static_cast<__nv_bfloat16*>(out);
-    a.out_weights = out_weights;
-    const int blocks = num_sms > 1 ? num_sms : 2;
-    a.num_send_blocks = num_send_blocks < 1 ? 1 : (num_send_blocks >= blocks ? blocks - 1 : num_send_blocks);
-    a.info = info;
-    a.timeout_ns = timeout_ns;
+    set_context(a, c.context);
+    set_routing(a, c);
+    a.hidden = c.hidden;
+    set_ptr(a.x, c.x);
+    set_ptr(a.weights, c.weights);
+    set_ptr(a.bias0, c.bias0);
+    set_ptr(a.bias1, c.bias1);
+    set_ptr(a.out, c.out);
+    set_ptr(a.out_weights, c.out_weights);
+    const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
-    a.tma_warps = send_tma_warps(use_tma != 0, hidden * 2, smem);
+    a.tma_warps = send_tma_warps(c.use_tma != 0, c.hidden * 2, smem);
     static int64_t allowed = 48 * 1024;
     const cudaError_t err = allow_smem(combine_kernel, smem, allowed);
     if (err != cudaSuccess) return static_cast<int>(err);
     combine_kernel<<<blocks, 512, smem, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
+}
+
+// The layout of call record `name` (CallContext, NotifyCall, DispatchCall, CombineCall): its
+// sizeof, then the offset and size of each field in declaration order. Writes at most `max` values
+// and returns how many the layout has (-1: no such record), so a caller expecting fewer sees it.
+int epcomm_struct_layout(const char* name, int64_t* out, int max) {
+    const RecordLayout* r = find_record(name);
+    if (r == nullptr) return -1;
+    auto put = [&](int i, int64_t v) {
+        if (i < max) out[i] = v;
+    };
+    put(0, r->size);
+    for (int f = 0; f < r->num_fields; ++f) {
+        put(1 + 2 * f, r->fields[f].offset);
+        put(2 + 2 * f, r->fields[f].size);
+    }
+    return 1 + 2 * r->num_fields;
+}
+
+// Field `index` of call record `name` by name (nullptr past the last): two fields of one type
+// swapped on one side keep the layout but not the meaning.
+const char* epcomm_struct_field_name(const char* name, int index) {
+    const RecordLayout* r = find_record(name);
+    return r != nullptr && index >= 0 && index < r->num_fields ? r->fields[index].name : nullptr;
 }
 
 }  // extern "C"
