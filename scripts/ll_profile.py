@@ -62,6 +62,8 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     lines.append(f"rank {rank} T={n}: graph step (dispatch + combine) back to back: median {per_step[20]:.1f} us, "
                  f"min {per_step[0]:.1f}, max {per_step[-1]:.1f}")
     dist.barrier()
+    lines += _timeline(buf, step, n)
+    dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             graph.replay()
@@ -102,6 +104,53 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     dist.barrier()
     buf.destroy()
     return "\n".join(lines)
+
+
+_POINTS = ("start", "ready", "written", "signalled", "arrived", "received", "end")
+_KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
+            ("combine", 0): "combine send", ("combine", 1): "combine recv"}
+
+
+def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
+    """The phase timeline of a replayed decode step: each block's global-timer stamps at the points
+    of csrc/kernels/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
+    Per point: the earliest, median and latest block, medians over `samples` steady-state replays."""
+    ll = buf._cuda_ll
+    traces = ll.trace()
+    graph = torch.cuda.CUDAGraph()  # captured with the trace on (the timed graph above had it off)
+    with torch.cuda.graph(graph):
+        step()
+    rows: dict[tuple, list[tuple[float, float, float]]] = {}
+    for _ in range(samples):
+        for _ in range(30):  # back to back, as in decode; the last replay's stamps are read
+            graph.replay()
+        torch.cuda.synchronize()
+        for t in traces.values():
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        host = {op: t.cpu() for op, t in traces.items()}
+        origin = host["dispatch"][0, :, 0]
+        origin = int(origin[origin > 0].min())
+        for (op, plane), _ in _KERNELS.items():
+            for p, _ in enumerate(_POINTS):
+                col = host[op][plane, :, p]
+                col = col[col > 0]
+                if col.numel() == 0:
+                    continue
+                us = (col - origin).double().sort().values / 1e3
+                rows.setdefault((op, plane, p), []).append(
+                    (float(us[0]), float(us[us.numel() // 2]), float(us[-1])))
+        torch.cuda.synchronize()
+    ll.trace(False)
+    rank = dist.get_rank()
+    out = [f"rank {rank} T={n}: phase timeline of one replayed step (us from the first dispatch block's start; "
+           f"earliest / median / latest block; median of {samples} samples)"]
+    for (op, plane, p), vals in sorted(rows.items(), key=lambda kv: (list(_KERNELS).index(kv[0][:2]), kv[0][2])):
+        med = [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(3)]
+        out.append(f"rank {rank} T={n}:   {_KERNELS[(op, plane)]:26s} {_POINTS[p]:9s} "
+                   f"{med[0]:7.1f} {med[1]:7.1f} {med[2]:7.1f}")
+    return out
 
 
 def main() -> None:

@@ -174,6 +174,48 @@ def test_ll_cuda_graph_replay(ranks):
     cluster(ranks).run(rank_ll_graph, 32, 1024, 8 * ranks, 4)
 
 
+def rank_ll_trace(use_hook):
+    """The phase timeline (CudaLowLatency.trace, read by scripts/ll_profile.py): every block of every
+    kernel stamps its points in order, and the receive kernels' stamps follow the sends'."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 32, 1024, 4 * num_ranks
+    x, idx, w = (t.to(dev) for t in make_inputs(5, rank, n, hidden, num_experts, 4, num_ranks, "random"))
+    buf = _buffer("cuda", n, hidden, num_experts)
+    traces = buf._cuda_ll.trace()
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True,
+                                                          return_recv_hook=use_hook)
+    if use_hook:
+        hook()
+    _, _, hook = buf.low_latency_combine(torch.ones_like(recv_x[0], dtype=torch.bfloat16), idx, w, handle,
+                                         return_recv_hook=use_hook)
+    if use_hook:
+        hook()
+    torch.cuda.synchronize()
+    for op, t in traces.items():
+        stamps = t.cpu()
+        sends, recvs = stamps[0], stamps[1]
+        for name, plane in (("send", sends), ("receive", recvs)):
+            used = plane[plane[:, 0] > 0]
+            if name == "receive" and op == "dispatch" and not use_hook:
+                assert used.numel() == 0, "a fused dispatch is one kernel: plane 0 holds it all"
+                continue
+            assert used.shape[0] > 0, f"rank {rank} {op} {name}: no block stamped"
+            for block in used:
+                passed = block[block > 0]
+                assert bool((passed[1:] >= passed[:-1]).all()), f"rank {rank} {op} {name}: stamps out of order {block}"
+        if op == "combine" or use_hook:
+            first_recv = recvs[recvs[:, 0] > 0][:, 0].min()
+            assert int(first_recv) >= int(sends[sends[:, 0] > 0][:, 0].min()), f"rank {rank} {op}: receive before send"
+    buf._cuda_ll.trace(False)
+    buf.destroy()
+
+
+@pytest.mark.parametrize("use_hook", [False, True])
+def test_ll_cuda_phase_timeline(use_hook):
+    cluster(2).run(rank_ll_trace, use_hook)
+
+
 # The NVSHMEM transport: the Buffer in the symmetric heap, with every peer (all), one peer (1) or
 # none of them (NVLink peers mapped, as same-node peers are in a multi-node job) reached by NVSHMEM
 # puts and signals instead of direct stores.

@@ -146,7 +146,27 @@ class CudaLowLatency:
         # Per slot, per expert: pairs written by the running send (0 between calls). Allocated once, at
         # the largest size, so a CUDA graph never holds a pointer to a freed or pool-owned tensor.
         self._sent_pairs = torch.zeros((2, self.max_experts), dtype=torch.int32, device=device)
+        # Phase timelines of the next calls (trace()); None in normal use.
+        self.traces: dict[str, torch.Tensor] | None = None
         dist.barrier(group=group)
+
+    def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
+        """Have the following calls record their phase timeline (scripts/ll_profile.py): per op
+        ("dispatch", "combine"), an int64 tensor [2 kernels (send, receive), blocks, points] of global
+        timer values (ns) that each block stores as it passes the points of csrc/kernels/low_latency.cuh
+        (TracePoint); 0 where a block did not pass. Each call overwrites its op's tensor. For
+        diagnosis only: not to be used inside a captured graph that outlives the tensors."""
+        if not on:
+            self.traces = None
+            return None
+        blocks, points = ctypes.c_int(), ctypes.c_int()
+        self.lib.epcomm_ll_trace_shape(ctypes.byref(blocks), ctypes.byref(points))
+        self.traces = {op: torch.zeros((2, blocks.value, points.value), dtype=torch.int64, device=self.device)
+                       for op in ("dispatch", "combine")}
+        return self.traces
+
+    def _trace_ptr(self, op: str) -> ctypes.c_void_p:
+        return ptr(self.traces[op]) if self.traces is not None else ctypes.c_void_p(None)
 
     def close(self) -> None:
         self.shared.close()
@@ -259,6 +279,7 @@ class CudaLowLatency:
         strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
         sent_pairs = self._sent_pairs[slot]
         tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
+        trace = self._trace_ptr("dispatch")
 
         handle_state: dict = {"slot_map": slot_map, "received": False}
 
@@ -270,7 +291,7 @@ class CudaLowLatency:
                 ptr(recv_data), ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
                 ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
                 ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
-                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), stream)
+                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), trace, stream)
 
         def received() -> None:
             handle_state["received"] = True  # layout_range is filled once the receive has run
@@ -301,6 +322,7 @@ class CudaLowLatency:
         slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
 
         tag = shape_tag(2, hidden, num_experts, n)
+        trace = self._trace_ptr("combine")
 
         def kernel(phase: int, stream: ctypes.c_void_p) -> int:
             return self.lib.epcomm_ll_combine(
@@ -308,7 +330,7 @@ class CudaLowLatency:
                 ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
                 ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), tag, ptr(mask),
                 ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
-                stream)
+                trace, stream)
 
         return combined, self._launch(kernel, "low_latency_combine", slot, hook)
 

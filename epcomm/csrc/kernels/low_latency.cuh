@@ -86,6 +86,12 @@ __device__ __forceinline__ bool signal_of_call(int64_t v, int64_t seq) {
 constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
+// Their blocks resident per SM. They launch one block per (local expert, source): E blocks, 288 in
+// the benchmark's setting. Left free, nvcc gives them 104-120 registers a thread, which fits 2
+// blocks per SM: 264 on 132 SMs, so the last 24 blocks ran as a second wave, adding a block's whole
+// latency (wait, copy, fence, signal) to the kernel. 3 blocks (80 registers, no spills in ptxas -v)
+// hold 396.
+constexpr int kUnitBlocksPerSm = 3;
 constexpr int kUnitThreads = kUnitWarps * kWarpSize;
 constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
 constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
@@ -121,6 +127,27 @@ __device__ __forceinline__ void give_up(int* gave_up) {
     atomicExch(gave_up, 1);
 }
 constexpr int kOpDispatch = 5, kOpCombine = 6;
+
+// Phase timeline of a call (scripts/ll_profile.py): with a trace array, thread 0 of every block
+// stores the global timer at each point it passes, after the barrier that ends the phase. A
+// call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
+// in every normal call: one untaken branch per point.
+constexpr int kTracePoints = 8, kTraceBlocks = 4096;
+enum TracePoint {
+    kTraceStart = 0,
+    kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
+    kTraceWritten = 2,    // the block's messages or rows are stored (and remote ones put)
+    kTraceSignalled = 3,  // the block's counts are signalled
+    kTraceArrived = 4,    // the receive's (first) signals arrived
+    kTraceReceived = 5,   // the receive's copies or sums are done
+    kTraceEnd = 6,
+};
+
+__device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
+    if (trace != nullptr && threadIdx.x == 0)
+        trace[(static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + point] =
+            static_cast<int64_t>(global_timer_ns());
+}
 
 struct Peers {
     uint8_t* bufs[kMaxRanks];  // each rank's buffer as mapped here; null: reached through Net (remote)
@@ -348,6 +375,7 @@ struct DispatchArgs {
     int64_t* wait_stats;      // [R] or nullptr
     int* info;
     uint64_t timeout_ns;
+    int64_t* trace;           // [2, kTraceBlocks, kTracePoints] phase timeline, or nullptr
 };
 
 __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int group, float scale, bool ue8m0) {
@@ -419,6 +447,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = E / R;
     uint8_t* mine = a.peers.bufs[me];
+    trace_point(a.trace, 0, kTraceStart);
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
@@ -443,6 +472,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
     // Every block counted every pair, so all of them agree on this (it goes into every signal).
     const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
+    trace_point(a.trace, 0, kTraceReady);
     // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
     // so it travels while the messages are written.
     for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
@@ -497,6 +527,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         if (__syncthreads_or(put) && tid == 0) Net::quiet();  // delivered before any count is signalled
         __syncthreads();
     }
+    trace_point(a.trace, 0, kTraceWritten);
 
     // Count the pairs; the expert's last one (in any block) signals its count to the expert's rank.
     // Skipped pairs count too, so the counter always returns to 0 for the next call.
@@ -512,13 +543,15 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         signal_peer(a.peers, me, dst, lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me),
                     make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
     }
+    if (a.trace != nullptr) __syncthreads();  // every count of the block is signalled
+    trace_point(a.trace, 0, kTraceSignalled);
     finish_send_kernel(mine, seq, a.slot);
     return seq;
 }
 
 // The receive role of a dispatch for one (local expert, source) unit, run by a whole block (any
 // number of warps): its rows go after those of the sources before it.
-__device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit) {
+__device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit, int plane) {
     __shared__ int counts[kMaxRanks];
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int num_threads = blockDim.x, num_warps = num_threads / kWarpSize;
@@ -540,6 +573,7 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
             reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
     }
     __syncthreads();
+    if (unit == static_cast<int>(blockIdx.x)) trace_point(a.trace, plane, kTraceArrived);  // the block's first unit
     int begin = 0, total = 0;
     for (int j = 0; j < R; ++j) {
         if (j < src) begin += counts[j];
@@ -580,12 +614,15 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
 
 // The receive hook's kernel: one block per (local expert, source).
-__global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a) {
+__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(DispatchArgs a) {
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    receive_dispatch_unit(a, seq, lay, blockIdx.x);
+    trace_point(a.trace, 1, kTraceStart);
+    receive_dispatch_unit(a, seq, lay, blockIdx.x, 1);
+    trace_point(a.trace, 1, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    trace_point(a.trace, 1, kTraceEnd);
 }
 
 // Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
@@ -594,8 +631,10 @@ __global__ void __launch_bounds__(kUnitThreads, 1) dispatch_recv(DispatchArgs a)
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const int64_t seq = send_dispatch_messages(a);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) receive_dispatch_unit(a, seq, lay, unit);
+    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) receive_dispatch_unit(a, seq, lay, unit, 0);
+    trace_point(a.trace, 0, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    trace_point(a.trace, 0, kTraceEnd);
 }
 
 // ------------------------------------------------------------------ combine
@@ -617,6 +656,7 @@ struct CombineArgs {
     int64_t* wait_stats;           // [R] or nullptr
     int* info;
     uint64_t timeout_ns;
+    int64_t* trace;                // [2, kTraceBlocks, kTracePoints] phase timeline, or nullptr
 };
 
 // The send role of a combine for one (local expert, source) unit, run by a whole block (any number
@@ -647,6 +687,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     if (a.caller_topk_idx != nullptr && local_e == 0)
         for (int i = tid; i < a.num_tokens * a.num_topk; i += num_threads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
+    trace_point(a.trace, 0, kTraceReady);
     const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
     // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
     const int begin = max(0, min(static_cast<int>(word >> 32), rows_per_expert));
@@ -664,6 +705,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
         }
     }
     __syncthreads();
+    trace_point(a.trace, 0, kTraceWritten);
     if constexpr (Net::kRemote) {
         if (remote && !skip && count > 0) {  // skip is the block's (shared): the whole block puts
             Net::put_block(mine + rows_offset, staging, static_cast<size_t>(count) * row_int4 * 16, src);
@@ -675,6 +717,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
         __threadfence_system();  // the block's rows reach the source before the signal
         signal_peer(a.peers, me, src, lay.combine_signals + 8 * global_e, make_signal(seq, a.shape_tag, invalid, count));
     }
+    trace_point(a.trace, 0, kTraceSignalled);
     __syncthreads();  // skip is reused by the block's next unit
 }
 
@@ -718,6 +761,7 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
         pair_weight[j] = a.topk_weights[i];
     }
     __syncthreads();
+    trace_point(a.trace, 1, kTraceArrived);
     const auto* rows = reinterpret_cast<const int4*>(mine + lay.combine_data);
     const int columns = (row_int4 + kWarpSize - 1) / kWarpSize;
     for (int u = warp; u < (last - first) * columns; u += kWarpsPerBlock) {
@@ -753,13 +797,15 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
 }
 
 // The call's send kernel: one block per (local expert, source).
-__global__ void __launch_bounds__(kUnitThreads, 1) combine_send(CombineArgs a) {
+__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(CombineArgs a) {
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    trace_point(a.trace, 0, kTraceStart);
     send_combine_unit(a, seq, prev, lay, blockIdx.x);
     finish_send_kernel(mine, seq, a.slot);
+    trace_point(a.trace, 0, kTraceEnd);
 }
 
 // The receive hook's kernel.
@@ -767,8 +813,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    trace_point(a.trace, 1, kTraceStart);
     receive_combined_tokens(a, seq, lay);
+    if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
+    trace_point(a.trace, 1, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    trace_point(a.trace, 1, kTraceEnd);
 }
 
 }  // namespace ll
@@ -829,6 +879,12 @@ int epcomm_ll_header_bytes() { return ll::kHeaderBytes; }
 
 int epcomm_ll_max_experts() { return ll::kMaxExperts; }
 
+// The phase timeline's shape: int64 [2, blocks, points] per call (trace_point).
+void epcomm_ll_trace_shape(int* blocks, int* points) {
+    *blocks = ll::kTraceBlocks;
+    *points = ll::kTracePoints;
+}
+
 // phase 1: send (and return); phase 2: receive (the hook), with the same arguments; phase 0: both
 // in one kernel (no hook), or one after the other where its blocks cannot all be resident.
 int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
@@ -838,7 +894,7 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
                        int64_t scale_stride_e, int64_t scale_stride_row, int64_t scale_stride_col, int num_scale_cols,
                        int* src_info, int* recv_count, int64_t* layout_range, int* cumulative_stats,
                        int64_t* wait_stats, int phase, int num_sms, int* info, uint64_t timeout_ns,
-                       cudaStream_t stream) {
+                       int64_t* trace, cudaStream_t stream) {
     if (num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
     ll::DispatchArgs a{};
     for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
@@ -874,6 +930,7 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
     a.wait_stats = wait_stats;
     a.info = info;
     a.timeout_ns = timeout_ns;
+    a.trace = trace;
     const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
     if (phase == 0 && num_blocks(num_tokens, a.chunk_tokens) <= num_sms &&
         fits_at_once<ll::dispatch_fused>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms)) {
@@ -894,7 +951,7 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
                       const int64_t* topk_idx, const int64_t* caller_topk_idx, const float* topk_weights,
                       const int* slot_map, void* out, int slot, int64_t slot_bytes, int shape_tag, int* mask,
                       int64_t* wait_stats,
-                      int phase, int num_sms, int* info, uint64_t timeout_ns, cudaStream_t stream) {
+                      int phase, int num_sms, int* info, uint64_t timeout_ns, int64_t* trace, cudaStream_t stream) {
     // phases as in epcomm_ll_dispatch
     ll::CombineArgs a{};
     for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
@@ -920,6 +977,7 @@ int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_exp
     a.wait_stats = wait_stats;
     a.info = info;
     a.timeout_ns = timeout_ns;
+    a.trace = trace;
     // Phase 0 is the two kernels one after the other: a fused combine (one cooperative kernel, as for
     // dispatch) measured no faster, and slower from 256 tokens (fewer units in flight at once).
     if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
