@@ -1,6 +1,7 @@
-"""The intranode entry points take call records (structs in csrc/kernels/intranode.cu) that Python
-fills through ctypes mirrors; a mirror that drifts from its struct passes garbage to the kernels.
-Checked without a GPU: the library is built from intranode.cu alone, as host code and PTX (nothing
+"""The intranode and low-latency entry points take call records (structs in csrc/kernels/intranode.cu
+and low_latency.cuh) that Python fills through ctypes mirrors; a mirror that drifts from its struct
+passes garbage to the kernels. Checked without a GPU: a library is built from one source alone
+(intranode.cu; low_latency.cu, the IPC library's low-latency kernels), as host code and PTX (nothing
 is launched), and loaded lazily (the CUDA driver it links against may be absent)."""
 
 from __future__ import annotations
@@ -11,21 +12,30 @@ import subprocess
 
 import pytest
 
-from epcomm.backends.cuda import build, intranode
+from epcomm.backends.cuda import build, intranode, low_latency
 from epcomm.backends.cuda.capi import check_struct_layout
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> ctypes.CDLL:
+def build_alone(tmp_path_factory, name: str) -> ctypes.CDLL:
     try:
         nvcc = build.find_nvcc()
     except RuntimeError:
         pytest.skip("nvcc not found")
-    out = tmp_path_factory.mktemp("records") / "libintranode.so"
-    source = build.PACKAGE_DIR / "csrc" / "kernels" / "intranode.cu"
+    out = tmp_path_factory.mktemp("records") / f"lib{name}.so"
+    source = build.PACKAGE_DIR / "csrc" / "kernels" / f"{name}.cu"
     subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90,code=compute_90", "-Xcompiler", "-fPIC", "-shared",
                     "-o", str(out), str(source)], check=True, capture_output=True)
     return ctypes.CDLL(str(out), mode=os.RTLD_LAZY)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> ctypes.CDLL:
+    return build_alone(tmp_path_factory, "intranode")
+
+
+@pytest.fixture(scope="module")
+def ll_library(tmp_path_factory) -> ctypes.CDLL:
+    return build_alone(tmp_path_factory, "low_latency")
 
 
 def test_call_records_match_the_library(library):
@@ -48,3 +58,21 @@ def test_a_mirror_missing_a_field_is_refused(library):
     mirror = type("CombineCall", (ctypes.Structure,), {"_fields_": intranode.CombineCall._fields_[:-1]})
     with pytest.raises(RuntimeError, match="pad0 at offset 140 .* nothing in the mirror"):
         check_struct_layout(library, mirror)
+
+
+def test_ll_call_records_match_the_library(ll_library):
+    low_latency.bind_calls(ll_library)
+    with pytest.raises(ctypes.ArgumentError):
+        ll_library.epcomm_ll_dispatch(low_latency.LLCombineCall(), 1, None)
+
+
+def test_ll_records_are_checked_through_their_own_exports(ll_library):
+    # The IPC library holds the intranode records too: the low-latency ones answer to other names.
+    assert ll_library.epcomm_ll_struct_layout(b"DispatchCall", None, 0) == -1
+    names = [name for name, _ in low_latency.LLCombineCall._fields_]
+    i, j = names.index("topk_weights"), names.index("slot_map")  # same type, adjacent
+    swapped = list(low_latency.LLCombineCall._fields_)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    mirror = type("LLCombineCall", (ctypes.Structure,), {"_fields_": swapped})
+    with pytest.raises(RuntimeError, match=r"field 8 is topk_weights at offset 104 \(8 bytes\) in the library"):
+        check_struct_layout(ll_library, mirror, "epcomm_ll_struct")

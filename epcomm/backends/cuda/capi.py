@@ -43,25 +43,28 @@ def fields(ctype: type, names: str) -> list[tuple[str, type]]:
     return [(name, ctype) for name in names.split()]
 
 
-def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure]) -> None:
+def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure], exports: str = "epcomm_struct") -> None:
     """Raise unless the library's struct of the same name has this mirror's size and, field by
-    field in order, its names, offsets and sizes (the library's epcomm_struct_layout and
-    epcomm_struct_field_name say them). A field added, removed, retyped or moved on one side only
-    would make every call pass garbage."""
+    field in order, its names, offsets and sizes (the library's ``<exports>_layout`` and
+    ``<exports>_field_name`` say them: the IPC library exports the intranode records as
+    epcomm_struct_* and the low-latency ones, which the NVSHMEM library holds too, as
+    epcomm_ll_struct_*). A field added, removed, retyped or moved on one side only would make every
+    call pass garbage."""
     name = structure.__name__
+    struct_layout, field_name = getattr(lib, exports + "_layout"), getattr(lib, exports + "_field_name")
     mirror = [(field, getattr(structure, field).offset, getattr(structure, field).size)
               for field, _ in structure._fields_]
     count = 1 + 2 * len(mirror)
     out = (ctypes.c_int64 * count)()
-    n = lib.epcomm_struct_layout(name.encode(), out, count)
+    n = struct_layout(name.encode(), out, count)
     if n < 0:
         raise RuntimeError(f"epcomm: the kernel library has no struct {name} (its ctypes mirror is "
                            f"{structure.__module__}.{name}); rebuild it from the same sources")
     if n > count:  # more fields in C: read them all to name the first one the mirror lacks
         out = (ctypes.c_int64 * n)()
-        lib.epcomm_struct_layout(name.encode(), out, n)
-    lib.epcomm_struct_field_name.restype = ctypes.c_char_p
-    library = [(lib.epcomm_struct_field_name(name.encode(), i).decode(), out[1 + 2 * i], out[2 + 2 * i])
+        struct_layout(name.encode(), out, n)
+    field_name.restype = ctypes.c_char_p
+    library = [(field_name(name.encode(), i).decode(), out[1 + 2 * i], out[2 + 2 * i])
                for i in range((n - 1) // 2)]
     if out[0] == ctypes.sizeof(structure) and library == mirror:
         return

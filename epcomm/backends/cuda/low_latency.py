@@ -40,7 +40,7 @@ from ... import _env
 from ...handle import LowLatencyHandle
 from ..rows import low_latency_recv_tensors
 from .build import load_library, load_nvshmem_library
-from .capi import check, check_aligned, ptr
+from .capi import addr, check, check_aligned, check_struct_layout, fields
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
@@ -93,6 +93,41 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
 
 
 
+class LLCallContext(ctypes.Structure):
+    """What every call of one rank's buffer in one slot shares. This and the call records below
+    mirror the structs of the same names in csrc/kernels/low_latency.cuh (checked when the library
+    loads)."""
+    _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), ("slot_bytes", ctypes.c_int64),
+                *fields(ctypes.c_int32, "rank num_ranks slot num_sms")]
+
+
+class LLDispatchCall(ctypes.Structure):
+    _fields_ = [("context", LLCallContext),
+                *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
+                *fields(ctypes.c_uint64, "sent_pairs slot_map recv_data recv_scales src_info recv_count layout_range "
+                                         "cumulative_stats"),
+                *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
+                *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols")]
+
+
+class LLCombineCall(ctypes.Structure):
+    _fields_ = [("context", LLCallContext),
+                *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
+                *fields(ctypes.c_uint64, "layout_range caller_topk_idx topk_weights slot_map out"),
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag")]
+
+
+def bind_calls(lib: ctypes.CDLL) -> None:
+    """Check the call records against the library (the IPC or the NVSHMEM one: both hold these
+    kernels) and declare the entry points that take them, with the phase and the stream."""
+    for record in (LLCallContext, LLDispatchCall, LLCombineCall):
+        check_struct_layout(lib, record, "epcomm_ll_struct")
+    for function, record in ((lib.epcomm_ll_dispatch, LLDispatchCall), (lib.epcomm_ll_combine, LLCombineCall)):
+        function.argtypes = [ctypes.POINTER(record), ctypes.c_int, ctypes.c_void_p]
+        function.restype = ctypes.c_int
+
+
 def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:
     """EPCOMM_LL_TRANSPORT, with auto resolved: CUDA IPC when every rank is on this host and none is
     to be treated as remote, else NVSHMEM. Every rank reaches the same answer."""
@@ -118,6 +153,7 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
+        bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
         if num_rdma_bytes <= self.header + 64:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for the low-latency kernels; use "
@@ -133,7 +169,6 @@ class CudaLowLatency:
         # One error record per slot; the event marks the end of the receive of the slot's last call.
         self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
-        self._info_ptrs = [ctypes.c_void_p(self.info[s].data_ptr()) for s in range(2)]
         # Per slot: whether the receive of its last call was recorded in _received_events (the host
         # waits on it before reading the slot's error record), and the event the hook's receive waits
         # on (the send). Reused: a slot's next call starts only after these were consumed.
@@ -148,6 +183,14 @@ class CudaLowLatency:
         self._sent_pairs = torch.zeros((2, self.max_experts), dtype=torch.int32, device=device)
         # Phase timelines of the next calls (trace()); None in normal use.
         self.traces: dict[str, torch.Tensor] | None = None
+        # Per slot, a record of each kind with the fields every call in the slot shares; a call
+        # copies its slot's and sets the rest (_launch says why a copy, not the record itself).
+        contexts = [LLCallContext(peer_bufs=ctypes.addressof(self.shared.ptrs), info=self.info[s].data_ptr(),
+                                  timeout_ns=self.timeout_ns, slot_bytes=self.slot_bytes, rank=self.rank,
+                                  num_ranks=self.num_ranks, slot=s, num_sms=self.num_sms) for s in range(2)]
+        self._dispatch_calls = [LLDispatchCall(context=c, sent_pairs=addr(self._sent_pairs[s]))
+                                for s, c in enumerate(contexts)]
+        self._combine_calls = [LLCombineCall(context=c) for c in contexts]
         dist.barrier(group=group)
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
@@ -165,8 +208,8 @@ class CudaLowLatency:
                        for op in ("dispatch", "combine")}
         return self.traces
 
-    def _trace_ptr(self, op: str) -> ctypes.c_void_p:
-        return ptr(self.traces[op]) if self.traces is not None else ctypes.c_void_p(None)
+    def _trace(self, op: str) -> torch.Tensor | None:
+        return self.traces[op] if self.traces is not None else None
 
     def close(self) -> None:
         self.shared.close()
@@ -276,22 +319,26 @@ class CudaLowLatency:
         recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
         layout_range = torch.empty((e_local, num_ranks), dtype=torch.int64, device=dev)
         slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
-        strides = recv_scales.stride() if recv_scales is not None else (0, 0, 0)
-        sent_pairs = self._sent_pairs[slot]
-        tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
-        trace = self._trace_ptr("dispatch")
-
         handle_state: dict = {"slot_map": slot_map, "received": False}
+        trace = self._trace("dispatch")
+
+        call = LLDispatchCall.from_buffer_copy(self._dispatch_calls[slot])  # this call's own (_launch)
+        call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
+        call.num_experts, call.num_max_tokens = num_experts, num_max_tokens
+        call.shape_tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
+        call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
+        call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
+        call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
+        call.trace, call.slot_map, call.cumulative_stats = addr(trace), addr(slot_map), addr(cumulative_stats)
+        call.recv_data, call.recv_scales, call.src_info = addr(recv_data), addr(recv_scales), addr(src_info)
+        call.recv_count, call.layout_range = addr(recv_count), addr(layout_range)
+        if recv_scales is not None:
+            call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = recv_scales.stride()
+        call.held = (x, topk_idx, mask, wait_stats, trace, slot_map, cumulative_stats, recv_data, recv_scales,
+                     src_info, recv_count, layout_range)
 
         def kernel(phase: int, stream: ctypes.c_void_p) -> int:
-            return self.lib.epcomm_ll_dispatch(
-                self.shared.ptrs, self.rank, num_ranks, num_tokens, hidden, num_topk, num_experts, num_max_tokens,
-                ptr(x), ptr(topk_idx), int(use_fp8), int(round_scale), int(use_ue8m0), data_bytes, msg,
-                slot, ctypes.c_int64(self.slot_bytes), tag, ptr(sent_pairs), ptr(mask), ptr(slot_map),
-                ptr(recv_data), ptr(recv_scales), ctypes.c_int64(strides[0]), ctypes.c_int64(strides[1]),
-                ctypes.c_int64(strides[2]), cols, ptr(src_info), ptr(recv_count),
-                ptr(layout_range), ptr(cumulative_stats), ptr(wait_stats), phase, self.num_sms,
-                self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns), trace, stream)
+            return self.lib.epcomm_ll_dispatch(call, phase, stream)
 
         def received() -> None:
             handle_state["received"] = True  # layout_range is filled once the receive has run
@@ -301,7 +348,7 @@ class CudaLowLatency:
             buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
             num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
             layout_range=layout_range, backend_state=handle_state)
-        # The receive keeps the inputs alive until it is launched (its closure holds them).
+        # The receive keeps the inputs alive until it is launched (its closure holds the record).
         return recv_x, recv_count, handle, receive
 
     # ------------------------------------------------------------------ combine
@@ -321,16 +368,19 @@ class CudaLowLatency:
                                                            device=self.device)
         slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
 
-        tag = shape_tag(2, hidden, num_experts, n)
-        trace = self._trace_ptr("combine")
+        trace = self._trace("combine")
+
+        call = LLCombineCall.from_buffer_copy(self._combine_calls[slot])  # this call's own (_launch)
+        call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
+        call.num_experts, call.num_max_tokens, call.shape_tag = num_experts, n, shape_tag(2, hidden, num_experts, n)
+        call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
+        call.trace, call.layout_range, call.slot_map = addr(trace), addr(layout_range), addr(slot_map)
+        call.caller_topk_idx, call.topk_weights, call.out = addr(caller_topk_idx), addr(topk_weights), addr(combined)
+        call.held = (x, topk_idx, mask, wait_stats, trace, layout_range, slot_map, caller_topk_idx, topk_weights,
+                     combined)
 
         def kernel(phase: int, stream: ctypes.c_void_p) -> int:
-            return self.lib.epcomm_ll_combine(
-                self.shared.ptrs, self.rank, self.num_ranks, num_experts, n, hidden, num_tokens, num_topk,
-                ptr(x), ptr(layout_range), ptr(topk_idx), ptr(caller_topk_idx), ptr(topk_weights),
-                ptr(slot_map), ptr(combined), slot, ctypes.c_int64(self.slot_bytes), tag, ptr(mask),
-                ptr(wait_stats), phase, self.num_sms, self._info_ptrs[slot], ctypes.c_uint64(self.timeout_ns),
-                trace, stream)
+            return self.lib.epcomm_ll_combine(call, phase, stream)
 
         return combined, self._launch(kernel, "low_latency_combine", slot, hook)
 
@@ -338,9 +388,13 @@ class CudaLowLatency:
                 received: Callable[[], None] = lambda: None) -> Callable[[], None]:
         """Launch a call's send (phase 1, with a hook) or send and receive (phase 0) on the current
         stream; returns what launches the receive (phase 2): the hook's work, or nothing.
-        ``kernel(phase, stream)`` calls the library; ``received()`` runs once the receive is launched.
-        The receive follows the send when the hook runs on another stream, and records the event the
-        slot's next call waits on to check errors."""
+        ``kernel(phase, stream)`` calls the library with the call's own record: a copy of the slot's,
+        filled once by the call and never shared, since the hook runs later, maybe after other calls
+        filled theirs. The record holds the tensors its addresses point at (``held``), so the hook
+        keeps them alive until it launches. The library copies the record into the kernels'
+        arguments, so nothing needs it after the launch (a captured graph keeps its own copy).
+        ``received()`` runs once the receive is launched. The receive follows the send when the hook
+        runs on another stream, and records the event the slot's next call waits on to check errors."""
         sent = self._sent_events[slot]
         send_stream = torch.cuda.current_stream(self.device)
 

@@ -22,14 +22,13 @@
 //   [kRowsOffset,) row slots: dispatch rows in output order; combine rows per (dst, slot)
 // Count regions alternate by call parity: a fast rank can be at most one barrier ahead of a slow
 // one, so it never overwrites counts the slow one still reads.
+#include "../../include/epcomm/call_record.cuh"
 #include "../../include/epcomm/common.cuh"
 #include "../../include/epcomm/tma.cuh"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <array>
-#include <cstddef>
 #include <cstring>
 
 namespace epcomm {
@@ -952,11 +951,9 @@ static cudaError_t allow_smem(Kernel kernel, int64_t smem, int64_t& allowed) {
     return err;
 }
 
-// The records Python fills for a call (ctypes mirrors in backends/cuda/intranode.py). Fixed-width
-// fields only (device addresses as uint64, flags as int32: no bool), grouped by width with the
-// padding spelled out, so the layout reads the same on both sides; epcomm_struct_layout and
-// epcomm_struct_field_name let the loader verify it. A field means what the kernel argument of the
-// same name means (NotifyArgs, DispatchArgs, CombineArgs).
+// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/intranode.py,
+// checked through epcomm_struct_layout and epcomm_struct_field_name). A field means what the kernel
+// argument of the same name means (NotifyArgs, DispatchArgs, CombineArgs).
 
 // What every call of one rank's Buffer shares.
 struct CallContext {
@@ -987,16 +984,7 @@ struct CombineCall {
     int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, pad0;
 };
 
-struct FieldLayout {
-    int64_t offset, size;
-    const char* name;
-};
-
-// Every field of call record S, in declaration order.
-template <class S>
-constexpr auto fields_of();
-
-#define EPCOMM_FIELD(f) FieldLayout{static_cast<int64_t>(offsetof(S, f)), static_cast<int64_t>(sizeof(S::f)), #f}
+namespace epcomm {  // where the template fields_of lives
 template <>
 constexpr auto fields_of<CallContext>() {
     using S = CallContext;
@@ -1035,47 +1023,11 @@ constexpr auto fields_of<CombineCall>() {
                       EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_sms),
                       EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(pad0)};
 }
-#undef EPCOMM_FIELD
+}  // namespace epcomm
 
-// Each field starts where the one before it ends and the last ends at sizeof(S): no implicit
-// padding, and fields_of<S> misses no field and keeps their order (what the ctypes check relies on).
-template <class S>
-constexpr bool lists_every_field() {
-    int64_t end = 0;
-    for (const FieldLayout& f : fields_of<S>()) {
-        if (f.offset != end) return false;
-        end += f.size;
-    }
-    return end == static_cast<int64_t>(sizeof(S));
-}
-
-struct RecordLayout {
-    const char* name;
-    int64_t size;
-    const FieldLayout* fields;
-    int num_fields;
-};
-
-template <class S>
-static RecordLayout record_layout(const char* name) {
-    static_assert(lists_every_field<S>(), "a call record has implicit padding, or fields_of misses a field");
-    static constexpr auto fields = fields_of<S>();
-    return {name, sizeof(S), fields.data(), static_cast<int>(fields.size())};
-}
-
-static const RecordLayout* find_record(const char* name) {
-    static const RecordLayout records[] = {
-        record_layout<CallContext>("CallContext"), record_layout<NotifyCall>("NotifyCall"),
-        record_layout<DispatchCall>("DispatchCall"), record_layout<CombineCall>("CombineCall")};
-    for (const RecordLayout& r : records)
-        if (std::strcmp(r.name, name) == 0) return &r;
-    return nullptr;
-}
-
-template <class T>
-static void set_ptr(T*& field, uint64_t address) {
-    field = reinterpret_cast<T*>(static_cast<uintptr_t>(address));
-}
+constexpr RecordLayout kCallRecords[] = {
+    record_layout<CallContext>("CallContext"), record_layout<NotifyCall>("NotifyCall"),
+    record_layout<DispatchCall>("DispatchCall"), record_layout<CombineCall>("CombineCall")};
 
 // The fields every kernel's arguments share, from the call's context.
 template <class Args>
@@ -1270,28 +1222,14 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     return static_cast<int>(cudaGetLastError());
 }
 
-// The layout of call record `name` (CallContext, NotifyCall, DispatchCall, CombineCall): its
-// sizeof, then the offset and size of each field in declaration order. Writes at most `max` values
-// and returns how many the layout has (-1: no such record), so a caller expecting fewer sees it.
+// The layout and field names of call record `name` (CallContext, NotifyCall, DispatchCall,
+// CombineCall): write_record_layout and record_field_name (call_record.cuh) say what they return.
 int epcomm_struct_layout(const char* name, int64_t* out, int max) {
-    const RecordLayout* r = find_record(name);
-    if (r == nullptr) return -1;
-    auto put = [&](int i, int64_t v) {
-        if (i < max) out[i] = v;
-    };
-    put(0, r->size);
-    for (int f = 0; f < r->num_fields; ++f) {
-        put(1 + 2 * f, r->fields[f].offset);
-        put(2 + 2 * f, r->fields[f].size);
-    }
-    return 1 + 2 * r->num_fields;
+    return write_record_layout(kCallRecords, name, out, max);
 }
 
-// Field `index` of call record `name` by name (nullptr past the last): two fields of one type
-// swapped on one side keep the layout but not the meaning.
 const char* epcomm_struct_field_name(const char* name, int index) {
-    const RecordLayout* r = find_record(name);
-    return r != nullptr && index >= 0 && index < r->num_fields ? r->fields[index].name : nullptr;
+    return record_field_name(kCallRecords, name, index);
 }
 
 }  // extern "C"

@@ -49,6 +49,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "../../include/epcomm/call_record.cuh"
 #include "../../include/epcomm/common.cuh"
 
 namespace epcomm {
@@ -825,9 +826,84 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 }  // namespace epcomm
 
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
+namespace epcomm {
+namespace ll {
+
+// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/low_latency.py,
+// checked through epcomm_ll_struct_layout and epcomm_ll_struct_field_name: this file is built into
+// both the IPC library, beside the intranode kernels and their epcomm_struct_layout, and the NVSHMEM
+// library). A field means what the kernel argument of the same name means (DispatchArgs,
+// CombineArgs); the phase to launch and the stream are arguments of their own, so the hook launches
+// the record of its call unchanged.
+
+// What every call of one rank's buffer in one slot shares.
+struct LLCallContext {
+    uint64_t peer_bufs;  // const uint64_t [num_ranks]: each rank's buffer as mapped here, 0 where remote
+    uint64_t info;       // the slot's pinned host words
+    uint64_t timeout_ns;
+    int64_t slot_bytes;
+    int32_t rank, num_ranks, slot, num_sms;
+};
+
+// The fields both records share come first, in the same order (set_call).
+struct LLDispatchCall {
+    LLCallContext context;
+    uint64_t x, topk_idx, mask, wait_stats, trace;
+    uint64_t sent_pairs, slot_map, recv_data, recv_scales, src_info, recv_count, layout_range, cumulative_stats;
+    int64_t scale_stride_e, scale_stride_row, scale_stride_col;
+    int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
+    int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
+};
+
+struct LLCombineCall {
+    LLCallContext context;
+    uint64_t x, topk_idx, mask, wait_stats, trace;
+    uint64_t layout_range, caller_topk_idx, topk_weights, slot_map, out;
+    int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
+};
+
+}  // namespace ll
+
+template <>
+constexpr auto fields_of<ll::LLCallContext>() {
+    using S = ll::LLCallContext;
+    return std::array{EPCOMM_FIELD(peer_bufs), EPCOMM_FIELD(info), EPCOMM_FIELD(timeout_ns),
+                      EPCOMM_FIELD(slot_bytes), EPCOMM_FIELD(rank), EPCOMM_FIELD(num_ranks), EPCOMM_FIELD(slot),
+                      EPCOMM_FIELD(num_sms)};
+}
+template <>
+constexpr auto fields_of<ll::LLDispatchCall>() {
+    using S = ll::LLDispatchCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
+                      EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(sent_pairs),
+                      EPCOMM_FIELD(slot_map), EPCOMM_FIELD(recv_data), EPCOMM_FIELD(recv_scales),
+                      EPCOMM_FIELD(src_info), EPCOMM_FIELD(recv_count), EPCOMM_FIELD(layout_range),
+                      EPCOMM_FIELD(cumulative_stats), EPCOMM_FIELD(scale_stride_e), EPCOMM_FIELD(scale_stride_row),
+                      EPCOMM_FIELD(scale_stride_col), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden),
+                      EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
+                      EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
+                      EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
+                      EPCOMM_FIELD(num_scale_cols)};
+}
+template <>
+constexpr auto fields_of<ll::LLCombineCall>() {
+    using S = ll::LLCombineCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
+                      EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(layout_range),
+                      EPCOMM_FIELD(caller_topk_idx), EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(slot_map),
+                      EPCOMM_FIELD(out), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk),
+                      EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens), EPCOMM_FIELD(shape_tag)};
+}
+
+}  // namespace epcomm
+
 using namespace epcomm;
 
 namespace {
+
+constexpr RecordLayout kLLCallRecords[] = {record_layout<ll::LLCallContext>("LLCallContext"),
+                                           record_layout<ll::LLDispatchCall>("LLDispatchCall"),
+                                           record_layout<ll::LLCombineCall>("LLCombineCall")};
 
 // Tokens per block of a kernel that owns token ranges: enough blocks to cover the SMs, and a block's
 // (token, slot) pairs fit its shared arrays.
@@ -871,6 +947,33 @@ cudaError_t launch_cooperative(void (*kernel)(Args), int blocks, size_t shared, 
     return cudaLaunchKernelEx(&config, kernel, a);
 }
 
+// The kernel arguments both records give alike: the slot's context, the inputs' shapes and the
+// shared pointers; and the token range of a block (from num_sms).
+template <class Args, class Call>
+void set_call(Args& a, const Call& c) {
+    const ll::LLCallContext& ctx = c.context;
+    const auto* bufs = reinterpret_cast<const uint64_t*>(static_cast<uintptr_t>(ctx.peer_bufs));
+    for (int r = 0; r < ctx.num_ranks; ++r) set_ptr(a.peers.bufs[r], bufs[r]);
+    a.rank = ctx.rank;
+    a.num_ranks = ctx.num_ranks;
+    a.slot = ctx.slot;
+    a.slot_bytes = ctx.slot_bytes;
+    set_ptr(a.info, ctx.info);
+    a.timeout_ns = ctx.timeout_ns;
+    set_ptr(a.x, c.x);
+    set_ptr(a.topk_idx, c.topk_idx);
+    set_ptr(a.mask, c.mask);
+    set_ptr(a.wait_stats, c.wait_stats);
+    set_ptr(a.trace, c.trace);
+    a.num_tokens = c.num_tokens;
+    a.hidden = c.hidden;
+    a.num_topk = c.num_topk;
+    a.num_experts = c.num_experts;
+    a.num_max_tokens = c.num_max_tokens;
+    a.shape_tag = c.shape_tag;
+    a.chunk_tokens = chunk_tokens(c.num_tokens, c.num_topk, ctx.num_sms);
+}
+
 }  // namespace
 
 extern "C" {
@@ -885,54 +988,31 @@ void epcomm_ll_trace_shape(int* blocks, int* points) {
     *points = ll::kTracePoints;
 }
 
-// phase 1: send (and return); phase 2: receive (the hook), with the same arguments; phase 0: both
+// phase 1: send (and return); phase 2: receive (the hook), with the same record; phase 0: both
 // in one kernel (no hook), or one after the other where its blocks cannot all be resident.
-int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_tokens, int hidden, int num_topk,
-                       int num_experts, int num_max_tokens, const void* x, const int64_t* topk_idx, int use_fp8,
-                       int round_scale, int use_ue8m0, int data_bytes, int msg_bytes, int slot, int64_t slot_bytes,
-                       int shape_tag, int* sent_pairs, int* mask, int* slot_map, void* recv_data, void* recv_scales,
-                       int64_t scale_stride_e, int64_t scale_stride_row, int64_t scale_stride_col, int num_scale_cols,
-                       int* src_info, int* recv_count, int64_t* layout_range, int* cumulative_stats,
-                       int64_t* wait_stats, int phase, int num_sms, int* info, uint64_t timeout_ns,
-                       int64_t* trace, cudaStream_t stream) {
-    if (num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
+int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream) {
+    const ll::LLDispatchCall& c = *call;
+    if (c.num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
     ll::DispatchArgs a{};
-    for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
-    a.rank = rank;
-    a.num_ranks = num_ranks;
-    a.num_tokens = num_tokens;
-    a.hidden = hidden;
-    a.num_topk = num_topk;
-    a.num_experts = num_experts;
-    a.num_max_tokens = num_max_tokens;
-    a.x = static_cast<const __nv_bfloat16*>(x);
-    a.topk_idx = topk_idx;
-    a.mode = {use_fp8 != 0, round_scale != 0, use_ue8m0 != 0};
-    a.data_bytes = data_bytes;
-    a.msg_bytes = msg_bytes;
-    a.num_scale_cols = num_scale_cols;
-    a.slot = slot;
-    a.slot_bytes = slot_bytes;
-    a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
-    a.shape_tag = shape_tag;
-    a.sent_pairs = sent_pairs;
-    a.mask = mask;
-    a.slot_map = slot_map;
-    a.recv_data = static_cast<uint8_t*>(recv_data);
-    a.recv_scales = static_cast<uint8_t*>(recv_scales);
-    a.scale_stride_e = scale_stride_e;
-    a.scale_stride_row = scale_stride_row;
-    a.scale_stride_col = scale_stride_col;
-    a.src_info = src_info;
-    a.recv_count = recv_count;
-    a.layout_range = layout_range;
-    a.cumulative_stats = cumulative_stats;
-    a.wait_stats = wait_stats;
-    a.info = info;
-    a.timeout_ns = timeout_ns;
-    a.trace = trace;
+    set_call(a, c);
+    a.mode = {c.use_fp8 != 0, c.round_scale != 0, c.use_ue8m0 != 0};
+    a.data_bytes = c.data_bytes;
+    a.msg_bytes = c.msg_bytes;
+    a.num_scale_cols = c.num_scale_cols;
+    set_ptr(a.sent_pairs, c.sent_pairs);
+    set_ptr(a.slot_map, c.slot_map);
+    set_ptr(a.recv_data, c.recv_data);
+    set_ptr(a.recv_scales, c.recv_scales);
+    a.scale_stride_e = c.scale_stride_e;
+    a.scale_stride_row = c.scale_stride_row;
+    a.scale_stride_col = c.scale_stride_col;
+    set_ptr(a.src_info, c.src_info);
+    set_ptr(a.recv_count, c.recv_count);
+    set_ptr(a.layout_range, c.layout_range);
+    set_ptr(a.cumulative_stats, c.cumulative_stats);
+    const int num_sms = c.context.num_sms, num_experts = c.num_experts;
     const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
-    if (phase == 0 && num_blocks(num_tokens, a.chunk_tokens) <= num_sms &&
+    if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
         fits_at_once<ll::dispatch_fused>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms)) {
         const cudaError_t launched = launch_cooperative(ll::dispatch_fused, num_sms, shared, stream, a);
         if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
@@ -940,49 +1020,38 @@ int epcomm_ll_dispatch(const uint64_t* bufs, int rank, int num_ranks, int num_to
         (void)cudaGetLastError();
     }
     if (phase != 2)
-        ll::dispatch_send<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
+        ll::dispatch_send<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
     if (phase != 1)
         ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 
-int epcomm_ll_combine(const uint64_t* bufs, int rank, int num_ranks, int num_experts, int num_max_tokens, int hidden,
-                      int num_tokens, int num_topk, const void* x, const int64_t* layout_range,
-                      const int64_t* topk_idx, const int64_t* caller_topk_idx, const float* topk_weights,
-                      const int* slot_map, void* out, int slot, int64_t slot_bytes, int shape_tag, int* mask,
-                      int64_t* wait_stats,
-                      int phase, int num_sms, int* info, uint64_t timeout_ns, int64_t* trace, cudaStream_t stream) {
-    // phases as in epcomm_ll_dispatch
+// phases as in epcomm_ll_dispatch
+int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
+    const ll::LLCombineCall& c = *call;
     ll::CombineArgs a{};
-    for (int r = 0; r < num_ranks; ++r) a.peers.bufs[r] = reinterpret_cast<uint8_t*>(bufs[r]);
-    a.rank = rank;
-    a.num_ranks = num_ranks;
-    a.num_experts = num_experts;
-    a.num_max_tokens = num_max_tokens;
-    a.hidden = hidden;
-    a.num_tokens = num_tokens;
-    a.num_topk = num_topk;
-    a.x = static_cast<const __nv_bfloat16*>(x);
-    a.layout_range = layout_range;
-    a.topk_idx = topk_idx;
-    a.caller_topk_idx = caller_topk_idx;
-    a.topk_weights = topk_weights;
-    a.slot_map = slot_map;
-    a.out = static_cast<__nv_bfloat16*>(out);
-    a.slot = slot;
-    a.slot_bytes = slot_bytes;
-    a.chunk_tokens = chunk_tokens(num_tokens, num_topk, num_sms);
-    a.shape_tag = shape_tag;
-    a.mask = mask;
-    a.wait_stats = wait_stats;
-    a.info = info;
-    a.timeout_ns = timeout_ns;
-    a.trace = trace;
+    set_call(a, c);
+    set_ptr(a.layout_range, c.layout_range);
+    set_ptr(a.caller_topk_idx, c.caller_topk_idx);
+    set_ptr(a.topk_weights, c.topk_weights);
+    set_ptr(a.slot_map, c.slot_map);
+    set_ptr(a.out, c.out);
+    const int num_experts = c.num_experts;
     // Phase 0 is the two kernels one after the other: a fused combine (one cooperative kernel, as for
     // dispatch) measured no faster, and slower from 256 tokens (fewer units in flight at once).
     if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
-    if (phase != 1) ll::combine_recv<<<num_blocks(num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+    if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
+}
+
+// The layout and field names of call record `name` (LLCallContext, LLDispatchCall, LLCombineCall):
+// write_record_layout and record_field_name (call_record.cuh) say what they return.
+int epcomm_ll_struct_layout(const char* name, int64_t* out, int max) {
+    return write_record_layout(kLLCallRecords, name, out, max);
+}
+
+const char* epcomm_ll_struct_field_name(const char* name, int index) {
+    return record_field_name(kLLCallRecords, name, index);
 }
 
 }  // extern "C"
