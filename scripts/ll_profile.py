@@ -122,12 +122,12 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
         step()
     rows: dict[tuple, list[tuple[float, float, float]]] = {}
     for _ in range(samples):
-        for _ in range(30):  # back to back, as in decode; the last replay's stamps are read
-            graph.replay()
-        torch.cuda.synchronize()
+        # Every replay stamps the same cells: zeroed once, then back to back as in decode (each
+        # call waits for its peers' previous one), the last replay's stamps are read.
         for t in traces.values():
             t.zero_()
-        graph.replay()
+        for _ in range(30):
+            graph.replay()
         torch.cuda.synchronize()
         host = {op: t.cpu() for op, t in traces.items()}
         origin = host["dispatch"][0, :, 0]

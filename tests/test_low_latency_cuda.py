@@ -193,20 +193,20 @@ def rank_ll_trace(use_hook):
         hook()
     torch.cuda.synchronize()
     for op, t in traces.items():
-        stamps = t.cpu()
-        sends, recvs = stamps[0], stamps[1]
+        sends, recvs = t.cpu()
         for name, plane in (("send", sends), ("receive", recvs)):
-            used = plane[plane[:, 0] > 0]
-            if name == "receive" and op == "dispatch" and not use_hook:
-                assert used.numel() == 0, "a fused dispatch is one kernel: plane 0 holds it all"
+            used = plane[(plane > 0).any(dim=1)]
+            # A dispatch without a hook is one cooperative kernel (plane 0 only), unless the launch fell
+            # back to the two kernels (too few SMs free): then its receive plane is stamped too.
+            if name == "receive" and op == "dispatch" and not use_hook and used.shape[0] == 0:
                 continue
             assert used.shape[0] > 0, f"rank {rank} {op} {name}: no block stamped"
             for block in used:
                 passed = block[block > 0]
                 assert bool((passed[1:] >= passed[:-1]).all()), f"rank {rank} {op} {name}: stamps out of order {block}"
-        if op == "combine" or use_hook:
-            first_recv = recvs[recvs[:, 0] > 0][:, 0].min()
-            assert int(first_recv) >= int(sends[sends[:, 0] > 0][:, 0].min()), f"rank {rank} {op}: receive before send"
+        if (recvs > 0).any():
+            first_recv, first_send = recvs[recvs > 0].min(), sends[sends > 0].min()
+            assert int(first_recv) >= int(first_send), f"rank {rank} {op}: receive stamped before the send"
     buf._cuda_ll.trace(False)
     buf.destroy()
 

@@ -88,11 +88,12 @@ constexpr int kWarpsPerBlock = 16;             // send and combine-receive kerne
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
 // Their blocks resident per SM. They launch one block per (local expert, source): E blocks, 288 in
-// the benchmark's setting. Left free, nvcc gives them 104-120 registers a thread, which fits 2
-// blocks per SM: 264 on 132 SMs, so the last 24 blocks ran as a second wave, adding a block's whole
-// latency (wait, copy, fence, signal) to the kernel. 3 blocks (80 registers, no spills in ptxas -v)
-// hold 396.
-constexpr int kUnitBlocksPerSm = 3;
+// the benchmark's setting. Left free, nvcc gives them 104-126 registers a thread, which fits 2
+// blocks per SM: 264 on 132 SMs, so the last 24 blocks run as a second wave, adding a block's whole
+// latency (wait, copy, fence, signal) to the kernel. The IPC build fits 3 blocks (80 registers, no
+// spills in ptxas -v): 396. The NVSHMEM build's put paths need more registers: at 80 they spill
+// (40 / 24 bytes in combine_send / dispatch_recv), so it keeps 2 until the two are measured.
+constexpr int kUnitBlocksPerSm = Net::kRemote ? 2 : 3;
 constexpr int kUnitThreads = kUnitWarps * kWarpSize;
 constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
 constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
@@ -137,7 +138,8 @@ constexpr int kTracePoints = 8, kTraceBlocks = 4096;
 enum TracePoint {
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
-    kTraceWritten = 2,    // the block's messages or rows are stored (and remote ones put)
+    kTraceWritten = 2,    // the block's messages or rows are stored (dispatch: remote ones put too; a
+                          // combine's puts to remote sources come after, before kTraceSignalled)
     kTraceSignalled = 3,  // the block's counts are signalled
     kTraceArrived = 4,    // the receive's (first) signals arrived
     kTraceReceived = 5,   // the receive's copies or sums are done
@@ -145,7 +147,7 @@ enum TracePoint {
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
-    if (trace != nullptr && threadIdx.x == 0)
+    if (trace != nullptr && threadIdx.x == 0 && blockIdx.x < kTraceBlocks)  // a longer grid stamps its first blocks
         trace[(static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + point] =
             static_cast<int64_t>(global_timer_ns());
 }
@@ -616,10 +618,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { s
 
 // The receive hook's kernel: one block per (local expert, source).
 __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(DispatchArgs a) {
+    trace_point(a.trace, 1, kTraceStart);
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    trace_point(a.trace, 1, kTraceStart);
     receive_dispatch_unit(a, seq, lay, blockIdx.x, 1);
     trace_point(a.trace, 1, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
