@@ -22,13 +22,13 @@ operations, refused inputs) are raised by the call that synchronizes with them: 
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
+from ..rounds import assemble, round_order
 from .build import load_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, ptr, stream_ptr
 from .ipc import SharedBuffer
@@ -437,10 +437,10 @@ class CudaIntranode:
                 topk_weights[lo:hi] if topk_weights is not None else None, 1, 0, num_experts, buffer_uid, num_sms)
             parts.append(out[:3])
             handles.append(out[4])
-        order = self._round_order([h.recv_counts for h in handles])
+        order = round_order([h.recv_counts for h in handles], self.num_ranks, self.device)
         col_major = scales is not None and scales.stride(0) == 1 and num_scales > 1  # as a single call's rule
-        recv_x = self._assemble([p[0] for p in parts], order, col_major)
-        recv_topk_idx, recv_topk_weights = (self._assemble([p[i] for p in parts], order) for i in (1, 2))
+        recv_x = assemble([p[0] for p in parts], order, self.device, col_major)
+        recv_topk_idx, recv_topk_weights = (assemble([p[i] for p in parts], order, self.device) for i in (1, 2))
         num_recv = int(matrix[:, self.rank].sum())
         handle = DispatchHandle(
             buffer_uid=buffer_uid, num_tokens=x.shape[0], hidden=x.shape[1], num_recv_tokens=num_recv,
@@ -448,38 +448,6 @@ class CudaIntranode:
             recv_counts=[int(v) for v in matrix[:, self.rank]],
             backend_state={"rounds": handles, "round_step": step, "round_rows": order})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
-
-    def _round_order(self, counts: list[list[int]]) -> list[torch.Tensor]:
-        """For each round, the rows of the assembled outputs (source rank, then token) that it received."""
-        rounds, num_ranks = len(counts), self.num_ranks
-        begin = [[0] * num_ranks for _ in range(rounds)]  # where round j's rows of source s start, assembled
-        at = 0
-        for s in range(num_ranks):
-            for j in range(rounds):
-                begin[j][s] = at
-                at += counts[j][s]
-        return [torch.cat([torch.arange(begin[j][s], begin[j][s] + counts[j][s], device=self.device)
-                           for s in range(num_ranks)]) if rounds else torch.empty(0, dtype=torch.int64)
-                for j in range(rounds)]
-
-    def _assemble(self, per_round, order: list[torch.Tensor], col_major: bool = False):
-        """Put each round's rows at their assembled positions (tensor, FP8 (data, scales) tuple, or None).
-        Rows are moved as bytes (index_copy_ has no FP8 kernel); ``col_major`` scales come out so."""
-        if per_round[0] is None:
-            return None
-        if isinstance(per_round[0], tuple):
-            return (self._assemble([p[0] for p in per_round], order),
-                    self._assemble([p[1] for p in per_round], order, col_major))
-        first = per_round[0]
-        total = sum(int(o.numel()) for o in order)
-        out = torch.empty((total, *first.shape[1:]), dtype=first.dtype, device=self.device)
-        width = math.prod(first.shape[1:])
-        if total and width:
-            as_bytes = out.view(total, width).view(torch.uint8)
-            for part, rows in zip(per_round, order):
-                if rows.numel():
-                    as_bytes.index_copy_(0, rows, part.contiguous().view(part.shape[0], width).view(torch.uint8))
-        return out.t().contiguous().t() if col_major else out
 
     def _cached_in_rounds(self, x, scales, handle, num_sms):
         st = handle.backend_state
@@ -490,7 +458,7 @@ class CudaIntranode:
                                 None, None, 1, 0, 0, handle.buffer_uid, num_sms)
             parts.append(out[0])
         col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1
-        return self._assemble(parts, st["round_rows"], col_major), None, None, None, handle
+        return assemble(parts, st["round_rows"], self.device, col_major), None, None, None, handle
 
     def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
         st = handle.backend_state
