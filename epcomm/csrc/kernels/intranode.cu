@@ -648,19 +648,30 @@ __device__ __forceinline__ uint8_t* dynamic_smem() {
     return smem;
 }
 
-// Sending block `block` of `num_blocks`: its first tma_warps warps with bulk copies, or all of its
-// warps with register copies.
-__device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
-                                   int num_blocks) {
+// Sending block `block` of `num_blocks` (dispatch or combine): its first tma_warps warps move rows
+// of row_bytes by bulk copies through their rings (by_bulk(warp, num_warps, ring)), or, without
+// them, all of its warps by register copies (by_registers(warp, num_warps)).
+template <class ByRegisters, class ByBulk>
+__device__ __forceinline__ void send_role(int tma_warps, int row_bytes, int block, int num_blocks,
+                                          ByRegisters&& by_registers, ByBulk&& by_bulk) {
     const int w = threadIdx.x / kWarpSize;
-    if (a.tma_warps > 0) {
-        if (w >= a.tma_warps) return;
-        const auto ring = SendRing::carve(dynamic_smem(), w, a.tma_warps, a.x_bytes);
-        dispatch_send_tma(a, s_layout, flag_value, block * a.tma_warps + w, num_blocks * a.tma_warps, ring);
+    if (tma_warps > 0) {
+        if (w >= tma_warps) return;
+        by_bulk(block * tma_warps + w, num_blocks * tma_warps, SendRing::carve(dynamic_smem(), w, tma_warps, row_bytes));
         return;
     }
     const int warps_per_block = blockDim.x / kWarpSize;
-    dispatch_send(a, s_layout, flag_value, block * warps_per_block + w, num_blocks * warps_per_block);
+    by_registers(block * warps_per_block + w, num_blocks * warps_per_block);
+}
+
+__device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
+                                   int num_blocks) {
+    send_role(
+        a.tma_warps, a.x_bytes, block, num_blocks,
+        [&](int warp, int num_warps) { dispatch_send(a, s_layout, flag_value, warp, num_warps); },
+        [&](int warp, int num_warps, const SendRing& ring) {
+            dispatch_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
+        });
 }
 
 // kSend and kRecv: the fused kernel (num_worst_tokens and cached dispatch: one launch, no host
@@ -910,13 +921,12 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int64_t flag_value = seq ^ kFlagMagic;
     const int block = blockIdx.x;
     if (block < a.num_send_blocks) {
-        if (a.tma_warps > 0) {
-            if (w >= a.tma_warps) return;
-            const auto ring = SendRing::carve(dynamic_smem(), w, a.tma_warps, a.hidden * 2);
-            combine_send_tma(a, s_layout, flag_value, block * a.tma_warps + w, a.num_send_blocks * a.tma_warps, ring);
-        } else {
-            combine_send(a, s_layout, flag_value, block * warps_per_block + w, a.num_send_blocks * warps_per_block);
-        }
+        send_role(
+            a.tma_warps, a.hidden * 2, block, a.num_send_blocks,
+            [&](int warp, int num_warps) { combine_send(a, s_layout, flag_value, warp, num_warps); },
+            [&](int warp, int num_warps, const SendRing& ring) {
+                combine_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
+            });
         return;
     }
     combine_reduce(a, s_layout, seq, flag_value, (block - a.num_send_blocks) * warps_per_block + w,
