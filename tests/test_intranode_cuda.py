@@ -20,7 +20,8 @@ from epcomm.bench.checks import poison_, same_bits
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
 NVL_BYTES = 512 << 20
-RANKS = [2, 4, 8]
+# One rank too: every kernel then runs end to end (sending to itself) on a one-GPU machine.
+RANKS = [1, 2, 4, 8]
 
 
 def _same(a, b) -> bool:

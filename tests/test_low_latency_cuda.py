@@ -20,7 +20,8 @@ from epcomm.utils.launch import LocalCluster
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
-RANKS = [2, 4, 8]
+# One rank too: every kernel then runs end to end (sending to itself) on a one-GPU machine.
+RANKS = [1, 2, 4, 8]
 
 
 def _buffer(backend: str, n: int, hidden: int, num_experts: int, **kwargs) -> Buffer:
@@ -211,9 +212,10 @@ def rank_ll_trace(use_hook):
     buf.destroy()
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("use_hook", [False, True])
-def test_ll_cuda_phase_timeline(use_hook):
-    cluster(2).run(rank_ll_trace, use_hook)
+def test_ll_cuda_phase_timeline(ranks, use_hook):
+    cluster(ranks).run(rank_ll_trace, use_hook)
 
 
 # The NVSHMEM transport: the Buffer in the symmetric heap, with every peer (all), one peer (1) or
@@ -244,7 +246,7 @@ def rank_ll_nvshmem():
 
 
 @pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
-@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("ranks", [r for r in RANKS if r > 1])  # remote peers need a second rank
 def test_ll_cuda_nvshmem_transport_matches_reference(ranks):
     """Bitwise equal to the reference through NVSHMEM puts (all peers, one peer) and through the
     symmetric heap's NVLink mappings; CUDA-graph replays too."""
