@@ -106,7 +106,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     return "\n".join(lines)
 
 
-_POINTS = ("start", "ready", "written", "signalled", "arrived", "received", "end")
+_POINTS = ("start", "ready", "rows", "written", "signalled", "arrived", "received", "end")
 _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 

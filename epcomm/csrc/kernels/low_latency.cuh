@@ -95,6 +95,7 @@ constexpr int kUnitWarps = 8;                  // the per-(expert, source) kerne
 // (40 / 24 bytes in combine_send / dispatch_recv), so it keeps 2 until the two are measured.
 constexpr int kUnitBlocksPerSm = Net::kRemote ? 2 : 3;
 constexpr int kUnitThreads = kUnitWarps * kWarpSize;
+constexpr int kMaxFusedGroups = 8;             // warp groups of the fused dispatch's receive role (2 warps each)
 constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
 constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
 constexpr int kPieceInt4 = 256;                // one warp copies a message or row in pieces of 4 KB (8 x 16 B a lane)
@@ -138,12 +139,13 @@ constexpr int kTracePoints = 8, kTraceBlocks = 4096;
 enum TracePoint {
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
-    kTraceWritten = 2,    // the block's messages or rows are stored (dispatch: remote ones put too; a
+    kTraceRows = 2,       // dispatch: the rows of the block's pairs are known (the data is next)
+    kTraceWritten = 3,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
-    kTraceSignalled = 3,  // the block's counts are signalled
-    kTraceArrived = 4,    // the receive's (first) signals arrived
-    kTraceReceived = 5,   // the receive's copies or sums are done
-    kTraceEnd = 6,
+    kTraceSignalled = 4,  // the block's counts are signalled
+    kTraceArrived = 5,    // the receive's (first) signals arrived
+    kTraceReceived = 6,   // the receive's copies or sums are done
+    kTraceEnd = 7,
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
@@ -459,17 +461,38 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int num_pairs = max(0, last - first) * K;
 
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
-    if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
-        skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
-                        !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
     __syncthreads();
+    // Warp 0 waits for the acknowledgements while the other warps count: the two waits overlap.
     bool bad = false;
-    for (int i = tid; i < a.num_tokens * K; i += kThreads) {
-        const int64_t e = a.topk_idx[i];
-        if (e < -1 || e >= E) bad = true;
-        if (e < 0 || e >= E) continue;
-        atomicAdd(total + e, 1);
-        if (i < first * K) atomicAdd(before + e, 1);
+    if (warp == 0) {
+        if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
+            skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
+                            !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
+    } else {
+        // Every pair, in batches of kCountBatch loads in flight per thread (a load, then its atomics,
+        // one at a time would cost a memory round trip per pair); this block's own pairs' experts
+        // are kept on the way.
+        constexpr int kCounters = kThreads - kWarpSize, kCountBatch = 4;
+        const int num_all = a.num_tokens * K, own_begin = first * K;
+        for (int base = tid - kWarpSize; base < num_all; base += kCountBatch * kCounters) {
+            int64_t ids[kCountBatch];
+#pragma unroll
+            for (int u = 0; u < kCountBatch; ++u) {
+                const int i = base + u * kCounters;
+                ids[u] = i < num_all ? __ldg(a.topk_idx + i) : -1;
+            }
+#pragma unroll
+            for (int u = 0; u < kCountBatch; ++u) {
+                const int i = base + u * kCounters;
+                const int64_t e = ids[u];
+                if (e < -1 || e >= E) bad = true;
+                const bool valid = e >= 0 && e < E;
+                if (i >= own_begin && i < own_begin + num_pairs) pair_expert[i - own_begin] = valid ? static_cast<int>(e) : -1;
+                if (!valid) continue;
+                atomicAdd(total + e, 1);
+                if (i < own_begin) atomicAdd(before + e, 1);
+            }
+        }
     }
     __syncthreads();
     for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
@@ -489,11 +512,6 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
             st_relaxed_sys(reinterpret_cast<int64_t*>(a.peers.bufs[dst] + offset), value);  // no data to order before it
     }
     for (int j = tid; j < num_pairs; j += kThreads) {
-        const int64_t e = a.topk_idx[static_cast<int64_t>(first) * K + j];
-        pair_expert[j] = e >= 0 && e < E ? static_cast<int>(e) : -1;
-    }
-    __syncthreads();
-    for (int j = tid; j < num_pairs; j += kThreads) {
         const int e = pair_expert[j];
         int row = -1;
         if (e >= 0) {
@@ -506,6 +524,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     }
 
     __syncthreads();  // every pair's row is known
+    trace_point(a.trace, 0, kTraceRows);
 
     // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
     // into every message of the token: no staging, x read once.
@@ -552,12 +571,24 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     return seq;
 }
 
-// The receive role of a dispatch for one (local expert, source) unit, run by a whole block (any
-// number of warps): its rows go after those of the sources before it.
-__device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit, int plane) {
-    __shared__ int counts[kMaxRanks];
-    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-    const int num_threads = blockDim.x, num_warps = num_threads / kWarpSize;
+// The warps of a block that take a receive unit together: `threads` threads from thread `first`,
+// synchronized by named barrier `barrier` (0: the whole block's barrier), with their own copy of
+// the unit's counts in shared memory.
+struct WarpGroup {
+    int first, threads, barrier;
+    int* counts;  // [kMaxRanks]
+    __device__ __forceinline__ void sync() const {
+        asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
+    }
+};
+
+// The receive role of a dispatch for one (local expert, source) unit, run by a group of warps: its
+// rows go after those of the sources before it. `first_unit`: the block's first (it stamps the trace).
+__device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit, int plane,
+                                      const WarpGroup& g, int first_unit) {
+    int* counts = g.counts;
+    const int tid = static_cast<int>(threadIdx.x) - g.first, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int num_threads = g.threads, num_warps = num_threads / kWarpSize;
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int rows_per_expert = N * R;
     uint8_t* mine = a.peers.bufs[me];
@@ -575,8 +606,8 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
         if (a.wait_stats != nullptr && local_e == 0 && tid == src) atomicAdd(
             reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
     }
-    __syncthreads();
-    if (unit == static_cast<int>(blockIdx.x)) trace_point(a.trace, plane, kTraceArrived);  // the block's first unit
+    g.sync();
+    if (unit == first_unit) trace_point(a.trace, plane, kTraceArrived);  // thread 0 of the block's first unit
     int begin = 0, total = 0;
     for (int j = 0; j < R; ++j) {
         if (j < src) begin += counts[j];
@@ -611,7 +642,7 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
         for (int r = total + tid; r < rows_per_expert; r += num_threads)
             a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
     }
-    __syncthreads();  // counts[] is reused by the block's next unit
+    g.sync();  // counts[] is reused by the group's next unit
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
@@ -622,7 +653,8 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    receive_dispatch_unit(a, seq, lay, blockIdx.x, 1);
+    __shared__ int counts[kMaxRanks];
+    receive_dispatch_unit(a, seq, lay, blockIdx.x, 1, WarpGroup{0, kUnitThreads, 0, counts}, blockIdx.x);
     trace_point(a.trace, 1, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
     trace_point(a.trace, 1, kTraceEnd);
@@ -634,7 +666,19 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const int64_t seq = send_dispatch_messages(a);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) receive_dispatch_unit(a, seq, lay, unit, 0);
+    // The units are split among groups of warps, enough groups that every unit has one at once
+    // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a wait,
+    // a copy and two barriers to the kernel.
+    const int wanted = (a.num_experts + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+    const int groups = wanted <= 1 ? 1 : wanted <= 2 ? 2 : wanted <= 4 ? 4 : kMaxFusedGroups;
+    const int group_threads = kThreads / groups, group = static_cast<int>(threadIdx.x) / group_threads;
+    __shared__ int counts[kMaxFusedGroups][kMaxRanks];
+    // Barrier 0 is __syncthreads'; the groups take 1.. (a block has 16).
+    const WarpGroup g{group * group_threads, group_threads, groups == 1 ? 0 : 1 + group, counts[group]};
+    const int first_unit = static_cast<int>(blockIdx.x) * groups;
+    for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
+        receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
+    if (a.trace != nullptr) __syncthreads();  // every group's copies are done
     trace_point(a.trace, 0, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
     trace_point(a.trace, 0, kTraceEnd);
@@ -766,36 +810,54 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
     __syncthreads();
     trace_point(a.trace, 1, kTraceArrived);
     const auto* rows = reinterpret_cast<const int4*>(mine + lay.combine_data);
-    const int columns = (row_int4 + kWarpSize - 1) / kWarpSize;
-    for (int u = warp; u < (last - first) * columns; u += kWarpsPerBlock) {
-        const int c = u / columns, col = (u % columns) * kWarpSize + lane;
-        if (col >= row_int4) continue;
+    // A warp's unit: kSumColumns 16-byte words of each lane (kSumColumns * 32 of the row), whose
+    // rows it loads kSumBatch slots at a time, all in flight together, then sums in slot order.
+    // 7168 channels: 14 units a token, so a block's 16 warps take a token in one memory round trip
+    // per 8 slots (one word, 4 slots a time, took four).
+    constexpr int kSumColumns = 2, kSumBatch = 8, kSpan = kSumColumns * kWarpSize;
+    const int units_per_token = (row_int4 + kSpan - 1) / kSpan;
+    for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
+        const int c = u / units_per_token, base = (u % units_per_token) * kSpan + lane;
         const int64_t* offsets = pair_offset + c * K;
         const float* weights = pair_weight + c * K;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int k0 = 0; k0 < K; k0 += 4) {  // four loads in flight, then the sums in slot order
-            int4 v[4] = {};
+        float acc[kSumColumns][8] = {};
+        for (int k0 = 0; k0 < K; k0 += kSumBatch) {
+            int4 v[kSumBatch][kSumColumns];
 #pragma unroll
-            for (int d = 0; d < 4; ++d)
-                if (k0 + d < K && offsets[k0 + d] >= 0) v[d] = rows[offsets[k0 + d] + col];
+            for (int d = 0; d < kSumBatch; ++d) {
+                const int64_t offset = k0 + d < K ? offsets[k0 + d] : -1;
 #pragma unroll
-            for (int d = 0; d < 4; ++d) {
+                for (int h = 0; h < kSumColumns; ++h) {
+                    const int col = base + h * kWarpSize;
+                    v[d][h] = offset >= 0 && col < row_int4 ? rows[offset + col] : make_int4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < kSumBatch; ++d) {
                 if (k0 + d >= K || offsets[k0 + d] < 0) continue;
                 const float w = weights[k0 + d];
-                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[d]);
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {  // acc = acc + w * row (no fused multiply-add: the reference's rounding)
-                    const float2 f = __bfloat1622float2(h[q]);
-                    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, f.x));
-                    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, f.y));
+                for (int h = 0; h < kSumColumns; ++h) {
+                    const auto* p = reinterpret_cast<const __nv_bfloat162*>(&v[d][h]);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {  // acc = acc + w * row (no fused multiply-add: the reference's rounding)
+                        const float2 f = __bfloat1622float2(p[q]);
+                        acc[h][2 * q] = __fadd_rn(acc[h][2 * q], __fmul_rn(w, f.x));
+                        acc[h][2 * q + 1] = __fadd_rn(acc[h][2 * q + 1], __fmul_rn(w, f.y));
+                    }
                 }
             }
         }
-        int4 o;
-        auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-        reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden)[col] = o;
+        for (int h = 0; h < kSumColumns; ++h) {
+            const int col = base + h * kWarpSize;
+            if (col >= row_int4) continue;
+            int4 o;
+            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[h][2 * q], acc[h][2 * q + 1]);
+            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden)[col] = o;
+        }
     }
 }
 
