@@ -29,6 +29,7 @@ from .backends.reference.backend import Op
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_size_hint
 from .event import EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
+from .utils.launch import backend_on_cuda
 
 _buffer_counter = itertools.count()
 _BACKENDS = ("auto", "cuda", "reference")
@@ -58,7 +59,7 @@ class Buffer:
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         pg_backend = dist.get_backend(self.group)
-        if "nccl" in str(pg_backend):
+        if backend_on_cuda(pg_backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
@@ -73,7 +74,8 @@ class Buffer:
             if backend not in _BACKENDS:
                 raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
             if backend == "cuda" and self.device.type != "cuda":
-                raise ValueError("backend='cuda' needs a process group on CUDA devices (NCCL), got "
+                raise ValueError("backend='cuda' needs a process group on CUDA devices (NCCL, or gloo with a "
+                                 "cuda backend for ranks sharing GPUs), got "
                                  f"{pg_backend}")
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
@@ -809,9 +811,11 @@ class Buffer:
         self._ll_needs_clean = False
 
     def _meet(self, tag: str) -> list[int]:
-        """Every rank meets here (through the store, bounded by EPCOMM_TIMEOUT_S); returns the ranks
-        that did not arrive. Without a store, the group's barrier (unbounded)."""
-        missing = self._backend.transport.meet(tag, time.monotonic() + _env.timeout_s())
+        """Every rank meets here (through the store, bounded by this Buffer's timeout: EPCOMM_TIMEOUT_S
+        when it was built); returns the ranks that did not arrive. Without a store, the group's barrier
+        (unbounded)."""
+        transport = self._backend.transport
+        missing = transport.meet(tag, time.monotonic() + transport.timeout_s)
         if missing is None:
             dist.barrier(group=self.group)
             return []

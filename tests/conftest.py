@@ -8,10 +8,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
-from epcomm.utils.launch import LocalCluster  # noqa: E402
+from epcomm.utils.launch import SHARED_GPU_BACKEND, LocalCluster  # noqa: E402
 
 # gloo (CPU processes) by default; EPCOMM_TEST_BACKEND=nccl runs the same tests on GPUs.
 BACKEND = os.environ.get("EPCOMM_TEST_BACKEND", "gloo")
+# With EPCOMM_TEST_SHARE_GPUS=1, a rank count above the GPU count runs anyway, the ranks sharing the
+# GPUs (launch.SHARED_GPU_BACKEND): a one-GPU machine then checks the kernels' multi-rank protocol and
+# results at 2, 4 and 8 ranks (not the cross-GPU memory ordering, nor any timing).
+SHARE_GPUS = os.environ.get("EPCOMM_TEST_SHARE_GPUS", "0") == "1"
 
 _clusters: dict[tuple[int, str], LocalCluster] = {}
 
@@ -24,13 +28,30 @@ def cluster(num_ranks: int, backend: str | None = None) -> LocalCluster:
     """A shared cluster of ``num_ranks`` processes (on ``backend``, default the suite's), restarted
     after a failure."""
     backend = backend or BACKEND
-    if backend == "nccl" and num_ranks > torch.cuda.device_count():
-        pytest.skip(f"needs {num_ranks} GPUs, {torch.cuda.device_count()} present")
+    if backend == "nccl":
+        backend = gpu_backend(num_ranks)
     c = _clusters.get((num_ranks, backend))
     if c is None or c.broken:
         c = LocalCluster(num_ranks, backend=backend, env=TEST_ENV)
         _clusters[(num_ranks, backend)] = c
     return c
+
+
+def gpu_backend(num_ranks: int) -> str:
+    """The group backend for ``num_ranks`` ranks on this machine's GPUs: NCCL with a GPU per rank, the
+    shared-GPU backend when EPCOMM_TEST_SHARE_GPUS=1 and there are fewer; else the test is skipped."""
+    gpus = torch.cuda.device_count()
+    if num_ranks <= gpus:
+        return "nccl"
+    if SHARE_GPUS and gpus > 0:
+        return SHARED_GPU_BACKEND
+    pytest.skip(f"needs {num_ranks} GPUs, {gpus} present (EPCOMM_TEST_SHARE_GPUS=1 shares them)")
+
+
+def fresh_cluster(num_ranks: int, env: dict[str, str] | None = None) -> LocalCluster:
+    """A new cluster of ``num_ranks`` GPU ranks (for what a process does once: NVSHMEM's initialization),
+    the caller closing it."""
+    return LocalCluster(num_ranks, backend=gpu_backend(num_ranks), env={**TEST_ENV, **(env or {})})
 
 
 @pytest.fixture(scope="session", autouse=True)

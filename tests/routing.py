@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 # The routing patterns live in the package: the pressure test draws them too.
 from epcomm.bench.workloads import make_pattern_topk_idx as make_topk_idx
+from epcomm.utils.launch import backend_on_cuda
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
@@ -19,7 +20,7 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts:
 
 
 def device() -> torch.device:
-    """The device of the group's tensors: the rank's GPU under NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend()):
+    """The device of the group's tensors: the rank's GPU under NCCL (or gloo shared GPUs), else the CPU."""
+    if backend_on_cuda(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

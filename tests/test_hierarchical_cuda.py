@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, TEST_ENV, capture_graph, env_var, nvshmem_found, peer_timeout
+from conftest import BACKEND, capture_graph, env_var, fresh_cluster, gpu_backend, nvshmem_found, peer_timeout
 from test_hierarchical import CASES, _flat, _inputs
 from test_reliability_cuda import _check_survivor, _context_is_usable, _die, _survivor_outcome
 
@@ -138,12 +138,11 @@ def rank_graph_replay(ranks_per_domain: int, transport: str):
 
 def _fresh(ranks: int) -> LocalCluster:
     """NVSHMEM is initialized once per process, with a heap fixed then: a fresh cluster per test."""
-    return LocalCluster(ranks, backend="nccl", env={**TEST_ENV, "NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)})
+    return fresh_cluster(ranks, {"NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)})
 
 
 def _needs_gpus(ranks: int) -> None:
-    if torch.cuda.device_count() < ranks:
-        pytest.skip(f"needs {ranks} GPUs")
+    gpu_backend(ranks)  # skips the test where the ranks cannot run
 
 
 @pytest.mark.parametrize("ranks, ranks_per_domain, transport", [

@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, TEST_ENV, capture_graph, cluster, env_var, nvshmem_found, poison_allocator
+from conftest import BACKEND, capture_graph, cluster, env_var, fresh_cluster, nvshmem_found, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer
 from epcomm.bench.checks import poison_, same_bits
-from epcomm.utils.launch import LocalCluster
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -250,9 +249,7 @@ def rank_ll_nvshmem():
 def test_ll_cuda_nvshmem_transport_matches_reference(ranks):
     """Bitwise equal to the reference through NVSHMEM puts (all peers, one peer) and through the
     symmetric heap's NVLink mappings; CUDA-graph replays too."""
-    if ranks > torch.cuda.device_count():
-        pytest.skip(f"needs {ranks} GPUs")
-    with LocalCluster(ranks, backend="nccl", env=TEST_ENV) as fresh:  # NVSHMEM: initialized once per process
+    with fresh_cluster(ranks) as fresh:  # NVSHMEM: initialized once per process
         fresh.run(rank_ll_nvshmem, timeout_s=400)
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, TEST_ENV, nvshmem_found
-
-from epcomm.utils.launch import LocalCluster
+from conftest import BACKEND, fresh_cluster, nvshmem_found
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="NVSHMEM: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -40,9 +38,7 @@ def rank_probe_ring(num_words: int, rounds: int) -> dict:
 @pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_nvshmem_put_with_signal_around_a_ring(ranks):
-    if ranks > torch.cuda.device_count():
-        pytest.skip(f"needs {ranks} GPUs")
     # Fresh processes: NVSHMEM is initialized once per process.
-    with LocalCluster(ranks, backend="nccl", env=TEST_ENV) as cluster:
+    with fresh_cluster(ranks) as cluster:
         reports = cluster.run(rank_probe_ring, 1 << 12, 3, timeout_s=180)
     assert all(all(r["p2p"]) for r in reports), reports  # one host: every peer is reachable over NVLink

@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, TEST_ENV, cluster, env_var, nvshmem_found, peer_timeout
+from conftest import BACKEND, cluster, env_var, fresh_cluster, nvshmem_found, peer_timeout
 from routing import make_inputs
 
 from epcomm import Buffer
 from epcomm.bench.checks import same_bits
-from epcomm.utils.launch import LocalCluster, RankFailure
+from epcomm.utils.launch import RankFailure
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 
@@ -342,7 +342,7 @@ def test_ll_dead_peer_over_nvshmem_is_named_within_the_timeout():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
         with pytest.raises(RankFailure) as failure:
-            with LocalCluster(2, backend="nccl", env=TEST_ENV) as fresh:  # NVSHMEM: once per process
+            with fresh_cluster(2) as fresh:  # NVSHMEM: once per process
                 fresh.run(rank_ll_dead_peer, timeout_s, path, "SIGKILL", "nvshmem", timeout_s=60)
         outcome = _survivor_outcome(failure.value, path)
     _check_survivor(outcome, timeout_s)

@@ -192,8 +192,6 @@ def parse_args(argv: list[str] | None) -> Options:
 
     if a.num_ranks < 1:
         fail(f"--num-ranks must be >= 1, got {a.num_ranks}")
-    if gpu and a.num_ranks > num_gpus:
-        fail(f"--num-ranks {a.num_ranks} exceeds the {num_gpus} visible GPU(s) (one rank per GPU)")
     if a.backend == "cuda" and not gpu:
         fail("--backend cuda needs CUDA GPUs; none is visible (use --backend reference or auto)")
     for name in ("tokens", "ll_tokens", "hidden"):
@@ -243,6 +241,9 @@ def parse_args(argv: list[str] | None) -> Options:
             a.straggler_delay_us = 1000.0
         if not a.straggler_delay_us > 0:
             fail(f"--straggler-delay-us must be > 0, got {a.straggler_delay_us}")
+    # The machine's limit last: a mistake in the options is named first wherever it is run.
+    if gpu and a.num_ranks > num_gpus:
+        fail(f"--num-ranks {a.num_ranks} exceeds the {num_gpus} visible GPU(s) (one rank per GPU)")
     return Options(num_ranks=a.num_ranks, pg_backend="nccl" if gpu else "gloo", tokens=a.tokens,
                    hidden=a.hidden, topk=a.topk, experts=a.experts, ll_tokens=a.ll_tokens, ll_experts=a.ll_experts,
                    num_sms=a.num_sms, dtypes=a.dtype, modes=a.modes, warmup=a.warmup, iters=a.iters,

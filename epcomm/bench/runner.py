@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
+from ..utils.launch import backend_on_cuda
 from . import checks, metrics
 from .timing import l2_flush_buffer, time_samples
 from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
@@ -28,7 +29,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def rank_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+    return torch.device("cuda", torch.cuda.current_device()) if backend_on_cuda(dist.get_backend()) \
         else torch.device("cpu")
 
 

@@ -22,8 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# More ranks than GPUs: the ranks share the GPUs (rank r on GPU r % count), and the group runs on
+# gloo for CPU and CUDA tensors alike, since NCCL refuses two ranks on one GPU. Kernels of different
+# processes on one GPU take turns (time slices), so every cross-rank wait still ends; the protocol and
+# the results are checked at any rank count, the timings mean nothing.
+SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def backend_on_cuda(backend: object) -> bool:
+    """Whether a process group of this backend (a name like "nccl" or "cpu:gloo,cuda:gloo") holds its
+    tensors on the rank's GPU."""
+    return "nccl" in str(backend) or "cuda:" in str(backend)
 
 
 def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, str], tasks, results) -> None:
@@ -31,7 +44,7 @@ def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, s
     torch.set_num_threads(1)  # ranks share the host's cores
     import torch.distributed as dist
 
-    if backend == "nccl":
+    if backend_on_cuda(backend):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     try:
@@ -63,7 +76,8 @@ class RankFailure(RuntimeError):
 
 
 class LocalCluster:
-    """``num_ranks`` processes on this host joined in one process group (gloo on CPU, NCCL on GPUs)."""
+    """``num_ranks`` processes on this host joined in one process group (gloo on CPU, NCCL on GPUs,
+    SHARED_GPU_BACKEND for more ranks than GPUs)."""
 
     def __init__(self, num_ranks: int, backend: str | None = None, env: dict[str, str] | None = None) -> None:
         self.num_ranks = num_ranks
