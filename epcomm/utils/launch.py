@@ -6,20 +6,18 @@
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HOST = "127.0.0.1"
+_STORE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 # More ranks than GPUs: the ranks share the GPUs (rank r on GPU r % count), and the group runs on
@@ -42,11 +40,10 @@ def backend_on_cuda(backend: object) -> bool:
 def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, str], tasks, results) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)  # ranks share the host's cores
-    import torch.distributed as dist
-
     if backend_on_cuda(backend):
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=_STORE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=num_ranks)
     try:
         while True:
             task = tasks.get()
@@ -86,7 +83,10 @@ class LocalCluster:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(num_ranks)]
-        port = free_port()
+        # The parent serves the group's store on a port the system picks, so no rank can lose a race
+        # for a port chosen beforehand, and the store outlives any rank that dies.
+        self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+        port = self._store.port
         self._procs = [ctx.Process(target=_worker, args=(r, num_ranks, port, self.backend, dict(env or {}),
                                                           self._tasks[r], self._results), daemon=True)
                        for r in range(num_ranks)]
