@@ -167,14 +167,14 @@ struct Peers {
 //   quiet()                                   complete every put this rank issued
 __device__ __forceinline__ bool is_remote(const Peers& peers, int r) { return Net::kRemote && peers.bufs[r] == nullptr; }
 
-// Set rank r's copy of the signal word at `offset` of the buffer: a release store when r is mapped
-// (the caller's writes come first), a signal operation when it is remote (the caller completed its
-// puts with Net::quiet first).
+// Set rank r's copy of the signal word at `offset` of the buffer, after the caller's fence_sys: a
+// strong store when r is mapped (fence then store: a release of the caller's writes and of what it
+// observed), a signal operation when it is remote (the caller completed its puts with Net::quiet).
 __device__ __forceinline__ void signal_peer(const Peers& peers, int me, int r, int64_t offset, int64_t value) {
     if (is_remote(peers, r))
         Net::signal(reinterpret_cast<int64_t*>(peers.bufs[me] + offset), value, r);
     else
-        st_release_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + offset), value);
+        st_relaxed_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + offset), value);
 }
 
 struct Layout {  // where things live inside one slot
@@ -207,13 +207,13 @@ __device__ __forceinline__ int64_t next_seq(uint8_t* mine) { return ld_volatile(
 __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        fence_gpu();  // the block's reads of the counter and the slot come before its arrival
         int* done = reinterpret_cast<int*>(mine + kDoneOffset);
         if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
             reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
             *counter(mine) = seq;
-            __threadfence();
+            fence_gpu();  // the next kernel on this GPU reads them
         }
     }
 }
@@ -224,11 +224,11 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
                                    const int* mask) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        fence_gpu();  // the block's reads of the slot come before its arrival
         int* done = reinterpret_cast<int*>(peers.bufs[me] + kRecvDoneOffset) + slot;
         if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
-            fence_sys();
+            fence_sys();  // every block's reads (their fences and arrivals came first) before the acks
             for (int r = 0; r < num_ranks; ++r)  // not to masked ranks: they may be gone
                 if (r == me || !masked(mask, r)) signal_peer(peers, me, r, acks + 8 * me, seq);
         }
@@ -556,12 +556,12 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     for (int j = tid; j < num_pairs; j += kThreads) {
         const int e = pair_expert[j];
         if (e < 0) continue;
-        __threadfence_system();  // this block's stores of the message reach the peer before the count
+        fence_sys();  // this block's stores of the message (before the barrier) are released by the count
         if (atomicAdd(a.sent_pairs + e, 1) != total[e] - 1) continue;
         a.sent_pairs[e] = 0;
         const int dst = e / experts_per_rank;
         if (skip_dst[dst]) continue;
-        __threadfence_system();  // every other writer's stores (they fenced before counting) come first
+        fence_sys();  // acquires the other writers' counts (each released its stores), releases all to the peer
         signal_peer(a.peers, me, dst, lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me),
                     make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
     }
@@ -761,7 +761,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
         }
     }
     if (tid == 0 && !skip) {
-        __threadfence_system();  // the block's rows reach the source before the signal
+        fence_sys();  // the block's rows (before the barrier) are released by the signal
         signal_peer(a.peers, me, src, lay.combine_signals + 8 * global_e, make_signal(seq, a.shape_tag, invalid, count));
     }
     trace_point(a.trace, 0, kTraceSignalled);

@@ -38,7 +38,12 @@ __device__ __forceinline__ int ld_volatile_int(const int* ptr) {
     return value;
 }
 
+// Release/acquire fences (not the sequentially consistent __threadfence / __threadfence_system,
+// which cost more): a fence then a strong store is a release of everything before the fence (this
+// thread's accesses and what it observed, e.g. its block's stores before a barrier); a strong load
+// then a fence is an acquire. _sys for what peers on other GPUs read, _gpu for what stays on this GPU.
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
