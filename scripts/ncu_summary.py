@@ -94,6 +94,8 @@ def source(report: str, num_lines: int) -> None:
             print("columns:", head[:12])
             continue
         body = [r for r in table[1:] if len(r) == len(head)]
+        if head[0] == "Line No":  # "cuda,sass": keep the CUDA source lines (the SASS rows repeat their samples)
+            body = [r for r in body if r[0].strip()]
 
         def count(r: list[str], at: int = samples) -> float:
             try:
@@ -104,7 +106,7 @@ def source(report: str, num_lines: int) -> None:
         total = sum(count(r) for r in body) or 1.0
         print(f"--- {len(body)} lines, {int(total)} stall samples; columns: {head[:6]}")
         for r in sorted(body, key=count, reverse=True)[:num_lines]:
-            print(f"{100 * count(r) / total:5.1f}%  " + " | ".join(c for c in r[:3]) + "  " + r[text_col][:110])
+            print(f"{100 * count(r) / total:5.1f}%  line {r[0]:>5}  {r[text_col][:120]}")
 
 
 def main() -> None:
