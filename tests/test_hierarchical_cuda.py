@@ -20,7 +20,7 @@ from test_reliability_cuda import _check_survivor, _context_is_usable, _die, _su
 
 import epcomm
 from epcomm import Buffer
-from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
+from epcomm.backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed
 from epcomm.bench.checks import same_bits
 from epcomm.utils.launch import LocalCluster, RankFailure
 
@@ -96,6 +96,66 @@ def rank_cuda_vs_reference(ranks_per_domain: int, transport: str):
         assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
     ref.destroy()
     cuda.destroy()
+
+
+def rank_rounds_vs_reference(ranks_per_domain: int):
+    """Calls that do not fit the buffers run in rounds, with the reference's results bit for bit:
+    a rank with more tokens than a staging region holds (num_rdma_bytes sized for 16 tokens), and
+    ranks receiving more rows than their receive area holds (the smallest num_nvl_bytes allowed); FP8
+    and BF16, cached dispatch, combine with weights and a bias, per-tier rows summed over rounds."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    num_experts = 4 * num_ranks
+    scales = HIDDEN // 128
+    small_rdma = rdma_bytes_needed(16, HIDDEN, 2, num_ranks, ranks_per_domain, NUM_TOPK, scales)
+    # The smallest num_nvl_bytes a Buffer accepts (its configs' hints), and the rows it holds: ranks
+    # with that many tokens each receive more (top-4 of 4 experts per rank: 1.9x their tokens at 2
+    # ranks, 3.3x at 8).
+    small_nvl = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks),
+                    Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks))
+    lo, hi = 1, small_nvl
+    while lo < hi:  # the most rows nvl_bytes_needed says small_nvl holds
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if nvl_bytes_needed(mid, HIDDEN, 2, NUM_TOPK, scales) <= small_nvl else (lo, mid - 1)
+    many = lo
+    cases = [  # (nvl bytes, rdma bytes, tokens per rank (cycled), fp8, seed)
+        (NVL, small_rdma, [70, 5], False, 21),  # rank 0 (and others) overflow the staging regions
+        (NVL, small_rdma, [3, 50], True, 22),
+        (small_nvl, rdma_bytes_needed(many, HIDDEN, 2, num_ranks, ranks_per_domain, NUM_TOPK, scales), [many], True,
+         23),  # every rank receives more rows than its receive area holds
+        (small_nvl, rdma_bytes_needed(1024, HIDDEN, 2, num_ranks, ranks_per_domain, NUM_TOPK, scales),
+         [many, 0, 12], False, 24),  # both
+    ]
+    for nvl, rdma, tokens, fp8, seed in cases:
+        with env_var("EPCOMM_RANKS_PER_DOMAIN", ranks_per_domain):
+            ref = Buffer(dist.group.WORLD, NVL, backend="reference", strategy="hierarchical")
+            cuda = Buffer(dist.group.WORLD, nvl, rdma, backend="cuda", strategy="hierarchical")
+        num_tokens = tokens[rank % len(tokens)]
+        x, idx, w = _inputs(seed, num_tokens, HIDDEN, num_experts, NUM_TOPK, "random", ranks_per_domain)
+        bias = (torch.randn((num_tokens, HIDDEN), generator=torch.Generator().manual_seed(seed + rank))
+                .to(torch.bfloat16).to(x.device))
+        want, rows, per_domain = _round_trip(ref, x, idx, w, num_experts, fp8, False, 0, bias)
+        got, _, _ = _round_trip(cuda, x, idx, w, num_experts, fp8, False, 0, bias)
+        tag = f"rank {rank} {ranks_per_domain}/{num_ranks} T={num_tokens} fp8={fp8} seed={seed}"
+        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "cached recv_x"),
+                              want[:3] + want[4:5], got[:3] + got[4:5]):
+            for pa, pb in zip(_flat(a), _flat(b)):
+                assert pa.stride() == pb.stride() or pa.shape[0] <= 1, f"{tag}: {name} layout differs"
+                assert same_bits(pa, pb), f"{tag}: {name} differs from the reference backend"
+        assert want[3] == got[3], f"{tag}: num_recv_tokens_per_expert_list differs ({want[3]} vs {got[3]})"
+        assert same_bits(want[5], got[5]) and same_bits(want[6], got[6]), f"{tag}: combine differs"
+        own = rank // ranks_per_domain
+        expected = sum(c for d, c in enumerate(per_domain.tolist()) if d != own)
+        traffic = cuda._cuda.traffic("dispatch")
+        assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
+        ref.destroy()
+        cuda.destroy()
+
+
+@pytest.mark.parametrize("ranks, ranks_per_domain", [(2, 1), (4, 2), (8, 2)], ids=["2x1", "2x2", "4x2"])
+def test_hierarchical_cuda_calls_larger_than_the_buffers_run_in_rounds(ranks, ranks_per_domain):
+    _needs_gpus(ranks)
+    with _fresh(ranks) as c:
+        c.run(rank_rounds_vs_reference, ranks_per_domain, timeout_s=300)
 
 
 def rank_graph_replay(ranks_per_domain: int, transport: str):

@@ -31,6 +31,12 @@ forwarders pull, for every row they forwarded, what the domain's ranks return, s
 ascending rank order without rounding, and put each chunk's partial sums back to the source,
 which sums them in ascending domain order, adds the biases and rounds to bf16 once: the
 reference's additions in the reference's order.
+
+A call that does not fit (a rank with more tokens than a staging region holds, or receiving more
+rows than its receive area holds, for the dispatch or its combine) runs in rounds over ranges of
+source tokens, like the intranode backend's: its first pass moves nothing (counts_kernel zeroes the
+counts on every rank alike), and the host, seeing the true counts, reruns it in rounds that fit.
+With ``num_worst_tokens`` (no host read) such a call is an error instead.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
+from ..rounds import assemble, round_order
 from .build import load_library, load_nvshmem_library
 from .capi import check, ptr, stream_ptr
 from .intranode import dispatch_layout
@@ -124,6 +131,11 @@ def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_t
     return _DOMAIN_HEADER + _ALIGN * 4 + max(
         _offsets([hidden * element_size, num_scales * 4, num_topk * 8, num_topk * 4], rows)[1],
         _offsets([hidden * 2, num_topk * 4], rows)[1])
+
+
+def _no_stage(*args) -> int:
+    """Stands for the stage launch of a call whose tokens overflow the staging regions (it moves nothing)."""
+    return 0
 
 
 def _table(state: torch.Tensor, at: dict[str, int], name: str) -> ctypes.c_void_p:
@@ -310,6 +322,8 @@ class CudaHierarchical:
     def dispatch(self, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                  topk_weights, expert_alignment, num_worst_tokens, num_experts, buffer_uid, num_sms):
         R, D, L = self.num_ranks, self.num_domains, self.rpd
+        if handle is not None and "rounds" in handle.backend_state:
+            return self._cached_in_rounds(x, scales, handle, num_sms)
         num_tokens, hidden = x.shape
         x_bytes = hidden * x.element_size()
         cached = handle is not None
@@ -343,10 +357,11 @@ class CudaHierarchical:
             experts_per_rank = num_experts // R
             if num_experts > _MAX_EXPERTS:
                 raise ValueError(f"the hierarchical CUDA kernels count up to {_MAX_EXPERTS} experts, got {num_experts}")
-            if num_tokens > region_rows:
+            if num_tokens > region_rows and num_worst_tokens:  # no host read: no rounds
                 raise ValueError(f"epcomm dispatch (hierarchical): {num_tokens} tokens, but num_rdma_bytes="
-                                 f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; size it with "
-                                 "epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
+                                 f"{self.sym.num_bytes} holds {region_rows} per domain for these rows; with "
+                                 "num_worst_tokens a call must fit (size it with epcomm.backends.cuda.hierarchical."
+                                 "rdma_bytes_needed); without, it runs in rounds")
             at = self._state_offsets(num_tokens, region_rows)
             state = torch.empty(at["total"], dtype=torch.int32, device=self.device)
 
@@ -370,15 +385,20 @@ class CudaHierarchical:
             check(self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), self.width,
                                                      2 + R + num_experts, ctypes.c_void_p(self.info.data_ptr()),
                                                      stream), "hierarchical dispatch (notify)")
+            # A call that does not fit moves nothing and is rerun in rounds (not with num_worst_tokens).
+            limits = (ctypes.c_int64 * 3)(region_rows, self._recv_rows(out_rows, hidden, num_topk),
+                                          int(not num_worst_tokens))
             check(self.nv.epcomm_hierarchical_counts(
-                ctypes.c_void_p(self.current_ptr), self.width, R, self.rank, experts_per_rank, table("matrix"),
-                table("start"), table("recv_total"), ctypes.c_void_p(self.summary.data_ptr()), stream),
-                "hierarchical dispatch (counts)")
+                ctypes.c_void_p(self.current_ptr), self.width, R, self.rank, experts_per_rank, D, table("matrix"),
+                table("start"), table("recv_total"), ctypes.c_void_p(self.summary.data_ptr()), table("send1"), limits,
+                stream), "hierarchical dispatch (counts)")
         off1, _ = _offsets(row1, D * region_rows)
 
         # Stage each token once per destination domain, then both tiers in one kernel; all of it is
         # queued before the host reads the counts (below), so the GPU does not wait for the host.
-        code = self.nv.epcomm_hierarchical_stage(
+        # Tokens that overflow the staging regions are not staged: the call then moves nothing.
+        stage = self.nv.epcomm_hierarchical_stage if num_tokens <= region_rows else _no_stage
+        code = stage(
             ptr(x), ctypes.c_int64(x_bytes), ptr(scales), num_scales,
             ctypes.c_int64(scales.stride(0) if scales is not None else 0),
             ctypes.c_int64(scales.stride(1) if scales is not None else 0),
@@ -412,6 +432,14 @@ class CudaHierarchical:
             totals = summary[R + R * R:R + R * R + experts_per_rank].tolist()
             num_recv = int(matrix[:, self.rank].sum())
             most = int(matrix.sum(0).max())
+            most_tokens = int(summary[:R].max())
+            if most_tokens > region_rows or most > self._recv_rows(out_rows, hidden, num_topk):
+                # counts_kernel decided alike on every rank: nothing moved; now in rounds that fit.
+                a = expert_alignment
+                return self._dispatch_in_rounds(
+                    x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix, most, most_tokens,
+                    [(c + a - 1) // a * a for c in totals], region_rows, self._recv_rows(out_rows, hidden, num_topk),
+                    buffer_uid, num_sms)
             if most > out_rows:  # the kernels skipped those rows; every rank sees the matrix: all raise
                 raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {most} rows, num_nvl_bytes="
                                  f"{self.shared.num_bytes} holds {out_rows}; size it with "
@@ -439,6 +467,7 @@ class CudaHierarchical:
             ptr(recv_topk_idx), ptr(recv_topk_weights), stream), "hierarchical dispatch (copy out)")
         if scales is not None:
             recv_x = (recv_x, recv_scales)
+        self.traffic_state.pop("dispatch_rounds", None)
         self.traffic_state.update(state=state, at=at, row1=sum(row1), row2=sum(row2),
                                   matrix=handle.backend_state["matrix"] if cached else matrix)
         if cached:
@@ -460,6 +489,8 @@ class CudaHierarchical:
     # ------------------------------------------------------------------ combine
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
+        if "rounds" in st:
+            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms)
         D = self.num_domains
         num_tokens, hidden = handle.num_tokens, x.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
@@ -506,8 +537,84 @@ class CudaHierarchical:
         check(code, "hierarchical combine (reduce)")
         if not self._capturing():
             self.check_errors("combine")  # of earlier calls, raised after this call's launches (see dispatch)
+        self.traffic_state.pop("combine_rounds", None)
         self.traffic_state.update(recv1_state=(state, at), row1c=sum(row1), row2c=sum(row2),
                                   matrix_c=st["matrix"])
+        return out, out_w
+
+    # ------------------------------------------------------------------ calls larger than the buffers
+    # Rounds over ranges of B source tokens, the same ranges on every rank, as in the intranode backend
+    # (rounds.py): B fits a staging region, and R * B rows fit every receive area (a rank receives at
+    # most B rows from each source per round), for the dispatch and its combine. Every rank takes the
+    # round count from the same summary (the most tokens of any rank), so no collective is needed.
+    def _recv_rows(self, out_rows: int, hidden: int, num_topk: int) -> int:
+        """Rows a rank may receive in one call: what its receive area holds for the dispatch's rows
+        and for the combine's (a BF16 combine row outgrows an FP8 dispatch row)."""
+        return min(out_rows, _fit_rows([hidden * 2, num_topk * 4], self.shared.num_bytes - _DOMAIN_HEADER))
+
+    def _dispatch_in_rounds(self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix, most,
+                            most_tokens, expert_list, region_rows, recv_rows, buffer_uid, num_sms):
+        step = min(region_rows, recv_rows // self.num_ranks)
+        if step < 1:  # the same sizes on every rank: all raise
+            raise ValueError(f"epcomm dispatch (hierarchical): num_nvl_bytes={self.shared.num_bytes} holds "
+                             f"{recv_rows} rows, fewer than one per rank ({self.num_ranks}), and num_rdma_bytes="
+                             f"{self.sym.num_bytes} {region_rows} tokens per region: too small for rounds; size them "
+                             "with epcomm.backends.cuda.hierarchical.nvl_bytes_needed and rdma_bytes_needed")
+        num_tokens = x.shape[0]
+        no_expert_counts = torch.zeros(num_experts, dtype=torch.int32, device=self.device)  # totals taken above
+        parts, handles, traffic = [], [], []
+        for j in range(-(-most_tokens // step)):
+            lo, hi = min(j * step, num_tokens), min((j + 1) * step, num_tokens)
+            in_rank = is_token_in_rank[lo:hi]
+            out = self.dispatch(
+                x[lo:hi], scales[lo:hi] if scales is not None else None, None, in_rank.sum(0, dtype=torch.int32),
+                in_rank, no_expert_counts, topk_idx[lo:hi] if topk_idx is not None else None,
+                topk_weights[lo:hi] if topk_weights is not None else None, 1, 0, num_experts, buffer_uid, num_sms)
+            parts.append(out[:3])
+            handles.append(out[4])
+            traffic.append(dict(self.traffic_state))
+        order = round_order([h.recv_counts for h in handles], self.num_ranks, self.device)
+        col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1  # as one call's rule
+        recv_x = assemble([p[0] for p in parts], order, self.device, col_major)
+        recv_topk_idx, recv_topk_weights = (assemble([p[i] for p in parts], order, self.device) for i in (1, 2))
+        self.traffic_state["dispatch_rounds"] = traffic
+        handle = DispatchHandle(
+            buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=x.shape[1],
+            num_recv_tokens=int(matrix[:, self.rank].sum()), num_worst_tokens=0, is_token_in_rank=is_token_in_rank,
+            send_counts=matrix[self.rank].tolist(), recv_counts=matrix[:, self.rank].tolist(),
+            backend_state={"rounds": handles, "round_step": step, "round_rows": order, "most_recv": most,
+                           "matrix": matrix})
+        return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
+
+    def _cached_in_rounds(self, x, scales, handle, num_sms):
+        st = handle.backend_state
+        step, parts, traffic = st["round_step"], [], []
+        for j, sub in enumerate(st["rounds"]):
+            lo, hi = min(j * step, x.shape[0]), min((j + 1) * step, x.shape[0])
+            parts.append(self.dispatch(x[lo:hi], scales[lo:hi] if scales is not None else None, sub, None, None,
+                                       None, None, None, 1, 0, 0, handle.buffer_uid, num_sms)[0])
+            traffic.append(dict(self.traffic_state))
+        self.traffic_state["dispatch_rounds"] = traffic
+        col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1
+        return assemble(parts, st["round_rows"], self.device, col_major), None, None, None, handle
+
+    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
+        st = handle.backend_state
+        step, traffic = st["round_step"], []
+        out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk \
+            else None
+        for j, (sub, rows) in enumerate(zip(st["rounds"], st["round_rows"])):
+            lo, hi = min(j * step, handle.num_tokens), min((j + 1) * step, handle.num_tokens)
+            part, part_w = self.combine(x.index_select(0, rows), sub,
+                                        topk_weights.index_select(0, rows) if num_topk else None,
+                                        tuple(b[lo:hi] for b in biases), num_sms)
+            out[lo:hi] = part
+            if out_w is not None:
+                out_w[lo:hi] = part_w
+            traffic.append(dict(self.traffic_state))
+        self.traffic_state["combine_rounds"] = traffic
         return out, out_w
 
     # ------------------------------------------------------------------ per-tier bytes
@@ -515,8 +622,17 @@ class CudaHierarchical:
         """Rows and bytes this rank sent over each tier in its latest ``op`` (host read: syncs),
         counted as the reference backend counts them: its own rows to itself excluded. Intra-domain
         rows: what this rank forwarded to the other ranks of its domain (the flat matrix tells: the
-        rows of the sources with its local index to each of them)."""
-        s = self.traffic_state
+        rows of the sources with its local index to each of them). A call in rounds: their sum."""
+        rounds = self.traffic_state.get(f"{op}_rounds")
+        if rounds is None:
+            return self._traffic_of(self.traffic_state, op)
+        total: dict[str, int] = {}
+        for s in rounds:
+            for key, value in self._traffic_of(s, op).items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def _traffic_of(self, s: dict, op: str) -> dict[str, int]:
         if op == "dispatch" and "row1" in s:
             state, at = s["state"], s["at"]
             sent1, row1, row2, m = state[at["send1"]:at["send1"] + self.num_domains].tolist(), s["row1"], s["row2"], \

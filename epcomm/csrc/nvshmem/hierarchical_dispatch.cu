@@ -170,30 +170,49 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
 // each source's block starts in each rank's output (the prefix of the matrix's columns), this rank's
 // total, and what the host reads after its sync (`summary`, host-mapped): every rank's token count,
 // the matrix, and the totals of this rank's experts.
+//
+// A call that does not fit (a rank has more tokens than a staging region holds, or receives more
+// rows than a receive area holds) moves nothing when `rounds` is set: the counts it moves by (this
+// rank's region counts, the matrix, the starts, the total) are zeroed, so the dispatch kernel runs
+// its protocol with empty regions and reports nothing; the host, which sees the true counts in the
+// summary, reruns the call in rounds that fit. Every rank decides alike: from the same rows and the
+// same limits (the buffers' sizes are equal on every rank, the shape digest made the rows' shapes so).
 struct CountsArgs {
     const int* current;  // [R, width]: the notify's rows
-    int width, num_ranks, rank, experts_per_rank;
+    int width, num_ranks, rank, experts_per_rank, num_domains;
     int* matrix;         // [R, R]
     int* start;          // [R, R]
     int* recv_total;     // [1]
     int* summary;        // [R + R * R + experts_per_rank]
+    int* send_counts;    // [D]: this rank's staging regions' counts (plan_kernel)
+    int64_t region_rows; // tokens a staging region holds
+    int64_t recv_rows;   // rows a rank may receive (its receive area, for the dispatch and its combine)
+    int rounds;          // 1: a call that does not fit moves nothing (the host runs it in rounds)
 };
 
 __global__ void counts_kernel(CountsArgs a) {
     const int R = a.num_ranks;
+    bool too_big = false;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        int received = 0;
+        for (int s = 0; s < R; ++s) received += a.current[s * a.width + 2 + r];
+        too_big |= a.current[r * a.width] > a.region_rows || received > a.recv_rows;
+    }
+    const bool skip = __syncthreads_or(too_big) && a.rounds != 0;
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
         const int v = a.current[(i / R) * a.width + 2 + i % R];
-        a.matrix[i] = v;
+        a.matrix[i] = skip ? 0 : v;
         a.summary[R + i] = v;
     }
+    for (int d = threadIdx.x; skip && d < a.num_domains; d += blockDim.x) a.send_counts[d] = 0;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         a.summary[r] = a.current[r * a.width];
         int running = 0;
         for (int s = 0; s < R; ++s) {
-            a.start[s * R + r] = running;
+            a.start[s * R + r] = skip ? 0 : running;
             running += a.current[s * a.width + 2 + r];
         }
-        if (r == a.rank) *a.recv_total = running;
+        if (r == a.rank) *a.recv_total = skip ? 0 : running;
     }
     const int first_expert = 2 + R + a.rank * a.experts_per_rank;
     for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
@@ -542,9 +561,12 @@ int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, co
 }
 
 // current: the notify's rows (width ints each); summary: host-mapped.
+// limits: region_rows, recv_rows, rounds (CountsArgs).
 int epcomm_hierarchical_counts(const int* current, int width, int num_ranks, int rank, int experts_per_rank,
-                               int* matrix, int* start, int* recv_total, int* summary, cudaStream_t stream) {
-    const CountsArgs a{current, width, num_ranks, rank, experts_per_rank, matrix, start, recv_total, summary};
+                               int num_domains, int* matrix, int* start, int* recv_total, int* summary,
+                               int* send_counts, const int64_t* limits, cudaStream_t stream) {
+    const CountsArgs a{current, width, num_ranks, rank, experts_per_rank, num_domains, matrix, start, recv_total,
+                       summary, send_counts, limits[0], limits[1], static_cast<int>(limits[2])};
     counts_kernel<<<1, 1024, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
