@@ -27,6 +27,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_HIER_TRANSPORT": ("auto", "CUDA hierarchical mode, between domains: auto (NVSHMEM puts; direct stores "
                                       "to a mate NVSHMEM maps over NVLink) or put (NVSHMEM puts to every mate: the "
                                       "path to other hosts, tested on one)"),
+    "EPCOMM_LL_SHARE_MESSAGES": ("0", "CUDA low-latency mode: 1 = a token's pairs to one rank share one message "
+                                      "(its data crosses NVLink once per (token, rank), not once per expert; the "
+                                      "receiver copies it for each expert); 0 = a message per (token, expert). "
+                                      "Read when a Buffer is built; every rank must agree"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -65,6 +69,13 @@ def timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be > 0, got {value}")
     return value
+
+
+def ll_share_messages() -> bool:
+    value = env_str("EPCOMM_LL_SHARE_MESSAGES")
+    if value not in ("0", "1"):
+        raise ValueError(f"EPCOMM_LL_SHARE_MESSAGES must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def ll_transport() -> str:

@@ -127,6 +127,46 @@ def test_ll_cuda_hook(ranks):
                        round_scale=False, use_ue8m0=False, use_hook=True, shrink_last=False)
 
 
+def rank_ll_shared_messages():
+    """EPCOMM_LL_SHARE_MESSAGES=1: a token's pairs to one rank share a message (send_unit's aliases);
+    every format, a hook, masking's absence, the graph, and the NVSHMEM transport with one peer
+    remote (remote pairs keep their own messages; mapped ones alias)."""
+    num_ranks = dist.get_world_size()
+    with env_var("EPCOMM_LL_SHARE_MESSAGES", 1):
+        for i, (tokens, n, hidden, per_rank, topk, routing) in enumerate(LL_CASES):
+            for mode in ("fp8", "bf16", "fp8-round", "fp8-ue8m0"):
+                if mode == "fp8-ue8m0" and hidden % 512:
+                    continue
+                rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=70 + i,
+                                     use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
+                                     use_ue8m0=mode == "fp8-ue8m0", use_hook=i == 1, shrink_last=False)
+        rank_ll_graph(32, 1024, 8 * num_ranks, 4)
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_ll_cuda_shared_messages_match_reference(ranks):
+    cluster(ranks).run(rank_ll_shared_messages, timeout_s=400)
+
+
+def rank_ll_shared_messages_nvshmem():
+    num_ranks = dist.get_world_size()
+    with env_var("EPCOMM_LL_SHARE_MESSAGES", 1), env_var("EPCOMM_LL_TRANSPORT", "nvshmem"), \
+            env_var("EPCOMM_LL_REMOTE_RANKS", "1"):
+        for (tokens, n, hidden, per_rank, topk, routing), mode, hook in NVSHMEM_CASES:
+            if mode == "fp8-ue8m0" and hidden % 512:
+                continue
+            rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=90,
+                                 use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
+                                 use_ue8m0=mode == "fp8-ue8m0", use_hook=hook, shrink_last=False)
+
+
+@pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+@pytest.mark.parametrize("ranks", [r for r in RANKS if r > 2])  # rank 1 remote, others mapped
+def test_ll_cuda_shared_messages_over_nvshmem_match_reference(ranks):
+    with fresh_cluster(ranks) as fresh:  # NVSHMEM: initialized once per process
+        fresh.run(rank_ll_shared_messages_nvshmem, timeout_s=400)
+
+
 @pytest.mark.parametrize("ranks", [r for r in RANKS if r > 2])
 def test_ll_cuda_masked_rank(ranks):
     cluster(ranks).run(rank_ll_vs_reference, [8], 8, 512, 4 * ranks, 3, "random", seed=41, use_fp8=False,

@@ -71,7 +71,7 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     """(data bytes, scale columns, message bytes) of one dispatched (token, expert) pair."""
     data = hidden if use_fp8 else hidden * 2
     cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
-    return data, cols, _round_up(data + cols * 4 + 4, 16)
+    return data, cols, _round_up(data + cols * 4 + 8, 16)  # + the token index and the alias (send_unit)
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,7 +108,8 @@ class LLDispatchCall(ctypes.Structure):
                                          "cumulative_stats"),
                 *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
-                *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols")]
+                *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
+                                        "share_messages padding")]
 
 
 class LLCombineCall(ctypes.Structure):
@@ -152,6 +153,7 @@ class CudaLowLatency:
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
+        self.share_messages = _env.ll_share_messages()  # in every call's shape tag: ranks that disagree are named
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -325,8 +327,10 @@ class CudaLowLatency:
         call = LLDispatchCall.from_buffer_copy(self._dispatch_calls[slot])  # this call's own (_launch)
         call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
         call.num_experts, call.num_max_tokens = num_experts, num_max_tokens
-        call.shape_tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0))
+        call.shape_tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
+                                   int(self.share_messages))
         call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
+        call.share_messages = int(self.share_messages)
         call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
         call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
         call.trace, call.slot_map, call.cumulative_stats = addr(trace), addr(slot_map), addr(cumulative_stats)

@@ -360,8 +360,9 @@ struct DispatchArgs {
     const __nv_bfloat16* x;   // [T, H]
     const int64_t* topk_idx;  // [T, K]
     CastMode mode;
-    int data_bytes, msg_bytes;  // message: data | scales | int32 token | padding to 16
+    int data_bytes, msg_bytes;  // message: data | scales | int32 token | int32 alias | padding to 16
     int num_scale_cols;         // scale words (4 bytes) of a message
+    bool share_messages;        // a token's pairs to one mapped rank share one message (send_unit)
     int slot;
     int64_t slot_bytes;
     int chunk_tokens;         // tokens per block of the send kernel
@@ -392,9 +393,14 @@ __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int gr
 
 // Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
 // 0-15 of each half hold one group): loaded once, cast once, stored into each of the token's
-// messages (`rows`/`experts`: its K pairs; row -1: not sent). Unit 0 also writes the token index.
-// Messages to remote peers are written once, into the token's staging message (`staging`), which
-// the send kernel then puts to each of them.
+// messages (`rows`/`experts`: its K pairs; row -1: not sent). Unit 0 also writes each message's
+// tail: the token index and the alias. Messages to remote peers are written once, into the token's
+// staging message (`staging`), which the send kernel then puts to each of them.
+// With share_messages, a token's pairs to one mapped rank share a message: the first of them with a
+// row (the holder) gets the data; the others only their tail, whose alias names the holder's
+// message there (its local expert * N + row + 1; 0: the message holds its own data), from which
+// the receiver copies. The holder's stores are the same block's, so the count that releases the
+// aliasing pair releases them too. What crosses NVLink: once per (token, rank), not per expert.
 __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& lay, int t, int unit, const int* rows,
                                           const int* experts, uint8_t* staging, int lane) {
     const int num_int4 = a.hidden / 8;
@@ -416,6 +422,7 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
         if (row < 0) continue;
         const int e = experts[k], dst = e / experts_per_rank, local_e = e % experts_per_rank;
         uint8_t* msg;
+        int alias = 0;
         if (is_remote(a.peers, dst)) {
             if (staged) continue;
             staged = true;
@@ -423,7 +430,19 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
         } else {
             msg = a.peers.bufs[dst] + lay.data +
                   ((static_cast<int64_t>(local_e) * R + a.rank) * a.num_max_tokens + row) * a.msg_bytes;
+            for (int j = 0; a.share_messages && j < k; ++j) {
+                if (rows[j] >= 0 && experts[j] / experts_per_rank == dst) {
+                    alias = (experts[j] % experts_per_rank) * a.num_max_tokens + rows[j] + 1;
+                    break;
+                }
+            }
         }
+        if (unit == 0 && lane == 0) {
+            int* tail = reinterpret_cast<int*>(msg + a.data_bytes + a.num_scale_cols * 4);
+            tail[0] = t;
+            tail[1] = alias;
+        }
+        if (alias != 0) continue;
         if (a.mode.fp8) {
             if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
             if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
@@ -435,7 +454,6 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
             if (v0) reinterpret_cast<int4*>(msg)[i0] = r0;
             if (v1) reinterpret_cast<int4*>(msg)[i1] = r1;
         }
-        if (unit == 0 && lane == 0) *reinterpret_cast<int*>(msg + a.data_bytes + a.num_scale_cols * 4) = t;
     }
 }
 
@@ -616,18 +634,26 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
     const int mine_count = counts[src];
     const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
     const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
+    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (send_unit)
     for (int u = warp; u < mine_count * pieces; u += num_warps) {
         const int i = u / pieces, piece = u % pieces;
         const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
+        const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
+        if (a.share_messages) {
+            const int alias = reinterpret_cast<const int*>(msg + tail)[1];
+            if (alias > 0)
+                data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
+                                             a.msg_bytes;
+        }
         const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
-        copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(msg),
+        copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(data),
                    data_int4, piece, lane);
         if (piece != 0) continue;
         for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
             reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
                                                        c * a.scale_stride_col] =
-                reinterpret_cast<const uint32_t*>(msg + a.data_bytes)[c];
-        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + a.data_bytes + a.num_scale_cols * 4);
+                reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
+        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + tail);
     }
     if (src == R - 1) {  // the last source's block completes the expert's metadata
         if (tid == 0) {
@@ -917,6 +943,7 @@ struct LLDispatchCall {
     int64_t scale_stride_e, scale_stride_row, scale_stride_col;
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
     int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
+    int32_t share_messages, padding;
 };
 
 struct LLCombineCall {
@@ -947,7 +974,8 @@ constexpr auto fields_of<ll::LLDispatchCall>() {
                       EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
                       EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
                       EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
-                      EPCOMM_FIELD(num_scale_cols)};
+                      EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(share_messages),
+                      EPCOMM_FIELD(padding)};
 }
 template <>
 constexpr auto fields_of<ll::LLCombineCall>() {
@@ -1063,6 +1091,7 @@ int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t s
     a.data_bytes = c.data_bytes;
     a.msg_bytes = c.msg_bytes;
     a.num_scale_cols = c.num_scale_cols;
+    a.share_messages = c.share_messages != 0;
     set_ptr(a.sent_pairs, c.sent_pairs);
     set_ptr(a.slot_map, c.slot_map);
     set_ptr(a.recv_data, c.recv_data);
