@@ -554,6 +554,7 @@ class CudaHierarchical:
 
     def _dispatch_in_rounds(self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix, most,
                             most_tokens, expert_list, region_rows, recv_rows, buffer_uid, num_sms):
+        self.traffic_state.pop("dispatch_rounds", None)  # the previous call's, whatever happens here
         step = min(region_rows, recv_rows // self.num_ranks)
         if step < 1:  # the same sizes on every rank: all raise
             raise ValueError(f"epcomm dispatch (hierarchical): num_nvl_bytes={self.shared.num_bytes} holds "

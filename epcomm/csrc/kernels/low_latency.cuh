@@ -185,7 +185,7 @@ struct Layout {  // where things live inside one slot
         dispatch_signals = acks + (num_ranks * 8 + 15) / 16 * 16;
         combine_signals = dispatch_signals + num_experts * 8;
         data = combine_signals + num_experts * 8;
-        // The largest dispatch message (BF16: 2H data + the token index, padded to 16 bytes).
+        // The largest dispatch message (BF16: 2H data + the token index and alias, padded to 16 bytes).
         combine_data = data + static_cast<int64_t>(num_experts) * num_max_tokens * (hidden * 2 + 16);
     }
 };
