@@ -8,6 +8,8 @@
 #   SANITIZE=1          then scripts/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
 #   HIER_PUT=1          then the bench again with EPCOMM_HIER_TRANSPORT=put (hierarchical: NVSHMEM puts to
 #                       every mate, the inter-node path) into bench-put.json
+#   EPCOMM_TEST_SHARE_GPUS=1  the tests at 2, 4 and 8 ranks run on fewer GPUs, ranks sharing them
+#                       (tests/conftest.py): protocols and results, not timings
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 {
