@@ -9,6 +9,10 @@
 #   bash scripts/variants.sh 'base' \
 #     'unroll8|epcomm/csrc/kernels/intranode.cu|s/constexpr int kUnroll = 4;/constexpr int kUnroll = 8;/' \
 #     -- --backend cuda --modes normal --num-sms 24
+# A pair 'env|VAR=VALUE' sets an environment variable for that variant instead (A/B of a runtime
+# switch, e.g. 'shared|env|EPCOMM_LL_SHARE_MESSAGES=1'). VARIANT_CMD='...' runs that command per
+# variant instead of the bench (its output goes to $OUT/variant-NAME.txt), e.g.
+#   VARIANT_CMD='python3 scripts/ll_profile.py --ranks 1 --tokens 1,128' bash scripts/variants.sh ...
 # Writes $OUT/variant-NAME.json per variant and prints each variant's table rows; a sed edit that
 # changes nothing is reported (a typo must not pass for a measured variant).
 set -uo pipefail
@@ -26,9 +30,14 @@ for spec in "${variants[@]}"; do
   IFS='|' read -r -a parts <<< "$spec"
   name=${parts[0]}
   ok=1
+  envs=()
   for ((i = 1; i + 1 < ${#parts[@]}; i += 2)); do
     file=${parts[i]}
     expr=${parts[i + 1]}
+    if [ "$file" = env ]; then
+      envs+=("$expr")
+      continue
+    fi
     before=$(md5sum "$file" | cut -d' ' -f1)
     sed -i "$expr" "$file"
     if [ "$(md5sum "$file" | cut -d' ' -f1)" = "$before" ]; then
@@ -37,9 +46,15 @@ for spec in "${variants[@]}"; do
     fi
   done
   if [ $ok = 1 ]; then
-    echo "== variant $name"
-    timeout "${VARIANT_TIMEOUT_S:-150}" python3 -m epcomm.bench --json "$OUT/variant-$name.json" "$@" 2>&1 \
-      | grep -E "^ +(normal|low_latency) |Error|error" || status=1
+    echo "== variant $name ${envs[*]}"
+    if [ -n "${VARIANT_CMD:-}" ]; then
+      env ${envs[@]+"${envs[@]}"} timeout "${VARIANT_TIMEOUT_S:-150}" bash -c "$VARIANT_CMD" \
+        > "$OUT/variant-$name.txt" 2>&1 || status=1
+      grep -E "graph step|median|Error|error" "$OUT/variant-$name.txt" | head -20
+    else
+      env ${envs[@]+"${envs[@]}"} timeout "${VARIANT_TIMEOUT_S:-150}" python3 -m epcomm.bench \
+        --json "$OUT/variant-$name.json" "$@" 2>&1 | grep -E "^ +(normal|low_latency) |Error|error" || status=1
+    fi
   else
     status=1
   fi
