@@ -14,6 +14,7 @@ from routing import device, make_inputs
 import epcomm
 from epcomm import Buffer, Config, EventOverlap, _env
 from epcomm.fp8 import pack_ue8m0, quantize_groups, unpack_ue8m0
+from epcomm.utils.launch import SHARED_GPU_BACKEND, backend_on_cuda
 
 
 def rank_no_topk_one_bias_async(num_tokens, hidden, num_experts):
@@ -107,6 +108,14 @@ def test_is_sm90_compiled_needs_a_hopper_gpu_and_nvcc():
         assert Buffer.is_sm90_compiled() is False
     elif shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc"):
         assert Buffer.is_sm90_compiled() is True
+
+
+def test_which_groups_hold_tensors_on_gpus():
+    """A Buffer's tensors are on the rank's GPU when its group has a CUDA backend: NCCL, a mixed
+    group, or the gloo-on-CUDA group of ranks sharing GPUs (the tests' EPCOMM_TEST_SHARE_GPUS)."""
+    for name, on_gpu in (("nccl", True), ("cpu:gloo,cuda:nccl", True), (SHARED_GPU_BACKEND, True), ("gloo", False),
+                         ("cpu:gloo", False)):
+        assert backend_on_cuda(name) is on_gpu, name
 
 
 def test_low_latency_transport_settings():
