@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epcomm import Buffer
 from epcomm.planner import (
     Tier,
     Topology,
@@ -611,3 +612,40 @@ def test_cli_module_entry_point_and_torch_free_import(tmp_path):
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert "recommendation:" in done.stdout
+
+
+def test_per_expert_messages_by_hand():
+    """The low-latency layout (a message per (token, expert)) against flat's one per (token, rank), EP8
+    decode: 128 tokens, top-8 of 288, FP8 H=7168 (BENCHMARK.md's low-latency setting)."""
+    topology = preset("8xh200")
+    work = Workload(num_tokens=128, hidden=7168, num_topk=8, num_experts=288)
+    report = plan(topology, work, strategies=["per_expert", "flat"], slowest_rank=False)
+    ll, flat = report.strategy("per_expert"), report.strategy("flat")
+    message = 7168 + 56 * 4 + 16
+    assert ll.dispatch.link_bytes["intra"] == pytest.approx(128 * 8 * 7 / 8 * message)
+    assert ll.combine.link_bytes["intra"] == pytest.approx(128 * 8 * 7 / 8 * 7168 * 2)
+    assert ll.dispatch.logical_bytes == pytest.approx(128 * 8 * message)  # BENCHMARK.md: per (token, expert)
+    # A token reaches 5.29 of 8 ranks: a message per rank moves a third less.
+    share = flat.dispatch.link_bytes["intra"] / ll.dispatch.link_bytes["intra"]
+    assert share == pytest.approx(5.29 / 8 * (message - 16) / message, abs=0.01)
+    assert flat.dispatch.time_us < ll.dispatch.time_us and flat.combine.time_us < ll.combine.time_us
+    assert ll.buffer_bytes == Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288)
+    assert report.recommendation == "flat"
+    # Only on request: the defaults stay the normal-mode strategies.
+    assert "per_expert" not in {s.name for s in plan(topology, work).strategies}
+    assert cli_main(["--tokens", "128", "--experts", "288", "--strategies", "per_expert,flat"]) == 0
+    with pytest.raises(ValueError, match="strategies must be drawn from"):
+        plan(topology, work, strategies=["per_token"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 8), st.integers(1, 512), st.integers(1, 8))
+def test_per_expert_never_moves_fewer_bytes_than_flat(domains, gpus, tokens, topk):
+    topology = Topology(name="t", num_domains=domains, gpus_per_domain=gpus, intra=Tier(300.0, 2.0),
+                        inter=Tier(50.0, 5.0) if domains > 1 else None)
+    num_experts = 8 * domains * gpus
+    work = Workload(num_tokens=tokens, hidden=1024, num_topk=min(topk, num_experts), num_experts=num_experts)
+    report = plan(topology, work, strategies=["per_expert", "flat"], slowest_rank=False)
+    ll, flat = report.strategy("per_expert"), report.strategy("flat")
+    for tier in ("intra", "inter"):
+        assert ll.combine.link_bytes.get(tier, 0.0) >= flat.combine.link_bytes.get(tier, 0.0) * (1 - 1e-9), tier

@@ -8,10 +8,13 @@ Pure Python (no torch), so it runs on a laptop before a cluster is booked::
 
 Three strategies are compared: allgather + local permute, a flat all-to-all, and hierarchical
 forwarding (cross the inter-domain tier once per destination domain, then forward inside it).
+On request (``strategies=("per_expert", "flat")``), the low-latency layout too: a message per
+(token, expert) pair, against ``flat``'s one per (token, rank).
 The routing model and every formula are documented in :mod:`.expectations` and :mod:`.cost_model`.
 """
 
 from .cost_model import (
+    ALL_STRATEGIES,
     STRATEGIES,
     PhaseEstimate,
     PlanReport,
@@ -40,6 +43,7 @@ from .topology import (
 from .workload import Workload, bytes_per_token
 
 __all__ = [
+    "ALL_STRATEGIES",
     "STRATEGIES",
     "Expectations",
     "PhaseEstimate",

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cost_model import STRATEGIES, plan
+from .cost_model import ALL_STRATEGIES, plan
 from .topology import Tier, Topology, load_topology, preset, preset_names
 from .workload import DTYPES, Workload
 
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--domains-per-token", type=float, help="measured mean distinct domains per token")
 
     out = parser.add_argument_group("output")
-    out.add_argument("--strategies", help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    out.add_argument("--strategies", help=f"comma-separated subset of {','.join(ALL_STRATEGIES)} (default: all but "
+                                          "per_expert, the low-latency layout)")
     out.add_argument("--mean-rank", action="store_true", help="predict the mean rank instead of the slowest rank")
     out.add_argument("--json", metavar="PATH", help="also write the full report as JSON ('-' for stdout only)")
     return parser

@@ -21,6 +21,15 @@ Strategies (rows per rank per tier; the local copy of a token moves over no link
     sent once to every rank it reaches, over whichever tier separates the two ranks.
     intra ``T (g-1) p_r``, inter ``T (R-g) p_r``. Latency: one hop of the slowest tier used.
 
+``per_expert`` -- the low-latency (decode) layout, DeepEP's and epcomm's by default: a message per
+    (token, expert) pair, so a token reaching several experts of one rank crosses the link once per
+    expert: intra ``T K (g-1)/R``, inter ``T K (R-g)/R`` messages of ``b + 16`` bytes in dispatch
+    (data, scales and 16 bytes of metadata), ``2H`` in combine. ``flat`` counts what a message per
+    (token, rank) moves (epcomm's ``EPCOMM_LL_SHARE_MESSAGES=1``). Latency: one hop. Its logical
+    bytes follow BENCHMARK.md's low-latency metric (per pair: ``T K (b + 16)``, ``T K 2H``). Buffer:
+    ``Config``'s ``low_latency_size_hint`` (a receive area for every expert's worst case, two slots).
+    Estimated only when asked for (``strategies=``), not among the defaults.
+
 ``hierarchical`` -- DeepEP internode style: a token crosses the inter tier once per other domain
     it reaches, to the GPU with the same local index there, which forwards it over the intra tier
     to the ranks that need it; tokens for the own domain go directly over the intra tier.
@@ -69,16 +78,21 @@ from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 from typing import Any
 
+from ..config import low_latency_size_hint
 from .expectations import Expectations, expectations, with_measured
 from .topology import Topology
 from .workload import Workload
 
-STRATEGIES = ("allgather", "flat", "hierarchical")
+STRATEGIES = ("allgather", "flat", "hierarchical")  # the defaults: normal mode
+LOW_LATENCY_STRATEGIES = ("per_expert",)
+ALL_STRATEGIES = STRATEGIES + LOW_LATENCY_STRATEGIES
 STRATEGY_LABELS = {
     "allgather": "allgather + permute",
     "flat": "flat all-to-all",
     "hierarchical": "hierarchical forwarding",
+    "per_expert": "per-expert messages (low latency)",
 }
+_LL_METADATA_BYTES = 16  # a low-latency dispatch message's token index and alignment (BENCHMARK.md)
 SHARED = "intra+inter (shared links)"
 
 
@@ -266,17 +280,27 @@ def _traffic(name: str, topology: Topology, workload: Workload, e: Expectations,
         latency = max((lat for tier, lat in (("intra", lat_intra), ("inter", lat_inter)) if rows[tier] > 0),
                       default=0.0)
         return _Traffic(rows=rows, trials=trials, hbm_rows=0.0, hbm_trials=(0.0, 0.0), latency_us=latency)
+    if name == "per_expert":
+        k = float(workload.num_topk)
+        rows = {"intra": t * k * (gpus - 1) / num_ranks, "inter": t * k * (num_ranks - gpus) / num_ranks}
+        p_pair = 1.0 / num_ranks  # a pair's expert lies on a given rank
+        trials = {"intra": ((gpus - 1) * t * k, p_pair), "inter": ((num_ranks - gpus) * t * k, p_pair)}
+        latency = max((lat for tier, lat in (("intra", lat_intra), ("inter", lat_inter)) if rows[tier] > 0),
+                      default=0.0)
+        return _Traffic(rows=rows, trials=trials, hbm_rows=0.0, hbm_trials=(0.0, 0.0), latency_us=latency)
     if name == "hierarchical":
         rows = {"intra": t * num_domains * (gpus - 1) * p_r, "inter": t * (num_domains - 1) * p_d}
         trials = {"intra": (num_domains * (gpus - 1) * t, p_r), "inter": ((num_domains - 1) * t, p_d)}
         return _Traffic(rows=rows, trials=trials, hbm_rows=0.0, hbm_trials=(0.0, 0.0),
                         latency_us=lat_intra + lat_inter)
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+    raise ValueError(f"strategy must be one of {ALL_STRATEGIES}, got {name!r}")
 
 
 def _phase(name: str, phase: str, topology: Topology, workload: Workload, e: Expectations,
            slowest_rank: bool) -> PhaseEstimate:
     row_bytes = workload.dispatch_bytes_per_token if phase == "dispatch" else workload.combine_bytes_per_token
+    if name == "per_expert" and phase == "dispatch":
+        row_bytes += _LL_METADATA_BYTES
     traffic = _traffic(name, topology, workload, e, phase)
     num_ranks = topology.num_ranks
     tiers = {"intra": topology.intra, "inter": topology.inter}
@@ -311,7 +335,9 @@ def _phase(name: str, phase: str, topology: Topology, workload: Workload, e: Exp
         candidates.update({tier: s * 1e6 for tier, s in tier_s.items()})
     bottleneck = max(candidates, key=lambda k: candidates[k]) if any(candidates.values()) else "none"
 
-    logical_bytes = num_ranks * workload.num_tokens * e.p_rank * row_bytes
+    received_rows = workload.num_tokens * workload.num_topk if name == "per_expert" else \
+        num_ranks * workload.num_tokens * e.p_rank
+    logical_bytes = received_rows * row_bytes
     return PhaseEstimate(
         phase=phase, bytes_per_token=row_bytes, link_bytes=link_bytes, hbm_bytes=hbm_bytes,
         logical_bytes=logical_bytes, component_us=components, slowest_rank_factors=factors,
@@ -328,6 +354,9 @@ def _buffers(name: str, topology: Topology, workload: Workload, e: Expectations)
     if name == "allgather":
         size = num_ranks * t * row_bytes
         return float(size), float(size)
+    if name == "per_expert":
+        size = low_latency_size_hint(t, workload.hidden, num_ranks, workload.num_experts)
+        return float(size), float(size)
     groups = workload.num_groups if workload.num_groups is not None else num_domains
     useful = num_ranks * t * e.p_rank
     expected = 2.0 * useful * row_bytes
@@ -340,9 +369,10 @@ def _buffers(name: str, topology: Topology, workload: Workload, e: Expectations)
 
 def estimate(name: str, topology: Topology, workload: Workload, e: Expectations | None = None,
              slowest_rank: bool = True, reference_only: bool = False) -> StrategyEstimate:
-    """Estimate one strategy (``allgather``, ``flat`` or ``hierarchical``) for this topology and workload."""
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+    """Estimate one strategy (``allgather``, ``flat``, ``hierarchical`` or ``per_expert``) for this topology
+    and workload."""
+    if name not in ALL_STRATEGIES:
+        raise ValueError(f"strategy must be one of {ALL_STRATEGIES}, got {name!r}")
     workload.check(topology)
     if e is None:
         e = _expectations_for(topology, workload)
@@ -377,8 +407,8 @@ def plan(topology: Topology, workload: Workload, *, strategies: tuple[str, ...] 
     workload.check(topology)
     names = list(STRATEGIES if strategies is None else strategies)
     for name in names:
-        if name not in STRATEGIES:
-            raise ValueError(f"strategies must be drawn from {STRATEGIES}, got {name!r}")
+        if name not in ALL_STRATEGIES:
+            raise ValueError(f"strategies must be drawn from {ALL_STRATEGIES}, got {name!r}")
     notes: list[str] = []
     if topology.num_domains == 1 and "hierarchical" in names:
         names.remove("hierarchical")
@@ -392,7 +422,7 @@ def plan(topology: Topology, workload: Workload, *, strategies: tuple[str, ...] 
     if workload.num_groups is not None and workload.num_groups < topology.num_domains and e.source == "exact":
         uniform = expectations(workload.num_experts, workload.num_topk, topology.num_ranks, topology.num_domains)
         estimates += [estimate(n, topology, workload, uniform, slowest_rank, reference_only=True)
-                      for n in names if n != "allgather"]
+                      for n in names if n not in ("allgather", "per_expert")]
     best = min((s for s in estimates if not s.reference_only), key=lambda s: s.total_us)
 
     gpus = topology.gpus_per_domain
