@@ -11,6 +11,7 @@ so a round's combine sums a token's rows exactly as one call would.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -47,3 +48,47 @@ def assemble(per_round: list, order: list[torch.Tensor], device: torch.device, c
             if rows.numel():
                 as_bytes.index_copy_(0, rows, part.contiguous().view(part.shape[0], width).view(torch.uint8))
     return out.t().contiguous().t() if col_major else out
+
+
+def _token_range(j: int, step: int, num_tokens: int) -> tuple[int, int]:
+    """Round j's source tokens: [j * step, (j + 1) * step), clipped to the rank's tokens."""
+    return min(j * step, num_tokens), min((j + 1) * step, num_tokens)
+
+
+def cached_dispatch_in_rounds(dispatch_round: Callable, x: torch.Tensor, scales: torch.Tensor | None, state: dict,
+                              device: torch.device, after_round: Callable[[], None] | None = None):
+    """A cached dispatch with the handle of a dispatch run in rounds (``state``: its backend state):
+    ``dispatch_round(x_range, scales_range, sub_handle)`` returns round j's received rows; the rows
+    of every round come back assembled as one call returns them."""
+    step, parts = state["round_step"], []
+    for j, sub in enumerate(state["rounds"]):
+        lo, hi = _token_range(j, step, x.shape[0])
+        parts.append(dispatch_round(x[lo:hi], scales[lo:hi] if scales is not None else None, sub))
+        if after_round is not None:
+            after_round()
+    col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1  # as a single call's rule
+    return assemble(parts, state["round_rows"], device, col_major)
+
+
+def combine_in_rounds(combine_round: Callable, x: torch.Tensor, num_tokens: int, state: dict,
+                      topk_weights: torch.Tensor | None, biases: tuple, device: torch.device,
+                      after_round: Callable[[], None] | None = None):
+    """A combine with the handle of a dispatch run in rounds: round j's combine takes the rows round j
+    received (``x`` is in the assembled order: ``state["round_rows"][j]`` picks them) and returns the
+    sums of the tokens of its range; ``combine_round(x_rows, sub_handle, weights_rows, biases_range)``
+    returns (out, out_weights). Each token belongs to one round, so the sums are one call's."""
+    step = state["round_step"]
+    out = torch.empty((num_tokens, x.shape[1]), dtype=torch.bfloat16, device=device)
+    num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+    out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) if num_topk else None
+    for j, (sub, rows) in enumerate(zip(state["rounds"], state["round_rows"])):
+        lo, hi = _token_range(j, step, num_tokens)
+        part, part_w = combine_round(x.index_select(0, rows), sub,
+                                     topk_weights.index_select(0, rows) if num_topk else None,
+                                     tuple(b[lo:hi] for b in biases))
+        out[lo:hi] = part
+        if out_w is not None:
+            out_w[lo:hi] = part_w
+        if after_round is not None:
+            after_round()
+    return out, out_w

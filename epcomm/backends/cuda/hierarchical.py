@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
-from ..rounds import assemble, round_order
+from ..rounds import assemble, cached_dispatch_in_rounds, combine_in_rounds, round_order
 from .build import load_library, load_nvshmem_library
 from .capi import check, ptr, stream_ptr
 from .intranode import dispatch_layout
@@ -588,35 +588,21 @@ class CudaHierarchical:
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
 
     def _cached_in_rounds(self, x, scales, handle, num_sms):
-        st = handle.backend_state
-        step, parts, traffic = st["round_step"], [], []
-        for j, sub in enumerate(st["rounds"]):
-            lo, hi = min(j * step, x.shape[0]), min((j + 1) * step, x.shape[0])
-            parts.append(self.dispatch(x[lo:hi], scales[lo:hi] if scales is not None else None, sub, None, None,
-                                       None, None, None, 1, 0, 0, handle.buffer_uid, num_sms)[0])
-            traffic.append(dict(self.traffic_state))
+        traffic: list[dict] = []
+        recv_x = cached_dispatch_in_rounds(
+            lambda xs, ss, sub: self.dispatch(xs, ss, sub, None, None, None, None, None, 1, 0, 0, handle.buffer_uid,
+                                              num_sms)[0], x, scales, handle.backend_state, self.device,
+            lambda: traffic.append(dict(self.traffic_state)))
         self.traffic_state["dispatch_rounds"] = traffic
-        col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1
-        return assemble(parts, st["round_rows"], self.device, col_major), None, None, None, handle
+        return recv_x, None, None, None, handle
 
     def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
-        st = handle.backend_state
-        step, traffic = st["round_step"], []
-        out = torch.empty((handle.num_tokens, x.shape[1]), dtype=torch.bfloat16, device=self.device)
-        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-        out_w = torch.empty((handle.num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk \
-            else None
-        for j, (sub, rows) in enumerate(zip(st["rounds"], st["round_rows"])):
-            lo, hi = min(j * step, handle.num_tokens), min((j + 1) * step, handle.num_tokens)
-            part, part_w = self.combine(x.index_select(0, rows), sub,
-                                        topk_weights.index_select(0, rows) if num_topk else None,
-                                        tuple(b[lo:hi] for b in biases), num_sms)
-            out[lo:hi] = part
-            if out_w is not None:
-                out_w[lo:hi] = part_w
-            traffic.append(dict(self.traffic_state))
+        traffic: list[dict] = []
+        out = combine_in_rounds(lambda xs, sub, ws, bs: self.combine(xs, sub, ws, bs, num_sms), x, handle.num_tokens,
+                                handle.backend_state, topk_weights, biases, self.device,
+                                lambda: traffic.append(dict(self.traffic_state)))
         self.traffic_state["combine_rounds"] = traffic
-        return out, out_w
+        return out
 
     # ------------------------------------------------------------------ per-tier bytes
     def traffic(self, op: str) -> dict[str, int]:
