@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
-from ..rounds import assemble, cached_dispatch_in_rounds, combine_in_rounds, round_order
+from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
 from .build import load_library, load_nvshmem_library
 from .capi import check, ptr, stream_ptr
 from .intranode import dispatch_layout
@@ -561,45 +561,24 @@ class CudaHierarchical:
                              f"{recv_rows} rows, fewer than one per rank ({self.num_ranks}), and num_rdma_bytes="
                              f"{self.sym.num_bytes} {region_rows} tokens per region: too small for rounds; size them "
                              "with epcomm.backends.cuda.hierarchical.nvl_bytes_needed and rdma_bytes_needed")
-        num_tokens = x.shape[0]
-        no_expert_counts = torch.zeros(num_experts, dtype=torch.int32, device=self.device)  # totals taken above
-        parts, handles, traffic = [], [], []
-        for j in range(-(-most_tokens // step)):
-            lo, hi = min(j * step, num_tokens), min((j + 1) * step, num_tokens)
-            in_rank = is_token_in_rank[lo:hi]
-            out = self.dispatch(
-                x[lo:hi], scales[lo:hi] if scales is not None else None, None, in_rank.sum(0, dtype=torch.int32),
-                in_rank, no_expert_counts, topk_idx[lo:hi] if topk_idx is not None else None,
-                topk_weights[lo:hi] if topk_weights is not None else None, 1, 0, num_experts, buffer_uid, num_sms)
-            parts.append(out[:3])
-            handles.append(out[4])
-            traffic.append(dict(self.traffic_state))
-        order = round_order([h.recv_counts for h in handles], self.num_ranks, self.device)
-        col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1  # as one call's rule
-        recv_x = assemble([p[0] for p in parts], order, self.device, col_major)
-        recv_topk_idx, recv_topk_weights = (assemble([p[i] for p in parts], order, self.device) for i in (1, 2))
+        traffic: list[dict] = []
+        recv_x, recv_topk_idx, recv_topk_weights, handle = dispatch_in_rounds(
+            self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, step, -(-most_tokens // step),
+            matrix, buffer_uid, num_sms, {"most_recv": most, "matrix": matrix},
+            lambda: traffic.append(dict(self.traffic_state)))
         self.traffic_state["dispatch_rounds"] = traffic
-        handle = DispatchHandle(
-            buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=x.shape[1],
-            num_recv_tokens=int(matrix[:, self.rank].sum()), num_worst_tokens=0, is_token_in_rank=is_token_in_rank,
-            send_counts=matrix[self.rank].tolist(), recv_counts=matrix[:, self.rank].tolist(),
-            backend_state={"rounds": handles, "round_step": step, "round_rows": order, "most_recv": most,
-                           "matrix": matrix})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
 
     def _cached_in_rounds(self, x, scales, handle, num_sms):
         traffic: list[dict] = []
-        recv_x = cached_dispatch_in_rounds(
-            lambda xs, ss, sub: self.dispatch(xs, ss, sub, None, None, None, None, None, 1, 0, 0, handle.buffer_uid,
-                                              num_sms)[0], x, scales, handle.backend_state, self.device,
-            lambda: traffic.append(dict(self.traffic_state)))
+        recv_x = cached_dispatch_in_rounds(self, x, scales, handle, num_sms,
+                                           lambda: traffic.append(dict(self.traffic_state)))
         self.traffic_state["dispatch_rounds"] = traffic
         return recv_x, None, None, None, handle
 
     def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
         traffic: list[dict] = []
-        out = combine_in_rounds(lambda xs, sub, ws, bs: self.combine(xs, sub, ws, bs, num_sms), x, handle.num_tokens,
-                                handle.backend_state, topk_weights, biases, self.device,
+        out = combine_in_rounds(self, x, handle, topk_weights, biases, num_sms,
                                 lambda: traffic.append(dict(self.traffic_state)))
         self.traffic_state["combine_rounds"] = traffic
         return out

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
-from ..rounds import assemble, cached_dispatch_in_rounds, combine_in_rounds, round_order
+from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
 from .build import load_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, ptr, stream_ptr
 from .ipc import SharedBuffer
@@ -251,7 +251,7 @@ class CudaIntranode:
         stream = torch.cuda.current_stream(self.device)
         split = False  # send half launched before the host reads the counts, receive half after
         if cached and "rounds" in handle.backend_state:
-            return self._cached_in_rounds(x, scales, handle, num_sms)
+            return cached_dispatch_in_rounds(self, x, scales, handle, num_sms), None, None, None, handle
         if cached:
             st = handle.backend_state
             in_rank, slot, own_tokens, layout = st["in_rank"], st["slot"], st["own_tokens"], st["layout"]
@@ -372,7 +372,7 @@ class CudaIntranode:
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
         if "rounds" in st:
-            return self._combine_in_rounds(x, handle, topk_weights, biases, num_sms)
+            return combine_in_rounds(self, x, handle, topk_weights, biases, num_sms)
         num_tokens, hidden = handle.num_tokens, x.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         if num_topk > 32:
@@ -424,40 +424,10 @@ class CudaIntranode:
         num_topk = topk_idx.shape[1] if topk_idx is not None else 0
         num_scales = scales.shape[1] if scales is not None else 0
         step = self._round_tokens(x.shape[1], x.element_size(), num_topk, num_scales)
-        rounds = self._num_rounds(x.shape[0], step)
-        no_expert_counts = torch.zeros(num_experts, dtype=torch.int32, device=self.device)  # list taken above
-        parts, handles = [], []
-        for j in range(rounds):
-            lo, hi = min(j * step, x.shape[0]), min((j + 1) * step, x.shape[0])
-            in_rank = is_token_in_rank[lo:hi]
-            out = self.dispatch(
-                x[lo:hi], scales[lo:hi] if scales is not None else None, None,
-                in_rank.sum(0, dtype=torch.int32), in_rank, no_expert_counts,
-                topk_idx[lo:hi] if topk_idx is not None else None,
-                topk_weights[lo:hi] if topk_weights is not None else None, 1, 0, num_experts, buffer_uid, num_sms)
-            parts.append(out[:3])
-            handles.append(out[4])
-        order = round_order([h.recv_counts for h in handles], self.num_ranks, self.device)
-        col_major = scales is not None and scales.stride(0) == 1 and num_scales > 1  # as a single call's rule
-        recv_x = assemble([p[0] for p in parts], order, self.device, col_major)
-        recv_topk_idx, recv_topk_weights = (assemble([p[i] for p in parts], order, self.device) for i in (1, 2))
-        num_recv = int(matrix[:, self.rank].sum())
-        handle = DispatchHandle(
-            buffer_uid=buffer_uid, num_tokens=x.shape[0], hidden=x.shape[1], num_recv_tokens=num_recv,
-            num_worst_tokens=0, is_token_in_rank=is_token_in_rank, send_counts=[int(v) for v in matrix[self.rank]],
-            recv_counts=[int(v) for v in matrix[:, self.rank]],
-            backend_state={"rounds": handles, "round_step": step, "round_rows": order})
+        recv_x, recv_topk_idx, recv_topk_weights, handle = dispatch_in_rounds(
+            self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, step,
+            self._num_rounds(x.shape[0], step), matrix, buffer_uid, num_sms)
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
-
-    def _cached_in_rounds(self, x, scales, handle, num_sms):
-        recv_x = cached_dispatch_in_rounds(
-            lambda xs, ss, sub: self.dispatch(xs, ss, sub, None, None, None, None, None, 1, 0, 0, handle.buffer_uid,
-                                              num_sms)[0], x, scales, handle.backend_state, self.device)
-        return recv_x, None, None, None, handle
-
-    def _combine_in_rounds(self, x, handle, topk_weights, biases, num_sms):
-        return combine_in_rounds(lambda xs, sub, ws, bs: self.combine(xs, sub, ws, bs, num_sms), x, handle.num_tokens,
-                                 handle.backend_state, topk_weights, biases, self.device)
 
     # ------------------------------------------------------------------ errors raised on every rank alike
     def _raise_refusals(self) -> None:
