@@ -29,7 +29,7 @@ from .backends.reference.backend import Op
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_size_hint
 from .event import EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
-from .utils.launch import backend_on_cuda
+from .utils.launch import group_device
 
 _buffer_counter = itertools.count()
 _BACKENDS = ("auto", "cuda", "reference")
@@ -59,10 +59,7 @@ class Buffer:
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         pg_backend = dist.get_backend(self.group)
-        if backend_on_cuda(pg_backend):
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.device = group_device(self.group)
         self.uid = f"{next(_buffer_counter)}"
         self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
         error: Exception | None = None

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 # The routing patterns live in the package: the pressure test draws them too.
 from epcomm.bench.workloads import make_pattern_topk_idx as make_topk_idx
-from epcomm.utils.launch import backend_on_cuda
+from epcomm.utils.launch import group_device
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
@@ -21,6 +20,4 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts:
 
 def device() -> torch.device:
     """The device of the group's tensors: the rank's GPU under NCCL (or gloo shared GPUs), else the CPU."""
-    if backend_on_cuda(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return group_device()

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
+from ..utils.launch import group_device
 from .checks import poison_, same_bits
-from .runner import rank_device
 from .workloads import ROUTINGS, make_pattern_topk_idx
 
 HIDDENS = (256, 512, 1024, 2048, 7168)
@@ -245,7 +245,7 @@ def _compute_load(dev: torch.device):
 
 def rank_pressure(num_cases: int, seed: int, backend: str, replays: int) -> dict[str, Any]:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    dev = rank_device()
+    dev = group_device()
     rng = random.Random(seed)
     failures: list[str] = []
     counts = {"cases": 0, "replays": 0, "graph_replays": 0, "buffers_created": 0, "ll_cases": 0, "ll_replays": 0,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
-from ..utils.launch import backend_on_cuda
+from ..utils.launch import group_device
 from . import checks, metrics
 from .timing import l2_flush_buffer, time_samples
 from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
@@ -26,11 +26,6 @@ from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORM
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def rank_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if backend_on_cuda(dist.get_backend()) \
-        else torch.device("cpu")
 
 
 def device_info() -> dict[str, Any]:
@@ -46,7 +41,7 @@ def device_info() -> dict[str, Any]:
 def run_case(case: Case) -> dict[str, Any]:
     """Run ``case`` on this rank; returns this rank's medians (s), byte counts and check failures."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    device = rank_device()
+    device = group_device()
     inputs = all_rank_inputs(case, num_ranks, device)
     tag = f"rank {rank}: {case.describe()}"
     if case.kind == A2A:
@@ -522,7 +517,7 @@ def probe_ceilings(block_bytes: tuple[int, int] = (4 * 2**20, 256 * 2**20), iter
     128 MiB), so the fit is only meant for sizes between the two blocks.
     """
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    device = rank_device()
+    device = group_device()
     if device.type != "cuda" or num_ranks < 2:
         return {}
     nxt, prv = (rank + 1) % num_ranks, (rank - 1) % num_ranks

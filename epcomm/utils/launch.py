@@ -37,6 +37,14 @@ def backend_on_cuda(backend: object) -> bool:
     return "nccl" in str(backend) or "cuda:" in str(backend)
 
 
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of ``group`` (default: the world) live: the rank's current GPU when the group
+    has a CUDA backend, else the CPU."""
+    if backend_on_cuda(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, str], tasks, results) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)  # ranks share the host's cores
