@@ -274,17 +274,13 @@ def _traffic(name: str, topology: Topology, workload: Workload, e: Expectations,
         return _Traffic(rows={"intra": t * (num_ranks - num_domains), "inter": t * (num_domains - 1)},
                         trials={}, hbm_rows=hbm_rows, hbm_trials=(num_ranks * t, p_r),
                         latency_us=(gpus - 1) * lat_intra + (num_domains - 1) * lat_inter)
-    if name == "flat":
-        rows = {"intra": t * (gpus - 1) * p_r, "inter": t * (num_ranks - gpus) * p_r}
-        trials = {"intra": ((gpus - 1) * t, p_r), "inter": ((num_ranks - gpus) * t, p_r)}
-        latency = max((lat for tier, lat in (("intra", lat_intra), ("inter", lat_inter)) if rows[tier] > 0),
-                      default=0.0)
-        return _Traffic(rows=rows, trials=trials, hbm_rows=0.0, hbm_trials=(0.0, 0.0), latency_us=latency)
-    if name == "per_expert":
-        k = float(workload.num_topk)
-        rows = {"intra": t * k * (gpus - 1) / num_ranks, "inter": t * k * (num_ranks - gpus) / num_ranks}
-        p_pair = 1.0 / num_ranks  # a pair's expert lies on a given rank
-        trials = {"intra": ((gpus - 1) * t * k, p_pair), "inter": ((num_ranks - gpus) * t * k, p_pair)}
+    if name in ("flat", "per_expert"):
+        # One direct send per message: flat's per (token, rank it reaches), per_expert's per (token,
+        # expert), whose expert lies on a given rank with probability 1/R.
+        per_peer, p = (t, p_r) if name == "flat" else (t * workload.num_topk, 1.0 / num_ranks)
+        peers = {"intra": gpus - 1, "inter": num_ranks - gpus}
+        rows = {tier: n * per_peer * p for tier, n in peers.items()}
+        trials = {tier: (n * per_peer, p) for tier, n in peers.items()}
         latency = max((lat for tier, lat in (("intra", lat_intra), ("inter", lat_inter)) if rows[tier] > 0),
                       default=0.0)
         return _Traffic(rows=rows, trials=trials, hbm_rows=0.0, hbm_trials=(0.0, 0.0), latency_us=latency)
