@@ -133,11 +133,6 @@ def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_t
         _offsets([hidden * 2, num_topk * 4], rows)[1])
 
 
-def _no_stage(*args) -> int:
-    """Stands for the stage launch of a call whose tokens overflow the staging regions (it moves nothing)."""
-    return 0
-
-
 def _table(state: torch.Tensor, at: dict[str, int], name: str) -> ctypes.c_void_p:
     """The address of table ``name`` in a dispatch's int32 state tensor (offsets: _state_offsets)."""
     return ctypes.c_void_p(state.data_ptr() + 4 * at[name])
@@ -386,8 +381,8 @@ class CudaHierarchical:
                                                      2 + R + num_experts, ctypes.c_void_p(self.info.data_ptr()),
                                                      stream), "hierarchical dispatch (notify)")
             # A call that does not fit moves nothing and is rerun in rounds (not with num_worst_tokens).
-            limits = (ctypes.c_int64 * 3)(region_rows, self._recv_rows(out_rows, hidden, num_topk),
-                                          int(not num_worst_tokens))
+            recv_rows = self._recv_rows(out_rows, hidden, num_topk)
+            limits = (ctypes.c_int64 * 3)(region_rows, recv_rows, int(not num_worst_tokens))
             check(self.nv.epcomm_hierarchical_counts(
                 ctypes.c_void_p(self.current_ptr), self.width, R, self.rank, experts_per_rank, D, table("matrix"),
                 table("start"), table("recv_total"), ctypes.c_void_p(self.summary.data_ptr()), table("send1"), limits,
@@ -397,16 +392,17 @@ class CudaHierarchical:
         # Stage each token once per destination domain, then both tiers in one kernel; all of it is
         # queued before the host reads the counts (below), so the GPU does not wait for the host.
         # Tokens that overflow the staging regions are not staged: the call then moves nothing.
-        stage = self.nv.epcomm_hierarchical_stage if num_tokens <= region_rows else _no_stage
-        code = stage(
-            ptr(x), ctypes.c_int64(x_bytes), ptr(scales), num_scales,
-            ctypes.c_int64(scales.stride(0) if scales is not None else 0),
-            ctypes.c_int64(scales.stride(1) if scales is not None else 0),
-            ptr(idx), ptr(topk_weights if with_weights else None),
-            num_topk, ctypes.c_void_p(0) if cached else table("slots"), table("flags"), table("pos"), num_tokens, D, L,
-            (num_experts // D) if not cached else 0, ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset),
-            ctypes.c_int64(region_rows), (ctypes.c_int64 * 5)(*off1), stream)
-        check(code, "hierarchical dispatch (stage)")
+        if num_tokens <= region_rows:
+            code = self.nv.epcomm_hierarchical_stage(
+                ptr(x), ctypes.c_int64(x_bytes), ptr(scales), num_scales,
+                ctypes.c_int64(scales.stride(0) if scales is not None else 0),
+                ctypes.c_int64(scales.stride(1) if scales is not None else 0),
+                ptr(idx), ptr(topk_weights if with_weights else None),
+                num_topk, ctypes.c_void_p(0) if cached else table("slots"), table("flags"), table("pos"), num_tokens,
+                D, L, (num_experts // D) if not cached else 0,
+                ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset), ctypes.c_int64(region_rows),
+                (ctypes.c_int64 * 5)(*off1), stream)
+            check(code, "hierarchical dispatch (stage)")
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
                   int(with_weights), int(not cached), num_worst_tokens or -1]
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms, stream,
@@ -417,7 +413,7 @@ class CudaHierarchical:
             table("recv_total"), ctypes.c_void_p(self.info.data_ptr()), stream)
         check(code, "hierarchical dispatch")
 
-        matrix = totals = None
+        matrix = None
         most = num_worst_tokens  # the most rows a rank receives (with num_worst_tokens: at most that)
         if (cached or num_worst_tokens) and not self._capturing():
             # No host sync: what the kernels of earlier calls reported, raised after this call's
@@ -429,17 +425,16 @@ class CudaHierarchical:
             self.check_errors("dispatch")  # a rank gone, another shape, refused inputs, an earlier call's error
             summary = self.summary_np
             matrix = summary[R:R + R * R].reshape(R, R).copy()
-            totals = summary[R + R * R:R + R * R + experts_per_rank].tolist()
+            a = expert_alignment
+            expert_list = [(c + a - 1) // a * a for c in summary[R + R * R:R + R * R + experts_per_rank].tolist()]
             num_recv = int(matrix[:, self.rank].sum())
             most = int(matrix.sum(0).max())
             most_tokens = int(summary[:R].max())
-            if most_tokens > region_rows or most > self._recv_rows(out_rows, hidden, num_topk):
+            if most_tokens > region_rows or most > recv_rows:
                 # counts_kernel decided alike on every rank: nothing moved; now in rounds that fit.
-                a = expert_alignment
                 return self._dispatch_in_rounds(
                     x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix, most, most_tokens,
-                    [(c + a - 1) // a * a for c in totals], region_rows, self._recv_rows(out_rows, hidden, num_topk),
-                    buffer_uid, num_sms)
+                    expert_list, region_rows, recv_rows, buffer_uid, num_sms)
             if most > out_rows:  # the kernels skipped those rows; every rank sees the matrix: all raise
                 raise ValueError(f"epcomm dispatch (hierarchical): a rank receives {most} rows, num_nvl_bytes="
                                  f"{self.shared.num_bytes} holds {out_rows}; size it with "
@@ -475,8 +470,6 @@ class CudaHierarchical:
         if num_worst_tokens:
             expert_list, send_counts, recv_counts = [], [], []
         else:
-            a = expert_alignment
-            expert_list = [(c + a - 1) // a * a for c in totals]
             send_counts = matrix[self.rank].tolist()
             recv_counts = matrix[:, self.rank].tolist()
         new_handle = DispatchHandle(
