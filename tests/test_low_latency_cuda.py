@@ -109,16 +109,35 @@ LL_CASES = [
 ]
 
 
+MODES = ("fp8", "bf16", "fp8-round", "fp8-ue8m0")  # dispatch formats
+
+
+def mode_fits(mode: str, hidden: int) -> bool:
+    return mode != "fp8-ue8m0" or hidden % 512 == 0  # UE8M0 packs 4 scales per int32
+
+
+def mode_flags(mode: str) -> dict:
+    """rank_ll_vs_reference's format arguments for a mode of MODES."""
+    return dict(use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"), use_ue8m0=mode == "fp8-ue8m0")
+
+
+def rank_ll_case(case, mode: str, hook: bool, seed: int) -> None:
+    """rank_ll_vs_reference for a case of LL_CASES in one format (nothing where the format does not fit)."""
+    tokens, n, hidden, per_rank, topk, routing = case
+    if mode_fits(mode, hidden):
+        rank_ll_vs_reference(tokens, n, hidden, per_rank * dist.get_world_size(), topk, routing, seed=seed,
+                             use_hook=hook, shrink_last=False, **mode_flags(mode))
+
+
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("case", LL_CASES, ids=lambda c: f"T{c[0][0]}-H{c[2]}-{c[5]}")
-@pytest.mark.parametrize("mode", ["fp8", "bf16", "fp8-round", "fp8-ue8m0"])
+@pytest.mark.parametrize("mode", MODES)
 def test_ll_cuda_matches_reference(ranks, case, mode):
     tokens, n, hidden, per_rank, topk, routing = case
-    if mode == "fp8-ue8m0" and hidden % 512:
+    if not mode_fits(mode, hidden):
         pytest.skip("UE8M0 packs 4 scales per int32: hidden must be a multiple of 512")
     cluster(ranks).run(rank_ll_vs_reference, tokens, n, hidden, per_rank * ranks, topk, routing,
-                       seed=LL_CASES.index(case) + 7, use_fp8=mode != "bf16", round_scale=mode != "fp8" and
-                       mode != "bf16", use_ue8m0=mode == "fp8-ue8m0", use_hook=False, shrink_last=False)
+                       seed=LL_CASES.index(case) + 7, use_hook=False, shrink_last=False, **mode_flags(mode))
 
 
 @pytest.mark.parametrize("ranks", RANKS)
@@ -129,18 +148,12 @@ def test_ll_cuda_hook(ranks):
 
 def rank_ll_shared_messages():
     """EPCOMM_LL_SHARE_MESSAGES=1: a token's pairs to one rank share a message (send_unit's aliases);
-    every format, a hook, masking's absence, the graph, and the NVSHMEM transport with one peer
-    remote (remote pairs keep their own messages; mapped ones alias)."""
-    num_ranks = dist.get_world_size()
+    every case in every format, one with a hook, and the graph."""
     with env_var("EPCOMM_LL_SHARE_MESSAGES", 1):
-        for i, (tokens, n, hidden, per_rank, topk, routing) in enumerate(LL_CASES):
-            for mode in ("fp8", "bf16", "fp8-round", "fp8-ue8m0"):
-                if mode == "fp8-ue8m0" and hidden % 512:
-                    continue
-                rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=70 + i,
-                                     use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
-                                     use_ue8m0=mode == "fp8-ue8m0", use_hook=i == 1, shrink_last=False)
-        rank_ll_graph(32, 1024, 8 * num_ranks, 4)
+        for i, case in enumerate(LL_CASES):
+            for mode in MODES:
+                rank_ll_case(case, mode, hook=i == 1, seed=70 + i)
+        rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)
 
 
 @pytest.mark.parametrize("ranks", RANKS)
@@ -149,15 +162,11 @@ def test_ll_cuda_shared_messages_match_reference(ranks):
 
 
 def rank_ll_shared_messages_nvshmem():
-    num_ranks = dist.get_world_size()
+    """The same over NVSHMEM with rank 1 remote: pairs to it keep their own messages, mapped ones alias."""
     with env_var("EPCOMM_LL_SHARE_MESSAGES", 1), env_var("EPCOMM_LL_TRANSPORT", "nvshmem"), \
             env_var("EPCOMM_LL_REMOTE_RANKS", "1"):
-        for (tokens, n, hidden, per_rank, topk, routing), mode, hook in NVSHMEM_CASES:
-            if mode == "fp8-ue8m0" and hidden % 512:
-                continue
-            rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=90,
-                                 use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
-                                 use_ue8m0=mode == "fp8-ue8m0", use_hook=hook, shrink_last=False)
+        for case, mode, hook in NVSHMEM_CASES:
+            rank_ll_case(case, mode, hook, seed=90)
 
 
 @pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
@@ -274,12 +283,8 @@ def rank_ll_nvshmem():
             seen[remote] = probe.low_latency_transport()
             probe.destroy()
             assert seen[remote] == ("nvshmem", sorted(expected(rank, num_ranks))), (remote, seen[remote])
-            for (tokens, n, hidden, per_rank, topk, routing), mode, hook in NVSHMEM_CASES:
-                if mode == "fp8-ue8m0" and hidden % 512:
-                    continue
-                rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=len(seen) + 50,
-                                     use_fp8=mode != "bf16", round_scale=mode in ("fp8-round", "fp8-ue8m0"),
-                                     use_ue8m0=mode == "fp8-ue8m0", use_hook=hook, shrink_last=False)
+            for case, mode, hook in NVSHMEM_CASES:
+                rank_ll_case(case, mode, hook, seed=len(seen) + 50)
             rank_ll_graph(32, 1024, 8 * num_ranks, 4)
     return seen
 
