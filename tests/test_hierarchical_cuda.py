@@ -68,6 +68,23 @@ def _round_trip(buf: Buffer, x, idx, w, num_experts: int, fp8: bool, col_major: 
     return (recv_x, recv_idx, recv_w, expert_list, cached, combined, combined_w), rows, per_domain
 
 
+def _assert_matches(want, got, per_domain, cuda: Buffer, ranks_per_domain: int, tag: str) -> None:
+    """_round_trip's outputs on the CUDA backend equal the reference's bit for bit (layouts too), and
+    the dispatch crossed the slow tier once per (token, other domain) it reaches."""
+    for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "cached recv_x"),
+                          want[:3] + want[4:5], got[:3] + got[4:5]):
+        for pa, pb in zip(_flat(a), _flat(b)):  # num_worst_tokens padding rows included
+            assert pa.stride() == pb.stride() or pa.shape[0] <= 1, f"{tag}: {name} layout differs"
+            assert same_bits(pa, pb), f"{tag}: {name} differs from the reference backend"
+    assert want[3] == got[3], f"{tag}: num_recv_tokens_per_expert_list differs ({want[3]} vs {got[3]})"
+    assert same_bits(want[5], got[5]), f"{tag}: combine differs from the reference backend"
+    assert same_bits(want[6], got[6]), f"{tag}: combined weights differ"
+    own = dist.get_rank() // ranks_per_domain
+    expected = sum(c for d, c in enumerate(per_domain.tolist()) if d != own) if per_domain is not None else 0
+    traffic = cuda._cuda.traffic("dispatch")
+    assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
+
+
 def rank_cuda_vs_reference(ranks_per_domain: int, transport: str):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     num_experts = 4 * num_ranks
@@ -82,18 +99,7 @@ def rank_cuda_vs_reference(ranks_per_domain: int, transport: str):
         want, rows, per_domain = _round_trip(ref, x, idx, w, num_experts, fp8, col_major, worst * num_tokens, bias)
         got, _, _ = _round_trip(cuda, x, idx, w, num_experts, fp8, col_major, worst * num_tokens, bias)
         tag = f"rank {rank} {ranks_per_domain}/{num_ranks} T={num_tokens} {routing} fp8={fp8} worst={worst}"
-        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "cached recv_x"),
-                              want[:3] + want[4:5], got[:3] + got[4:5]):
-            for pa, pb in zip(_flat(a), _flat(b)):  # num_worst_tokens padding rows included
-                assert pa.stride() == pb.stride() or pa.shape[0] <= 1, f"{tag}: {name} layout differs"
-                assert same_bits(pa, pb), f"{tag}: {name} differs from the reference backend"
-        assert want[3] == got[3], f"{tag}: num_recv_tokens_per_expert_list differs ({want[3]} vs {got[3]})"
-        assert same_bits(want[5], got[5]), f"{tag}: combine differs from the reference backend"
-        assert same_bits(want[6], got[6]), f"{tag}: combined weights differ"
-        own = rank // ranks_per_domain
-        expected = sum(c for d, c in enumerate(per_domain.tolist()) if d != own) if per_domain is not None else 0
-        traffic = cuda._cuda.traffic("dispatch")
-        assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
+        _assert_matches(want, got, per_domain, cuda, ranks_per_domain, tag)
     ref.destroy()
     cuda.destroy()
 
@@ -139,17 +145,7 @@ def rank_rounds_vs_reference(ranks_per_domain: int):
         tag = f"rank {rank} {ranks_per_domain}/{num_ranks} T={num_tokens} fp8={fp8} seed={seed}"
         # The call did not fit: its (cached) dispatches ran in rounds, each a call of its own.
         assert len(cuda._cuda.traffic_state.get("dispatch_rounds", ())) >= 2, f"{tag}: not run in rounds"
-        for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "cached recv_x"),
-                              want[:3] + want[4:5], got[:3] + got[4:5]):
-            for pa, pb in zip(_flat(a), _flat(b)):
-                assert pa.stride() == pb.stride() or pa.shape[0] <= 1, f"{tag}: {name} layout differs"
-                assert same_bits(pa, pb), f"{tag}: {name} differs from the reference backend"
-        assert want[3] == got[3], f"{tag}: num_recv_tokens_per_expert_list differs ({want[3]} vs {got[3]})"
-        assert same_bits(want[5], got[5]) and same_bits(want[6], got[6]), f"{tag}: combine differs"
-        own = rank // ranks_per_domain
-        expected = sum(c for d, c in enumerate(per_domain.tolist()) if d != own)
-        traffic = cuda._cuda.traffic("dispatch")
-        assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
+        _assert_matches(want, got, per_domain, cuda, ranks_per_domain, tag)
         ref.destroy()
         cuda.destroy()
 
