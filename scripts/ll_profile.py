@@ -132,8 +132,8 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
         host = {op: t.cpu() for op, t in traces.items()}
         origin = host["dispatch"][0, :, 0]
         origin = int(origin[origin > 0].min())
-        for (op, plane), _ in _KERNELS.items():
-            for p, _ in enumerate(_POINTS):
+        for op, plane in _KERNELS:
+            for p in range(len(_POINTS)):
                 col = host[op][plane, :, p]
                 col = col[col > 0]
                 if col.numel() == 0:
@@ -141,7 +141,6 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
                 us = (col - origin).double().sort().values / 1e3
                 rows.setdefault((op, plane, p), []).append(
                     (float(us[0]), float(us[us.numel() // 2]), float(us[-1])))
-        torch.cuda.synchronize()
     ll.trace(False)
     rank = dist.get_rank()
     out = [f"rank {rank} T={n}: phase timeline of one replayed step (us from the first dispatch block's start; "
