@@ -53,11 +53,16 @@ def send_sms_pct(name: str) -> float:
     return value
 
 
-def send_tma() -> bool:
-    value = env_str("EPCOMM_SEND_TMA")
+def _switch(name: str) -> bool:
+    """A 0/1 variable (anything else is an error, not the default)."""
+    value = env_str(name)
     if value not in ("0", "1"):
-        raise ValueError(f"EPCOMM_SEND_TMA must be 0 or 1, got {value!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def send_tma() -> bool:
+    return _switch("EPCOMM_SEND_TMA")
 
 
 def timeout_s() -> float:
@@ -72,10 +77,7 @@ def timeout_s() -> float:
 
 
 def ll_share_messages() -> bool:
-    value = env_str("EPCOMM_LL_SHARE_MESSAGES")
-    if value not in ("0", "1"):
-        raise ValueError(f"EPCOMM_LL_SHARE_MESSAGES must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("EPCOMM_LL_SHARE_MESSAGES")
 
 
 def ll_transport() -> str:
