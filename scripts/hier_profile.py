@@ -129,7 +129,7 @@ def _timeline_lines(steps: dict, rank: int, marks: list) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--num-sms", type=int, default=24)

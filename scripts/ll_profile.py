@@ -153,7 +153,7 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     parser.add_argument("--tokens", default="1,128")
     args = parser.parse_args()

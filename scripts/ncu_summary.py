@@ -110,7 +110,7 @@ def source(report: str, num_lines: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("report")
     parser.add_argument("--lines", type=int, default=40)
     args = parser.parse_args()

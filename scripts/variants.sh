@@ -53,7 +53,7 @@ for spec in "${variants[@]}"; do
       grep -E "graph step|median|Error|error" "$OUT/variant-$name.txt" | head -20
     else
       env ${envs[@]+"${envs[@]}"} timeout "${VARIANT_TIMEOUT_S:-150}" python3 -m epcomm.bench \
-        --json "$OUT/variant-$name.json" "$@" 2>&1 | grep -E "^ +(normal|low_latency) |Error|error" || status=1
+        --json "$OUT/variant-$name.json" "$@" 2>&1 | grep -E "^ *(normal|low_latency) |Error|error" || status=1
     fi
   else
     status=1

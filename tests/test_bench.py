@@ -122,6 +122,7 @@ def test_low_latency_checks_catch_a_wrong_row():
     (["--tokens", "abc"], "--tokens"),
     (["--dtype", "fp16"], "--dtype"),
     (["--iters", "0"], "--iters"),
+    (["--ranks", "2"], "--ranks"),  # no abbreviations: it must not pass for --ranks-per-domain
 ])
 def test_bad_options_name_the_option(argv, option, capsys):
     with pytest.raises(SystemExit) as exit_info:

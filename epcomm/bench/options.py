@@ -111,6 +111,7 @@ def _choice_list(choices: tuple[str, ...], aliases: dict[str, str] | None = None
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m epcomm.bench",
+        allow_abbrev=False,  # --ranks must not silently mean --ranks-per-domain
         description="Benchmark epcomm dispatch/combine (normal and low-latency) on the local GPUs (NCCL) or, "
                     "without GPUs, on CPU processes (gloo); every result is checked against a "
                     "single-process reference and printed beside a plain all_to_all_single of the same "

@@ -27,6 +27,7 @@ DEFAULT_PRESET = "8xh200"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epcomm plan",
+        allow_abbrev=False,  # --ranks must not silently mean --ranks-per-domain
         description="Predict bytes per tier, dispatch/combine time, SMs and buffer memory of allgather, flat "
                     "all-to-all and hierarchical forwarding, and recommend one. Bandwidths in GB/s (1e9 bytes) "
                     "per direction per GPU.",

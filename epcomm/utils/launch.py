@@ -52,6 +52,7 @@ def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, s
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=_STORE_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=num_ranks)
+    shared_gpu = backend_on_cuda(backend) and num_ranks > torch.cuda.device_count()
     try:
         while True:
             task = tasks.get()
@@ -62,6 +63,10 @@ def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, s
                 results.put((rank, True, fn(*args, **kwargs)))
             except BaseException as error:  # report every failure to the parent, with its traceback
                 results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+            if shared_gpu:
+                # Several ranks on one GPU: an idle rank's allocator cache would starve the next task's
+                # ranks (8 ranks of a large LL case need most of an 80 GB GPU).
+                torch.cuda.empty_cache()
     finally:
         try:
             dist.destroy_process_group()
