@@ -16,16 +16,15 @@
 //         them (FP8 per 128 channels) once, and stores them into every message of the token. A
 //         per-expert counter of written pairs names the last writer, which stores the block's count
 //         (+ the call counter) with one release: the receiver's signal.
-//   recv: one block per (local expert, source): waits for the expert's counts from every source
-//         (the packed layout puts sources in rank order), writes its layout_range word, then
-//         copies its rows out; the last source's block writes recv_count.
+//   recv: one block per (local expert, source): waits for the counts of the sources up to its own
+//         (the packed layout puts sources in rank order), then copies its rows out; the last
+//         source's block writes recv_count and layout_range.
 // Combine mirrors it: a block per (local expert, source) returns the rows to the source, and the
 // receive kernel sums, per token, weight * row over its top-k slots in slot order, in fp32 (the
 // reference's order), with warps splitting the hidden dimension.
 // Without a hook a dispatch is one cooperative kernel (dispatch_fused: the send role, then the
-// receive role's waits taken in turn by the same blocks, a grid barrier, and the rows copied by
-// every warp of the grid evenly): one launch less, which is what an eager call's host time is made
-// of, and no unit's rows wait for one group of warps.
+// receive role's units taken in turn by the same blocks): one launch less, which is what an eager
+// call's host time is made of; a replayed graph gains little (measured on 2 H200: 40.8 vs 41.4 us).
 //
 // Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
 // Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
@@ -62,7 +61,6 @@ constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel
 constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kernel of each slot (hooks may
                                      // run the receives of the two slots at once, on two streams)
 constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
-constexpr int kGridBarrierOffset = 12;  // uint32: the fused dispatch's grid barrier (grid_barrier)
 constexpr int kGaveUpOffset = 40;    // int32: set when a wait of this rank timed out (the others stop waiting);
                                      // in device memory: the waits poll it, and host memory is far
 // A signal: [63:32] the call counter (its low 32 bits), [31:24] the call's shape tag, [23] invalid
@@ -605,15 +603,13 @@ struct WarpGroup {
     }
 };
 
-// The receive role of a dispatch for one (local expert, source) unit, first part, run by a group of
-// warps: waits for every source's count of the expert, then publishes where the unit's rows go,
-// layout_range[local_e][src] = begin << 32 | count (the packed layout puts sources in rank order);
-// the last source's unit completes the expert's metadata. Returns the count, and `begin`.
-// `first_unit`: the block's first (it stamps the trace).
-__device__ int wait_unit_counts(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit, int plane,
-                                const WarpGroup& g, int first_unit, int& begin) {
+// The receive role of a dispatch for one (local expert, source) unit, run by a group of warps: its
+// rows go after those of the sources before it. `first_unit`: the block's first (it stamps the trace).
+__device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit, int plane,
+                                      const WarpGroup& g, int first_unit) {
     int* counts = g.counts;
-    const int tid = static_cast<int>(threadIdx.x) - g.first;
+    const int tid = static_cast<int>(threadIdx.x) - g.first, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int num_threads = g.threads, num_warps = num_threads / kWarpSize;
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int rows_per_expert = N * R;
     uint8_t* mine = a.peers.bufs[me];
@@ -633,162 +629,75 @@ __device__ int wait_unit_counts(const DispatchArgs& a, int64_t seq, const Layout
     }
     g.sync();
     if (unit == first_unit) trace_point(a.trace, plane, kTraceArrived);  // thread 0 of the block's first unit
-    begin = 0;
-    int total = 0;
+    int begin = 0, total = 0;
     for (int j = 0; j < R; ++j) {
         if (j < src) begin += counts[j];
         total += counts[j];
     }
-    const int count = counts[src];
-    if (tid == 0) a.layout_range[static_cast<int64_t>(local_e) * R + src] = (static_cast<int64_t>(begin) << 32) | count;
-    if (src == R - 1) {  // the last source's unit completes the expert's metadata
+    const int mine_count = counts[src];
+    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
+    const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
+    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (send_unit)
+    for (int u = warp; u < mine_count * pieces; u += num_warps) {
+        const int i = u / pieces, piece = u % pieces;
+        const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
+        const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
+        if (a.share_messages) {
+            const int alias = reinterpret_cast<const int*>(msg + tail)[1];
+            if (alias > 0)
+                data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
+                                             a.msg_bytes;
+        }
+        const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
+        copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(data),
+                   data_int4, piece, lane);
+        if (piece != 0) continue;
+        for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
+            reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
+                                                       c * a.scale_stride_col] =
+                reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
+        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + tail);
+    }
+    if (src == R - 1) {  // the last source's block completes the expert's metadata
         if (tid == 0) {
             a.recv_count[local_e] = total;
             if (a.cumulative_stats != nullptr) atomicAdd(a.cumulative_stats + local_e, total);
         }
-        for (int r = total + tid; r < rows_per_expert; r += g.threads)
+        if (tid < R) {
+            int run = 0;
+            for (int j = 0; j < tid; ++j) run += counts[j];
+            a.layout_range[static_cast<int64_t>(local_e) * R + tid] = (static_cast<int64_t>(run) << 32) | counts[tid];
+        }
+        for (int r = total + tid; r < rows_per_expert; r += num_threads)
             a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
     }
     g.sync();  // counts[] is reused by the group's next unit
-    return count;
-}
-
-// One warp copies piece `piece` of message i of unit (local_e, src) into row `position` of the
-// expert's received rows; piece 0 also its scales and src_info.
-__device__ __forceinline__ void copy_received_message(const DispatchArgs& a, const Layout& lay, int local_e, int src,
-                                                      int i, int position, int piece, int lane) {
-    const int R = a.num_ranks, N = a.num_max_tokens;
-    const uint8_t* mine = a.peers.bufs[a.rank];
-    const uint8_t* msg = mine + lay.data + ((static_cast<int64_t>(local_e) * R + src) * N + i) * a.msg_bytes;
-    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (send_unit)
-    const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
-    if (a.share_messages) {
-        const int alias = reinterpret_cast<const int*>(msg + tail)[1];
-        if (alias > 0)
-            data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
-                                         a.msg_bytes;
-    }
-    const int64_t row = static_cast<int64_t>(local_e) * N * R + position;
-    copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(data),
-               a.data_bytes / 16, piece, lane);
-    if (piece != 0) return;
-    for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
-        reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + position * a.scale_stride_row +
-                                                   c * a.scale_stride_col] =
-            reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
-    if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + tail);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
 
-// The receive hook's kernel: one block per (local expert, source), which copies its unit's rows.
+// The receive hook's kernel: one block per (local expert, source).
 __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(DispatchArgs a) {
     trace_point(a.trace, 1, kTraceStart);
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     __shared__ int counts[kMaxRanks];
-    const int unit = blockIdx.x, local_e = unit / a.num_ranks, src = unit % a.num_ranks;
-    int begin;
-    const int count = wait_unit_counts(a, seq, lay, unit, 1, WarpGroup{0, kUnitThreads, 0, counts}, unit, begin);
-    const int pieces = num_pieces(a.data_bytes / 16), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    for (int u = warp; u < count * pieces; u += kUnitWarps)
-        copy_received_message(a, lay, local_e, src, u / pieces, begin + u / pieces, u % pieces, lane);
+    receive_dispatch_unit(a, seq, lay, blockIdx.x, 1, WarpGroup{0, kUnitThreads, 0, counts}, blockIdx.x);
     trace_point(a.trace, 1, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
     trace_point(a.trace, 1, kTraceEnd);
 }
 
-// Every block of a cooperative kernel arrives, then waits for all. Bit 31 of the word flips once
-// per barrier (block 0 adds 2^31 - (blocks - 1), the others 1: 2^31 together; no partial sum
-// reaches it), so the word never needs resetting. Acquire-release at GPU scope: what a block
-// observed before (its waits' acquires of peers' data included) is visible to every block after.
-__device__ void grid_barrier(unsigned* word) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        const unsigned old = atomic_add_acq_rel_gpu(word, add);
-        while (((old ^ ld_acquire_gpu(word)) & 0x80000000u) == 0) {
-        }
-    }
-    __syncthreads();
-}
-
-// prefix[e] = sum of counts[0 .. e) for e in [0, n], by the whole block (a run of experts a thread).
-__device__ void block_exclusive_prefix(const int* counts, int n, int* prefix) {
-    __shared__ int warp_sums[kWarpsPerBlock];
-    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-    const int per = (n + kThreads - 1) / kThreads, begin = min(n, tid * per), end = min(n, begin + per);
-    int sum = 0;
-    for (int e = begin; e < end; ++e) sum += counts[e];
-    int inclusive = sum;
-#pragma unroll
-    for (int off = 1; off < kWarpSize; off <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, inclusive, off);
-        if (lane >= off) inclusive += v;
-    }
-    if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < kWarpsPerBlock ? warp_sums[lane] : 0;
-#pragma unroll
-        for (int off = 1; off < kWarpsPerBlock; off <<= 1) {
-            const int v = __shfl_up_sync(kFullMask, w, off);
-            if (lane >= off) w += v;
-        }
-        if (lane < kWarpsPerBlock) warp_sums[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    int run = inclusive - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
-    for (int e = begin; e < end; ++e) {
-        prefix[e] = run;
-        run += counts[e];
-    }
-    if (tid == 0) prefix[n] = warp_sums[kWarpsPerBlock - 1];
-    __syncthreads();
-}
-
-// The fused dispatch's copies, after every unit's layout is published (grid_barrier): the received
-// rows, piece by piece, spread evenly over every warp of the grid. A unit's rows copied by its own
-// group instead made the kernel as long as the unit with the most rows (random top-8 of 288
-// experts at T=128: ~11 rows against 3.6 on average).
-__device__ void copy_received_rows(const DispatchArgs& a, const Layout& lay, int* prefix) {
-    const int R = a.num_ranks, experts_per_rank = a.num_experts / R;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    block_exclusive_prefix(a.recv_count, experts_per_rank, prefix);
-    const int pieces = num_pieces(a.data_bytes / 16), items = prefix[experts_per_rank] * pieces;
-    for (int f = blockIdx.x * kWarpsPerBlock + warp; f < items; f += static_cast<int>(gridDim.x) * kWarpsPerBlock) {
-        const int flat = f / pieces;
-        int lo = 0, hi = experts_per_rank - 1;  // the expert: the last whose rows start at or before `flat`
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (prefix[mid] <= flat) lo = mid; else hi = mid - 1;
-        }
-        const int position = flat - prefix[lo];
-        // The source: the last with rows that start at or before `position` (lane j reads source j's).
-        const int64_t word = lane < R ? a.layout_range[static_cast<int64_t>(lo) * R + lane] : 0;
-        const int begin = static_cast<int>(word >> 32), count = static_cast<int>(word & 0xffffffff);
-        const unsigned from = __ballot_sync(kFullMask, lane < R && count > 0 && begin <= position);
-        const int src = kWarpSize - 1 - __clz(from);
-        const int i = position - __shfl_sync(kFullMask, begin, src);
-        // Within the source's count unless two groups saw a source masked at different times (the
-        // expert's rows past it are then left as they are, never read from another unit's block).
-        if (from != 0 && i < __shfl_sync(kFullMask, count, src))
-            copy_received_message(a, lay, lo, src, i, position, f % pieces, lane);
-    }
-}
-
-// Without a hook, one kernel sends and then receives: once its sends are out, each block waits for
-// the counts of some (local expert, source) units, a grid barrier, then every warp copies an even
-// share of the rows. Its blocks wait for each other, so it is launched cooperatively (every block
-// resident at once; see the launcher).
+// Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
+// (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
+// cooperatively (every block resident at once; see the launcher).
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
-    extern __shared__ int dynamic_shared[];  // the send's expert counts, then the copy's prefix ([2E] >= E_local + 1)
     const int64_t seq = send_dispatch_messages(a);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     // The units are split among groups of warps, enough groups that every unit has one at once
-    // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a wait
-    // and two barriers to the kernel.
+    // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a wait,
+    // a copy and two barriers to the kernel.
     const int wanted = (a.num_experts + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
     const int groups = wanted <= 1 ? 1 : wanted <= 2 ? 2 : wanted <= 4 ? 4 : kMaxFusedGroups;
     const int group_threads = kThreads / groups, group = static_cast<int>(threadIdx.x) / group_threads;
@@ -796,12 +705,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     // Barrier 0 is __syncthreads'; the groups take 1.. (a block has 16).
     const WarpGroup g{group * group_threads, group_threads, groups == 1 ? 0 : 1 + group, counts[group]};
     const int first_unit = static_cast<int>(blockIdx.x) * groups;
-    int begin;
     for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
-        wait_unit_counts(a, seq, lay, unit, 0, g, first_unit, begin);
-    grid_barrier(reinterpret_cast<unsigned*>(a.peers.bufs[a.rank] + kGridBarrierOffset));
-    copy_received_rows(a, lay, dynamic_shared);
-    if (a.trace != nullptr) __syncthreads();  // every copy of the block is done
+        receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
+    if (a.trace != nullptr) __syncthreads();  // every group's copies are done
     trace_point(a.trace, 0, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
     trace_point(a.trace, 0, kTraceEnd);

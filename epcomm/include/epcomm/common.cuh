@@ -53,18 +53,6 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* ptr, int value) {
     return old;
 }
 
-__device__ __forceinline__ unsigned atomic_add_acq_rel_gpu(unsigned* ptr, unsigned value) {
-    unsigned old;
-    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
-    return old;
-}
-
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
-    unsigned value;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
