@@ -170,7 +170,7 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         assert r["num_ranks"] == 2 and r["hidden"] == 256 and r["num_topk"] == 4, tag
         assert r["num_sms"] == (None if r["baseline"] else 8), tag
         assert r["buffer_bytes"] > 0 and r["inter_domain_gbps"] is None, tag
-        assert re.fullmatch(r"[0-9a-f]{40}|unknown", r["commit"]) and re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"])
+        assert re.fullmatch(r"[0-9a-f]{40}(\+modified)?|unknown", r["commit"]) and re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"])
         assert len(r["dispatch_us_per_rank"]) == 2 and max(r["dispatch_us_per_rank"]) == r["dispatch_us"], tag
     # One progress line per configuration on stderr; the table on stdout.
     assert len(re.findall(r"^\[\d/8\] ", captured.err, flags=re.M)) == 8, captured.err
@@ -262,3 +262,21 @@ def test_deep_ep_cases_run_beside_epcomm():
                                                           0, "reference"))
     results = cluster(2).run(rank_deep_ep_case, peers[1])
     assert all(r["impl"] == DEEP_EP and not r["failures"] for r in results), results
+
+
+def test_git_commit_marks_a_modified_tree(tmp_path):
+    """A result recorded from edited sources must not pass for the commit's: "+modified"."""
+    import subprocess
+
+    git_commit = report.git_commit
+    assert git_commit(str(tmp_path)) == "unknown"  # not a checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "kernel.cu").write_text("a\n")
+    subprocess.run([*git, "add", "kernel.cu"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert git_commit(str(tmp_path)) == sha
+    (tmp_path / "kernel.cu").write_text("b\n")
+    assert git_commit(str(tmp_path)) == sha + "+modified"

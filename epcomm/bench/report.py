@@ -22,16 +22,27 @@ RECORD_KEYS = ("mode", "impl", "num_ranks", "num_domains", "num_tokens", "hidden
                "inter_domain_gbps", "buffer_bytes", "checked", "device", "commit", "date")
 
 
-def git_commit() -> str:
-    """``git rev-parse HEAD`` of the checkout epcomm was imported from, or "unknown" (e.g. a wheel)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
+def git_commit(path: str | None = None) -> str:
+    """``git rev-parse HEAD`` of the checkout epcomm was imported from (or of ``path``), with
+    "+modified" when tracked files differ from it (a result must not pass for a commit's when its
+    sources were edited, e.g. a working tree copied to a GPU machine beside an older .git); "unknown"
+    outside a checkout (e.g. a wheel)."""
+    here = path or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    out = git("rev-parse", "HEAD")
+    sha = out.stdout.strip() if out is not None else ""
+    if out is None or out.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40}", sha):
         return "unknown"
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha) else "unknown"
+    status = git("status", "--porcelain", "--untracked-files=no")
+    if status is None or status.returncode != 0 or status.stdout.strip():
+        return sha + "+modified"
+    return sha
 
 
 def device_string(info: dict[str, Any], num_ranks: int) -> str:
