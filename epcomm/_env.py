@@ -31,6 +31,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                       "(its data crosses NVLink once per (token, rank), not once per expert; the "
                                       "receiver copies it for each expert); 0 = a message per (token, expert). "
                                       "Read when a Buffer is built; every rank must agree"),
+    "EPCOMM_LL_COMBINE_PARTIALS": ("0", "CUDA low-latency mode, IPC transport: 1 = a combine's expert side sums each "
+                                        "token's rows of its own experts and returns one row per (token, rank), "
+                                        "not one per (token, expert) (bf16 partials: within bf16 rounding of the "
+                                        "reference); 0 = a row per (token, expert), the reference's sum bitwise. "
+                                        "Read when a Buffer is built; every rank must agree"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -78,6 +83,10 @@ def timeout_s() -> float:
 
 def ll_share_messages() -> bool:
     return _switch("EPCOMM_LL_SHARE_MESSAGES")
+
+
+def ll_combine_partials() -> bool:
+    return _switch("EPCOMM_LL_COMBINE_PARTIALS")
 
 
 def ll_transport() -> str:

@@ -170,7 +170,8 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         assert r["num_ranks"] == 2 and r["hidden"] == 256 and r["num_topk"] == 4, tag
         assert r["num_sms"] == (None if r["baseline"] else 8), tag
         assert r["buffer_bytes"] > 0 and r["inter_domain_gbps"] is None, tag
-        assert re.fullmatch(r"[0-9a-f]{40}(\+modified)?|unknown", r["commit"]) and re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"])
+        assert re.fullmatch(r"[0-9a-f]{40}(\+modified)?|unknown", r["commit"]), tag
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"]), tag
         assert len(r["dispatch_us_per_rank"]) == 2 and max(r["dispatch_us_per_rank"]) == r["dispatch_us"], tag
     # One progress line per configuration on stderr; the table on stdout.
     assert len(re.findall(r"^\[\d/8\] ", captured.err, flags=re.M)) == 8, captured.err

@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the routing [0]")
     p.add_argument("--json", metavar="PATH", help="write the records (BENCHMARK.md format) to PATH")
     p.add_argument("--commit", metavar="SHA",
-                   help="commit id to record [git rev-parse HEAD (+modified when tracked files differ), or 'unknown' outside a checkout]; for runs "
-                        "made from a copy of the tree without .git")
+                   help="commit id to record [git rev-parse HEAD (+modified when tracked files differ), or "
+                        "'unknown' outside a checkout]; for runs made from a copy of the tree without .git")
     p.add_argument("--plot", metavar="PATH",
                    help="write a PNG of bandwidth against tokens, and one of the latency histogram per rank "
                         "next to it (PATH with '-latency' before the suffix); needs matplotlib")

@@ -93,6 +93,19 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
 
 
 
+def request_bytes(num_topk: int) -> int:
+    """A combine-by-partials request record: the pair count (and a spare int32), then per pair the
+    local expert * N + row and the weight (combine_partials_send)."""
+    return _round_up(8 + 8 * num_topk, 16)
+
+
+def partials_fit(num_ranks: int, num_experts: int, hidden: int, num_topk: int) -> bool:
+    """Whether a combine by partial sums fits a slot's combine area ([E][N] rows) and signals ([E]):
+    partial rows [R][N] and request records [R][N], and 2R signals."""
+    return (num_experts >= 2 * num_ranks and
+            num_ranks * (2 * hidden + request_bytes(num_topk)) <= num_experts * 2 * hidden)
+
+
 class LLCallContext(ctypes.Structure):
     """What every call of one rank's buffer in one slot shares. This and the call records below
     mirror the structs of the same names in csrc/kernels/low_latency.cuh (checked when the library
@@ -115,8 +128,9 @@ class LLDispatchCall(ctypes.Structure):
 class LLCombineCall(ctypes.Structure):
     _fields_ = [("context", LLCallContext),
                 *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
-                *fields(ctypes.c_uint64, "layout_range caller_topk_idx topk_weights slot_map out"),
-                *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag")]
+                *fields(ctypes.c_uint64, "layout_range caller_topk_idx topk_weights slot_map out counters"),
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
+                *fields(ctypes.c_int32, "partials request_bytes")]
 
 
 def bind_calls(lib: ctypes.CDLL) -> None:
@@ -154,6 +168,8 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.share_messages = _env.ll_share_messages()  # in every call's shape tag: ranks that disagree are named
+        # Combine by partial sums: every peer must be mapped (its kernels store into each peer's slot).
+        self.combine_partials = _env.ll_combine_partials() and self.transport == "ipc"
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -180,8 +196,10 @@ class CudaLowLatency:
         self._captured = False  # a call was captured in a CUDA graph: its replays record errors too
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
-        # Per slot, per expert: pairs written by the running send (0 between calls). Allocated once, at
-        # the largest size, so a CUDA graph never holds a pointer to a freed or pool-owned tensor.
+
+        # Per slot, the running send's counters, 0 between calls: a dispatch's pairs written per
+        # expert, a combine by partial sums' first three words. Allocated once, at the largest size,
+        # so a CUDA graph never holds a pointer to a freed or pool-owned tensor.
         self._sent_pairs = torch.zeros((2, self.max_experts), dtype=torch.int32, device=device)
         # Phase timelines of the next calls (trace()); None in normal use.
         self.traces: dict[str, torch.Tensor] | None = None
@@ -192,7 +210,8 @@ class CudaLowLatency:
                                   num_ranks=self.num_ranks, slot=s, num_sms=self.num_sms) for s in range(2)]
         self._dispatch_calls = [LLDispatchCall(context=c, sent_pairs=addr(self._sent_pairs[s]))
                                 for s, c in enumerate(contexts)]
-        self._combine_calls = [LLCombineCall(context=c) for c in contexts]
+        self._combine_calls = [LLCombineCall(context=c, counters=addr(self._sent_pairs[s]))
+                               for s, c in enumerate(contexts)]
         dist.barrier(group=group)
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
@@ -376,7 +395,10 @@ class CudaLowLatency:
 
         call = LLCombineCall.from_buffer_copy(self._combine_calls[slot])  # this call's own (_launch)
         call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
-        call.num_experts, call.num_max_tokens, call.shape_tag = num_experts, n, shape_tag(2, hidden, num_experts, n)
+        partials = self.combine_partials and partials_fit(self.num_ranks, num_experts, hidden, num_topk)
+        call.num_experts, call.num_max_tokens = num_experts, n
+        call.shape_tag = shape_tag(2, hidden, num_experts, n, int(partials))
+        call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
         call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
         call.trace, call.layout_range, call.slot_map = addr(trace), addr(layout_range), addr(slot_map)
         call.caller_topk_idx, call.topk_weights, call.out = addr(caller_topk_idx), addr(topk_weights), addr(combined)

@@ -733,6 +733,10 @@ struct CombineArgs {
     int* info;
     uint64_t timeout_ns;
     int64_t* trace;                // [2, kTraceBlocks, kTracePoints] phase timeline, or nullptr
+    // By partial sums (below): the slot's call counters (the dispatch's sent_pairs, 0 between calls)
+    // and the bytes of a request record (request_bytes)
+    int* counters;
+    int request_bytes;
 };
 
 // The send role of a combine for one (local expert, source) unit, run by a whole block (any number
@@ -915,6 +919,283 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
     trace_point(a.trace, 1, kTraceEnd);
 }
 
+// ------------------------------------------------------------------ combine by partial sums
+// EPCOMM_LL_COMBINE_PARTIALS=1, with every peer mapped (the IPC transport). The expert side sums,
+// per (source, token), weight * row over its own experts of the token and returns one bf16 row
+// per (token, rank), not one per (token, expert): at EP8 with top-8 of 288 experts 5.3 rows a
+// token cross NVLink instead of 8 (-34%), at one rank one instead of 8. The weights are the
+// combine's, so each source first stores, per (token, rank), the list of its pairs there (local
+// expert * N + row, weight; in top-k slot order) into that rank's slot and signals the rank once.
+// The expert side sums in fp32 in that order and rounds to bf16; the source adds its ranks'
+// partials in rank order in fp32. One rank: bitwise the reference's sum; more: within the bf16
+// rounding of each partial (the issue's tolerance for combine).
+// In a slot's combine area (Layout::combine_data, [E][N] rows): partials [R][N] rows (rank r's
+// for token t at [r][t]), then requests [R][N] records of request_bytes (source s's for token t
+// at [s][t]: int32 pair count, int32 unused, then int2 {local expert * N + row, weight bits} per
+// pair). Signals: combine_signals[s] (source s's requests, count = its tokens), combine_signals[R
+// + r] (rank r's partials). The host uses the mode only where these fit (partials_fit in
+// backends/cuda/low_latency.py: E >= 2R and R * (2H + request_bytes) <= E * 2H).
+// counters (the slot's sent_pairs, 0 between calls): [0] blocks done with their requests, [1] a
+// block saw the caller's topk_idx differ from the dispatch's, [2] blocks done with their partials.
+// The send kernel is cooperative (its blocks wait for each other's signals through the peers).
+constexpr int kPartialsRequestsDone = 0, kPartialsDiffers = 1, kPartialsDone = 2;
+
+__device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, int num_ranks, int n, int hidden) {
+    return lay.combine_data + static_cast<int64_t>(num_ranks) * n * hidden * 2;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs a) {
+    __shared__ bool skip_dst[kMaxRanks];
+    __shared__ int src_tokens[kMaxRanks];  // tokens of each source's requests (0: none to serve)
+    __shared__ int token_prefix[kMaxRanks + 1];  // tokens of the sources before each
+    __shared__ int2 layout[kMaxExperts];    // the dispatch's {begin, count} per (local expert, source)
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, K = a.num_topk, N = a.num_max_tokens, E = a.num_experts, me = a.rank;
+    const int experts_per_rank = E / R, row_int4 = a.hidden / 8;
+    const int grid_warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
+    const int gwarp = static_cast<int>(blockIdx.x) * kWarpsPerBlock + warp;
+    uint8_t* mine = a.peers.bufs[me];
+    trace_point(a.trace, 0, kTraceStart);
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
+    const int64_t requests = partials_requests_offset(lay, R, N, a.hidden);
+    const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
+
+    if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
+        skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
+                        !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+    for (int i = tid; i < E; i += kThreads) {
+        const int64_t word = a.layout_range[i];  // [local expert][source]: a layout never filled is clamped
+        const int begin = max(0, min(static_cast<int>(word >> 32), N * R));
+        layout[i] = make_int2(begin, max(0, min(static_cast<int>(word & 0xffffffff), min(N, N * R - begin))));
+    }
+    // The caller's topk_idx must be its dispatch's (the handle's copy is the one used): every block
+    // compares a share; the verdict goes into every request signal, so every rank reports it.
+    bool differs = false;
+    if (a.caller_topk_idx != nullptr)
+        for (int i = static_cast<int>(blockIdx.x) * kThreads + tid; i < a.num_tokens * K; i += gridDim.x * kThreads)
+            differs |= a.caller_topk_idx[i] != a.topk_idx[i];
+    if (__syncthreads_or(differs) && tid == 0) atomicOr(a.counters + kPartialsDiffers, 1);
+    trace_point(a.trace, 0, kTraceReady);
+
+    // Requests: a warp per token; lane k holds pair k (K <= 32); for each rank, the pairs there are
+    // stored in slot order (their rank among the ballot's lanes).
+    for (int t = gwarp; t < a.num_tokens; t += grid_warps) {
+        const int64_t i = static_cast<int64_t>(t) * K + lane;
+        const int64_t e = lane < K ? a.topk_idx[i] : -1;
+        const int row = lane < K ? a.slot_map[i] : -1;
+        const float w = lane < K ? a.topk_weights[i] : 0.f;
+        const int dst = e >= 0 && e < E && row >= 0 ? static_cast<int>(e / experts_per_rank) : -1;
+        for (int r = 0; r < R; ++r) {
+            if (skip_dst[r]) continue;
+            const unsigned pairs = __ballot_sync(kFullMask, dst == r);
+            uint8_t* record = a.peers.bufs[r] + requests + (static_cast<int64_t>(me) * N + t) * a.request_bytes;
+            if (lane == 0) *reinterpret_cast<int*>(record) = __popc(pairs);
+            if (dst == r)
+                reinterpret_cast<int2*>(record + 8)[__popc(pairs & ((1u << lane) - 1))] =
+                    make_int2(static_cast<int>(e % experts_per_rank) * N + row, __float_as_int(w));
+        }
+    }
+    // The last block to finish its requests signals every rank: this rank's token count.
+    __syncthreads();
+    if (tid == 0 && atomic_add_acq_rel_gpu(a.counters + kPartialsRequestsDone, 1) == static_cast<int>(gridDim.x) - 1) {
+        a.counters[kPartialsRequestsDone] = 0;
+        const int64_t invalid = ld_volatile_int(a.counters + kPartialsDiffers) != 0 ? kInvalidInputBit : 0;
+        a.counters[kPartialsDiffers] = 0;
+        fence_sys();  // every block's records (each released by its count) before the signals
+        for (int r = 0; r < R; ++r)
+            if (!skip_dst[r])
+                signal_peer(a.peers, me, r, lay.combine_signals + 8 * me, make_signal(seq, a.shape_tag, invalid, a.num_tokens));
+    }
+    trace_point(a.trace, 0, kTraceWritten);
+
+    // Partials: every source's requests first (thread s waits for source s's signal).
+    if (tid < R) {
+        int count = 0;
+        if (!skip_dst[tid]) {
+            count = wait_signal(signals + tid, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                                kOpCombine, nullptr);
+            count = count < 0 ? 0 : min(count, N);  // masked or timed out (reported): nothing to serve
+        }
+        src_tokens[tid] = count;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        token_prefix[0] = 0;
+        for (int r = 0; r < R; ++r) token_prefix[r + 1] = token_prefix[r] + src_tokens[r];
+    }
+    __syncthreads();
+    trace_point(a.trace, 0, kTraceArrived);
+    // A warp's task: one source's token, 64 16-byte words of the row (2 a lane). The tasks of every
+    // source's tokens are split evenly; a warp takes consecutive ones, so a token's record is loaded
+    // once and then hit in L1.
+    constexpr int kSumColumns = 2, kSumBatch = 8, kSpan = kSumColumns * kWarpSize;
+    const int units = (row_int4 + kSpan - 1) / kSpan;
+    const int tasks = token_prefix[R] * units, per_warp = (tasks + grid_warps - 1) / grid_warps;
+    const auto* x = reinterpret_cast<const int4*>(a.x);
+    for (int f = gwarp * per_warp; f < min(tasks, (gwarp + 1) * per_warp); ++f) {
+        const int flat = f / units, base = (f % units) * kSpan + lane;
+        int src = 0;
+        while (src + 1 < R && token_prefix[src + 1] <= flat) ++src;
+        const int t = flat - token_prefix[src];
+        const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
+        const int n = min(*reinterpret_cast<const int*>(record), K);
+        if (n == 0) continue;
+        int64_t x_row = -1;  // lane j: pair j's row of x, -1: none (outside the dispatch's layout)
+        float w = 0.f;
+        if (lane < n) {
+            const int2 entry = reinterpret_cast<const int2*>(record + 8)[lane];
+            const int local_e = entry.x / N, row = entry.x % N;
+            w = __int_as_float(entry.y);
+            if (entry.x >= 0 && local_e < experts_per_rank) {
+                const int2 place = layout[local_e * R + src];
+                if (row < place.y) x_row = static_cast<int64_t>(local_e) * N * R + place.x + row;
+            }
+        }
+        float acc[kSumColumns][8] = {};
+        for (int k0 = 0; k0 < n; k0 += kSumBatch) {
+            int4 v[kSumBatch][kSumColumns];
+#pragma unroll
+            for (int d = 0; d < kSumBatch; ++d) {
+                const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
+#pragma unroll
+                for (int h = 0; h < kSumColumns; ++h) {
+                    const int col = base + h * kWarpSize;
+                    v[d][h] = k0 + d < n && xr >= 0 && col < row_int4 ? x[xr * row_int4 + col] : make_int4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < kSumBatch; ++d) {
+                const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
+                const float wd = __shfl_sync(kFullMask, w, min(k0 + d, kWarpSize - 1));
+                if (k0 + d >= n || xr < 0) continue;
+#pragma unroll
+                for (int h = 0; h < kSumColumns; ++h) {
+                    const auto* q = reinterpret_cast<const __nv_bfloat162*>(&v[d][h]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {  // acc = acc + w * row, the reference's rounding
+                        const float2 fv = __bfloat1622float2(q[j]);
+                        acc[h][2 * j] = __fadd_rn(acc[h][2 * j], __fmul_rn(wd, fv.x));
+                        acc[h][2 * j + 1] = __fadd_rn(acc[h][2 * j + 1], __fmul_rn(wd, fv.y));
+                    }
+                }
+            }
+        }
+        auto* out = reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
+                                            (static_cast<int64_t>(me) * N + t) * a.hidden * 2);
+#pragma unroll
+        for (int h = 0; h < kSumColumns; ++h) {
+            const int col = base + h * kWarpSize;
+            if (col >= row_int4) continue;
+            int4 o;
+            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[h][2 * j], acc[h][2 * j + 1]);
+            out[col] = o;
+        }
+    }
+    // The last block to finish its partials signals every source.
+    __syncthreads();
+    if (tid == 0 && atomic_add_acq_rel_gpu(a.counters + kPartialsDone, 1) == static_cast<int>(gridDim.x) - 1) {
+        a.counters[kPartialsDone] = 0;
+        fence_sys();  // every block's partial rows (each released by its count) before the signals
+        for (int r = 0; r < R; ++r)
+            if (!skip_dst[r])
+                signal_peer(a.peers, me, r, lay.combine_signals + 8 * (R + me),
+                            make_signal(seq, a.shape_tag, 0, src_tokens[r]));
+    }
+    trace_point(a.trace, 0, kTraceSignalled);
+    finish_send_kernel(mine, seq, a.slot);
+    trace_point(a.trace, 0, kTraceEnd);
+}
+
+// The receive hook's kernel of a combine by partial sums: block b owns a range of tokens; a token's
+// output is the sum, in rank order, of the partials of the ranks its sent pairs went to.
+__global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs a) {
+    __shared__ bool arrived[kMaxRanks];
+    __shared__ unsigned token_ranks[kMaxChunkEntries];  // per token of the block: the ranks to add (bits)
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, K = a.num_topk, N = a.num_max_tokens, E = a.num_experts, me = a.rank;
+    const int experts_per_rank = E / R, row_int4 = a.hidden / 8;
+    uint8_t* mine = a.peers.bufs[me];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
+    trace_point(a.trace, 1, kTraceStart);
+    const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals) + R;
+    const int first = blockIdx.x * a.chunk_tokens;
+    const int last = min(a.num_tokens, first + a.chunk_tokens);
+    for (int c = tid; c < last - first; c += kThreads) token_ranks[c] = 0;
+    if (tid < R) {  // every rank's partials (block 0 times the arrivals: wait-cost statistics)
+        bool ok = false;
+        if (!masked(a.mask, me) && !masked(a.mask, tid)) {
+            uint64_t waited = 0;
+            ok = wait_signal(signals + tid, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                             kOpCombine, &waited) >= 0;
+            if (ok && blockIdx.x == 0 && a.wait_stats != nullptr)
+                atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(waited));
+        }
+        arrived[tid] = ok;
+    }
+    __syncthreads();
+    for (int j = tid; j < (last - first) * K; j += kThreads) {
+        const int64_t i = static_cast<int64_t>(first) * K + j;
+        const int64_t e = a.topk_idx[i];
+        if (e < 0 || e >= E || a.slot_map[i] < 0) continue;
+        const int r = static_cast<int>(e / experts_per_rank);
+        if (arrived[r]) atomicOr(token_ranks + j / K, 1u << r);
+    }
+    __syncthreads();
+    trace_point(a.trace, 1, kTraceArrived);
+    const auto* partials = reinterpret_cast<const int4*>(mine + lay.combine_data);
+    constexpr int kSumColumns = 2, kSpan = kSumColumns * kWarpSize;
+    const int units_per_token = (row_int4 + kSpan - 1) / kSpan;
+    for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
+        const int c = u / units_per_token, base = (u % units_per_token) * kSpan + lane;
+        const unsigned ranks = token_ranks[c];
+        const int t = first + c;
+        int4 v[kMaxRanks][kSumColumns];
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r)
+#pragma unroll
+            for (int h = 0; h < kSumColumns; ++h) {
+                const int col = base + h * kWarpSize;
+                v[r][h] = (ranks >> r & 1u) && col < row_int4
+                              ? partials[(static_cast<int64_t>(r) * N + t) * row_int4 + col]
+                              : make_int4(0, 0, 0, 0);
+            }
+        float acc[kSumColumns][8] = {};
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+            if (!(ranks >> r & 1u)) continue;
+#pragma unroll
+            for (int h = 0; h < kSumColumns; ++h) {
+                const auto* q = reinterpret_cast<const __nv_bfloat162*>(&v[r][h]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 fv = __bfloat1622float2(q[j]);
+                    acc[h][2 * j] = __fadd_rn(acc[h][2 * j], fv.x);
+                    acc[h][2 * j + 1] = __fadd_rn(acc[h][2 * j + 1], fv.y);
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < kSumColumns; ++h) {
+            const int col = base + h * kWarpSize;
+            if (col >= row_int4) continue;
+            int4 o;
+            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[h][2 * j], acc[h][2 * j + 1]);
+            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden)[col] = o;
+        }
+    }
+    if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
+    trace_point(a.trace, 1, kTraceReceived);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    trace_point(a.trace, 1, kTraceEnd);
+}
+
 }  // namespace ll
 }  // namespace epcomm
 
@@ -952,8 +1233,9 @@ struct LLDispatchCall {
 struct LLCombineCall {
     LLCallContext context;
     uint64_t x, topk_idx, mask, wait_stats, trace;
-    uint64_t layout_range, caller_topk_idx, topk_weights, slot_map, out;
+    uint64_t layout_range, caller_topk_idx, topk_weights, slot_map, out, counters;
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
+    int32_t partials, request_bytes;  // by partial sums (combine_partials_send), and its record bytes
 };
 
 }  // namespace ll
@@ -986,8 +1268,9 @@ constexpr auto fields_of<ll::LLCombineCall>() {
     return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
                       EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(layout_range),
                       EPCOMM_FIELD(caller_topk_idx), EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(slot_map),
-                      EPCOMM_FIELD(out), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk),
-                      EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens), EPCOMM_FIELD(shape_tag)};
+                      EPCOMM_FIELD(out), EPCOMM_FIELD(counters), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden),
+                      EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
+                      EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(partials), EPCOMM_FIELD(request_bytes)};
 }
 
 }  // namespace epcomm
@@ -1132,7 +1415,22 @@ int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t str
     set_ptr(a.topk_weights, c.topk_weights);
     set_ptr(a.slot_map, c.slot_map);
     set_ptr(a.out, c.out);
+    set_ptr(a.counters, c.counters);
+    a.request_bytes = c.request_bytes;
     const int num_experts = c.num_experts;
+    if (c.partials != 0) {
+        // Its blocks wait for each other through the peers: all resident at once, or not launched
+        // (the host then raises; fewer SMs than the device has, under MPS or green contexts).
+        const int num_sms = c.context.num_sms;
+        if (phase != 2) {
+            if (!fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms))
+                return static_cast<int>(cudaErrorCooperativeLaunchTooLarge);
+            const cudaError_t launched = launch_cooperative(ll::combine_partials_send, num_sms, 0, stream, a);
+            if (launched != cudaSuccess) return static_cast<int>(launched);
+        }
+        if (phase != 1) ll::combine_partials_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+        return static_cast<int>(cudaGetLastError());
+    }
     // Phase 0 is the two kernels one after the other: a fused combine (one cooperative kernel, as for
     // dispatch) measured no faster, and slower from 256 tokens (fewer units in flight at once).
     if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
