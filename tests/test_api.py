@@ -141,6 +141,11 @@ def test_low_latency_transport_settings():
         assert _env.ll_share_messages() is True
     with env_var("EPCOMM_LL_SHARE_MESSAGES", "yes"), pytest.raises(ValueError, match="must be 0 or 1"):
         _env.ll_share_messages()
+    assert _env.ll_combine_partials() is False
+    with env_var("EPCOMM_LL_COMBINE_PARTIALS", "1"):
+        assert _env.ll_combine_partials() is True
+    with env_var("EPCOMM_LL_COMBINE_PARTIALS", "on"), pytest.raises(ValueError, match="must be 0 or 1"):
+        _env.ll_combine_partials()
 
 
 def test_send_tma_setting():

@@ -76,3 +76,13 @@ def test_ll_records_are_checked_through_their_own_exports(ll_library):
     mirror = type("LLCombineCall", (ctypes.Structure,), {"_fields_": swapped})
     with pytest.raises(RuntimeError, match=r"field 8 is topk_weights at offset 104 \(8 bytes\) in the library"):
         check_struct_layout(ll_library, mirror, "epcomm_ll_struct")
+
+
+def test_combine_partials_fit_the_slot():
+    """A combine by partial sums needs [R][N] partial rows and [R][N] request records in the slot's
+    [E][N]-row combine area, and 2R signals in its E: one expert per rank leaves no room."""
+    assert low_latency.request_bytes(8) == 80 and low_latency.request_bytes(32) == 272
+    assert low_latency.partials_fit(8, 288, 7168, 8)
+    assert low_latency.partials_fit(1, 2, 512, 2)
+    assert not low_latency.partials_fit(8, 8, 7168, 8)  # E = R
+    assert not low_latency.partials_fit(4, 8, 64, 32)  # records (272 bytes) larger than a row (128)

@@ -13,7 +13,9 @@ step captured in a CUDA graph replays with new inputs; there is no host sync any
 Outputs follow the API's layout exactly as the reference backend builds it: expert e's rows hold
 the blocks of sources 0..R-1 in rank order, each in ascending (token, top-k slot) order, so the
 receive side is bitwise equal to the reference (FP8 casts included), and combine sums in fp32 in
-top-k slot order, as the reference does.
+top-k slot order, as the reference does. With EPCOMM_LL_COMBINE_PARTIALS=1 (IPC only) the expert
+side returns one bf16 partial sum per (token, rank) instead (combine_partials_send): the same at
+one rank, within bf16 rounding on more.
 
 Errors found by the kernels are written to pinned host memory, one record per slot, and raised
 without a host sync in the common case:
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import LowLatencyHandle
+from ...utils.launch import group_device
 from ..rows import low_latency_recv_tensors
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields
@@ -141,6 +144,8 @@ def bind_calls(lib: ctypes.CDLL) -> None:
     for function, record in ((lib.epcomm_ll_dispatch, LLDispatchCall), (lib.epcomm_ll_combine, LLCombineCall)):
         function.argtypes = [ctypes.POINTER(record), ctypes.c_int, ctypes.c_void_p]
         function.restype = ctypes.c_int
+    lib.epcomm_ll_combine_partials_fit.argtypes = [ctypes.c_int]
+    lib.epcomm_ll_combine_partials_fit.restype = ctypes.c_int
 
 
 def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:
@@ -168,8 +173,7 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.share_messages = _env.ll_share_messages()  # in every call's shape tag: ranks that disagree are named
-        # Combine by partial sums: every peer must be mapped (its kernels store into each peer's slot).
-        self.combine_partials = _env.ll_combine_partials() and self.transport == "ipc"
+
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -196,6 +200,8 @@ class CudaLowLatency:
         self._captured = False  # a call was captured in a CUDA graph: its replays record errors too
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
+        self.combine_partials = self._combine_partials_agreed(group)
+        self.last_combine_partials = False  # whether the last combine was by partial sums (tests)
 
         # Per slot, the running send's counters, 0 between calls: a dispatch's pairs written per
         # expert, a combine by partial sums' first three words. Allocated once, at the largest size,
@@ -213,6 +219,18 @@ class CudaLowLatency:
         self._combine_calls = [LLCombineCall(context=c, counters=addr(self._sent_pairs[s]))
                                for s, c in enumerate(contexts)]
         dist.barrier(group=group)
+
+    def _combine_partials_agreed(self, group: dist.ProcessGroup) -> bool:
+        """EPCOMM_LL_COMBINE_PARTIALS where every rank can: its kernels store into each peer's slot
+        (every peer mapped: the IPC transport) and its send kernel's blocks must all be resident
+        (fewer SMs under MPS or green contexts may not hold them). Collective when the switch is on
+        (every rank reads the same environment), so that the ranks agree."""
+        if not _env.ll_combine_partials():
+            return False
+        able = self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
+        flag = torch.tensor([int(able)], dtype=torch.int32, device=group_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
         """Have the following calls record their phase timeline (scripts/ll_profile.py): per op
@@ -395,9 +413,13 @@ class CudaLowLatency:
 
         call = LLCombineCall.from_buffer_copy(self._combine_calls[slot])  # this call's own (_launch)
         call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
-        partials = self.combine_partials and partials_fit(self.num_ranks, num_experts, hidden, num_topk)
+        # By partial sums only without a hook: its send kernel waits for every peer's requests, which
+        # a hook's send must not (no SM held while data is in flight; a late hook on another stream
+        # could not even start). Tagged with K, which sizes its records.
+        partials = self.combine_partials and not hook and partials_fit(self.num_ranks, num_experts, hidden, num_topk)
+        self.last_combine_partials = partials
         call.num_experts, call.num_max_tokens = num_experts, n
-        call.shape_tag = shape_tag(2, hidden, num_experts, n, int(partials))
+        call.shape_tag = shape_tag(2, hidden, num_experts, n, int(partials), num_topk if partials else 0)
         call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
         call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
         call.trace, call.layout_range, call.slot_map = addr(trace), addr(layout_range), addr(slot_map)

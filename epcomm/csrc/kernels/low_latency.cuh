@@ -946,8 +946,7 @@ __device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, i
 
 __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs a) {
     __shared__ bool skip_dst[kMaxRanks];
-    __shared__ int src_tokens[kMaxRanks];  // tokens of each source's requests (0: none to serve)
-    __shared__ int token_prefix[kMaxRanks + 1];  // tokens of the sources before each
+    __shared__ int src_tokens[kMaxRanks];  // tokens of each source's requests; -1: they never came
     __shared__ int2 layout[kMaxExperts];    // the dispatch's {begin, count} per (local expert, source)
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, K = a.num_topk, N = a.num_max_tokens, E = a.num_experts, me = a.rank;
@@ -1012,33 +1011,26 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
 
     // Partials: every source's requests first (thread s waits for source s's signal).
     if (tid < R) {
-        int count = 0;
-        if (!skip_dst[tid]) {
+        int count = -1;
+        if (!skip_dst[tid]) {  // masked or timed out (reported): nothing to serve, and no signal
             count = wait_signal(signals + tid, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
                                 kOpCombine, nullptr);
-            count = count < 0 ? 0 : min(count, N);  // masked or timed out (reported): nothing to serve
+            count = count < 0 ? -1 : min(count, N);
         }
         src_tokens[tid] = count;
     }
     __syncthreads();
-    if (tid == 0) {
-        token_prefix[0] = 0;
-        for (int r = 0; r < R; ++r) token_prefix[r + 1] = token_prefix[r] + src_tokens[r];
-    }
-    __syncthreads();
     trace_point(a.trace, 0, kTraceArrived);
-    // A warp's task: one source's token, 64 16-byte words of the row (2 a lane). The tasks of every
-    // source's tokens are split evenly; a warp takes consecutive ones, so a token's record is loaded
-    // once and then hit in L1.
+    // A warp's task: one source's token, 64 16-byte words of the row (2 a lane); source s's tasks are
+    // [s * N * units, (s + 1) * N * units), whatever its token count (blocks that saw a source masked
+    // at different times then disagree on that source only), taken by the warps in turn: a token's
+    // units go to neighbouring warps of one block, which share its record in L1.
     constexpr int kSumColumns = 2, kSumBatch = 8, kSpan = kSumColumns * kWarpSize;
     const int units = (row_int4 + kSpan - 1) / kSpan;
-    const int tasks = token_prefix[R] * units, per_warp = (tasks + grid_warps - 1) / grid_warps;
     const auto* x = reinterpret_cast<const int4*>(a.x);
-    for (int f = gwarp * per_warp; f < min(tasks, (gwarp + 1) * per_warp); ++f) {
-        const int flat = f / units, base = (f % units) * kSpan + lane;
-        int src = 0;
-        while (src + 1 < R && token_prefix[src + 1] <= flat) ++src;
-        const int t = flat - token_prefix[src];
+    for (int f = gwarp; f < R * N * units; f += grid_warps) {
+        const int src = f / (N * units), t = (f / units) % N, base = (f % units) * kSpan + lane;
+        if (t >= src_tokens[src]) continue;
         const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
         const int n = min(*reinterpret_cast<const int*>(record), K);
         if (n == 0) continue;
@@ -1095,13 +1087,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
             out[col] = o;
         }
     }
-    // The last block to finish its partials signals every source.
+    // The last block to finish its partials signals every source it served (one whose requests
+    // never came is not: it times out or masks this rank, rather than adding stale rows).
     __syncthreads();
     if (tid == 0 && atomic_add_acq_rel_gpu(a.counters + kPartialsDone, 1) == static_cast<int>(gridDim.x) - 1) {
         a.counters[kPartialsDone] = 0;
         fence_sys();  // every block's partial rows (each released by its count) before the signals
         for (int r = 0; r < R; ++r)
-            if (!skip_dst[r])
+            if (src_tokens[r] >= 0)
                 signal_peer(a.peers, me, r, lay.combine_signals + 8 * (R + me),
                             make_signal(seq, a.shape_tag, 0, src_tokens[r]));
     }
@@ -1164,7 +1157,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs
                               ? partials[(static_cast<int64_t>(r) * N + t) * row_int4 + col]
                               : make_int4(0, 0, 0, 0);
             }
+        // The first partial is taken as it is, not added to 0: at one rank the output is then the
+        // expert side's bf16 sum itself (-0 included), which is the reference's.
         float acc[kSumColumns][8] = {};
+        bool first_rank = true;
 #pragma unroll
         for (int r = 0; r < kMaxRanks; ++r) {
             if (!(ranks >> r & 1u)) continue;
@@ -1174,10 +1170,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const float2 fv = __bfloat1622float2(q[j]);
-                    acc[h][2 * j] = __fadd_rn(acc[h][2 * j], fv.x);
-                    acc[h][2 * j + 1] = __fadd_rn(acc[h][2 * j + 1], fv.y);
+                    acc[h][2 * j] = first_rank ? fv.x : __fadd_rn(acc[h][2 * j], fv.x);
+                    acc[h][2 * j + 1] = first_rank ? fv.y : __fadd_rn(acc[h][2 * j + 1], fv.y);
                 }
             }
+            first_rank = false;
         }
 #pragma unroll
         for (int h = 0; h < kSumColumns; ++h) {
@@ -1403,6 +1400,12 @@ int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t s
     if (phase != 1)
         ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
+}
+
+// Whether a combine by partial sums can launch here: its send kernel's num_sms blocks all resident
+// at once (the host asks once, at Buffer construction, and every rank must agree).
+int epcomm_ll_combine_partials_fit(int num_sms) {
+    return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
 }
 
 // phases as in epcomm_ll_dispatch
