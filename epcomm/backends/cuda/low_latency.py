@@ -222,15 +222,16 @@ class CudaLowLatency:
 
     def _combine_partials_agreed(self, group: dist.ProcessGroup) -> bool:
         """EPCOMM_LL_COMBINE_PARTIALS where every rank can: its kernels store into each peer's slot
-        (every peer mapped: the IPC transport) and its send kernel's blocks must all be resident
-        (fewer SMs under MPS or green contexts may not hold them). Collective when the switch is on
-        (every rank reads the same environment), so that the ranks agree."""
-        if not _env.ll_combine_partials():
-            return False
-        able = self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
-        flag = torch.tensor([int(able)], dtype=torch.int32, device=group_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return bool(flag.item())
+        (every peer mapped: the IPC transport) and its send kernel fits one block per SM (a
+        cooperative launch). Collective (every rank builds its Buffer): ranks whose switches
+        disagree are named here, not left to wait for each other in the kernels."""
+        wanted = _env.ll_combine_partials()
+        able = wanted and self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
+        flags = torch.tensor([int(wanted), -int(wanted), int(able)], dtype=torch.int32, device=group_device(group))
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        if int(flags[0]) != -int(flags[1]):
+            raise ValueError("EPCOMM_LL_COMBINE_PARTIALS differs across ranks; every rank must set the same value")
+        return bool(flags[2].item())
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
         """Have the following calls record their phase timeline (scripts/ll_profile.py): per op

@@ -936,9 +936,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 // + r] (rank r's partials). The host uses the mode only where these fit (partials_fit in
 // backends/cuda/low_latency.py: E >= 2R and R * (2H + request_bytes) <= E * 2H).
 // counters (the slot's sent_pairs, 0 between calls): [0] blocks done with their requests, [1] a
-// block saw the caller's topk_idx differ from the dispatch's, [2] blocks done with their partials.
+// block saw the caller's topk_idx differ from the dispatch's, [2] blocks done with their partials,
 // The send kernel is cooperative (its blocks wait for each other's signals through the peers).
-constexpr int kPartialsRequestsDone = 0, kPartialsDiffers = 1, kPartialsDone = 2;
+// [3]: bit r set by a block that gave up on source r's requests (timed out, or masked it): blocks
+// wait on their own, so one may give up on a source whose signal another then sees.
+constexpr int kPartialsRequestsDone = 0, kPartialsDiffers = 1, kPartialsDone = 2, kPartialsUnserved = 3;
 
 __device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, int num_ranks, int n, int hidden) {
     return lay.combine_data + static_cast<int64_t>(num_ranks) * n * hidden * 2;
@@ -1018,6 +1020,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
             count = count < 0 ? -1 : min(count, N);
         }
         src_tokens[tid] = count;
+        if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << tid);  // released by this block's count below
     }
     __syncthreads();
     trace_point(a.trace, 0, kTraceArrived);
@@ -1092,9 +1095,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
     __syncthreads();
     if (tid == 0 && atomic_add_acq_rel_gpu(a.counters + kPartialsDone, 1) == static_cast<int>(gridDim.x) - 1) {
         a.counters[kPartialsDone] = 0;
+        const int unserved = ld_volatile_int(a.counters + kPartialsUnserved);  // by any block
+        a.counters[kPartialsUnserved] = 0;
         fence_sys();  // every block's partial rows (each released by its count) before the signals
         for (int r = 0; r < R; ++r)
-            if (src_tokens[r] >= 0)
+            if (src_tokens[r] >= 0 && !(unserved >> r & 1))
                 signal_peer(a.peers, me, r, lay.combine_signals + 8 * (R + me),
                             make_signal(seq, a.shape_tag, 0, src_tokens[r]));
     }
@@ -1402,8 +1407,9 @@ int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t s
     return static_cast<int>(cudaGetLastError());
 }
 
-// Whether a combine by partial sums can launch here: its send kernel's num_sms blocks all resident
-// at once (the host asks once, at Buffer construction, and every rank must agree).
+// Whether a combine by partial sums can launch here: its send kernel fits one block per SM of the
+// device (registers, shared memory). Not whether the process may use every SM: under MPS or green
+// contexts the cooperative launch can still be refused at the call, which then raises.
 int epcomm_ll_combine_partials_fit(int num_sms) {
     return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
 }
