@@ -801,6 +801,38 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     __syncthreads();  // skip is reused by the block's next unit
 }
 
+// A warp's share of a combined row: kColumns 16-byte words a lane (8 bf16 channels each), summed
+// in fp32. acc += w * row, with no fused multiply-add: the reference's rounding.
+template <int kColumns>
+__device__ __forceinline__ void add_weighted_row(float (&acc)[kColumns][8], const int4 (&row)[kColumns], float w) {
+#pragma unroll
+    for (int h = 0; h < kColumns; ++h) {
+        const auto* p = reinterpret_cast<const __nv_bfloat162*>(&row[h]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(p[q]);
+            acc[h][2 * q] = __fadd_rn(acc[h][2 * q], __fmul_rn(w, f.x));
+            acc[h][2 * q + 1] = __fadd_rn(acc[h][2 * q + 1], __fmul_rn(w, f.y));
+        }
+    }
+}
+
+// Rounds a warp's share of a row to bf16 and stores it: lane words base + h * 32 of `out`, within
+// the row's row_int4 words.
+template <int kColumns>
+__device__ __forceinline__ void store_bf16_row(int4* out, const float (&acc)[kColumns][8], int base, int row_int4) {
+#pragma unroll
+    for (int h = 0; h < kColumns; ++h) {
+        const int col = base + h * kWarpSize;
+        if (col >= row_int4) continue;
+        int4 o;
+        auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[h][2 * q], acc[h][2 * q + 1]);
+        out[col] = o;
+    }
+}
+
 // The receive role of a combine: block b owns a range of tokens (a.chunk_tokens each): it waits for
 // the blocks its pairs read, then its warps sum 256-channel columns of its tokens, in top-k slot
 // order, in fp32.
@@ -866,31 +898,10 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
                 }
             }
 #pragma unroll
-            for (int d = 0; d < kSumBatch; ++d) {
-                if (k0 + d >= K || offsets[k0 + d] < 0) continue;
-                const float w = weights[k0 + d];
-#pragma unroll
-                for (int h = 0; h < kSumColumns; ++h) {
-                    const auto* p = reinterpret_cast<const __nv_bfloat162*>(&v[d][h]);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {  // acc = acc + w * row (no fused multiply-add: the reference's rounding)
-                        const float2 f = __bfloat1622float2(p[q]);
-                        acc[h][2 * q] = __fadd_rn(acc[h][2 * q], __fmul_rn(w, f.x));
-                        acc[h][2 * q + 1] = __fadd_rn(acc[h][2 * q + 1], __fmul_rn(w, f.y));
-                    }
-                }
-            }
+            for (int d = 0; d < kSumBatch; ++d)
+                if (k0 + d < K && offsets[k0 + d] >= 0) add_weighted_row(acc, v[d], weights[k0 + d]);
         }
-#pragma unroll
-        for (int h = 0; h < kSumColumns; ++h) {
-            const int col = base + h * kWarpSize;
-            if (col >= row_int4) continue;
-            int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) oh[q] = __floats2bfloat162_rn(acc[h][2 * q], acc[h][2 * q + 1]);
-            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden)[col] = o;
-        }
+        store_bf16_row(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(first + c) * a.hidden), acc, base, row_int4);
     }
 }
 
@@ -1064,31 +1075,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
             for (int d = 0; d < kSumBatch; ++d) {
                 const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
                 const float wd = __shfl_sync(kFullMask, w, min(k0 + d, kWarpSize - 1));
-                if (k0 + d >= n || xr < 0) continue;
-#pragma unroll
-                for (int h = 0; h < kSumColumns; ++h) {
-                    const auto* q = reinterpret_cast<const __nv_bfloat162*>(&v[d][h]);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {  // acc = acc + w * row, the reference's rounding
-                        const float2 fv = __bfloat1622float2(q[j]);
-                        acc[h][2 * j] = __fadd_rn(acc[h][2 * j], __fmul_rn(wd, fv.x));
-                        acc[h][2 * j + 1] = __fadd_rn(acc[h][2 * j + 1], __fmul_rn(wd, fv.y));
-                    }
-                }
+                if (k0 + d < n && xr >= 0) add_weighted_row(acc, v[d], wd);
             }
         }
-        auto* out = reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
-                                            (static_cast<int64_t>(me) * N + t) * a.hidden * 2);
-#pragma unroll
-        for (int h = 0; h < kSumColumns; ++h) {
-            const int col = base + h * kWarpSize;
-            if (col >= row_int4) continue;
-            int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[h][2 * j], acc[h][2 * j + 1]);
-            out[col] = o;
-        }
+        store_bf16_row(reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
+                                               (static_cast<int64_t>(me) * N + t) * a.hidden * 2),
+                       acc, base, row_int4);
     }
     // The last block to finish its partials signals every source it served (one whose requests
     // never came is not: it times out or masks this rank, rather than adding stale rows).
@@ -1181,16 +1173,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs
             }
             first_rank = false;
         }
-#pragma unroll
-        for (int h = 0; h < kSumColumns; ++h) {
-            const int col = base + h * kWarpSize;
-            if (col >= row_int4) continue;
-            int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) oh[j] = __floats2bfloat162_rn(acc[h][2 * j], acc[h][2 * j + 1]);
-            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden)[col] = o;
-        }
+        store_bf16_row(reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden), acc, base, row_int4);
     }
     if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
     trace_point(a.trace, 1, kTraceReceived);
