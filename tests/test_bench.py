@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -267,8 +268,6 @@ def test_deep_ep_cases_run_beside_epcomm():
 
 def test_git_commit_marks_a_modified_tree(tmp_path):
     """A result recorded from edited sources must not pass for the commit's: "+modified"."""
-    import subprocess
-
     git_commit = report.git_commit
     assert git_commit(str(tmp_path)) == "unknown"  # not a checkout
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]

@@ -302,6 +302,13 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
     }
 }
 
+// Whether this call may write into rank r's slot: neither rank masked, and r acknowledged the
+// slot's previous call (wait_ack).
+__device__ bool may_write_slot(const uint8_t* mine, int64_t acks, int me, int r, int64_t prev, int* mask,
+                               uint64_t timeout_ns, int* info, int op) {
+    return !masked(mask, me) && !masked(mask, r) && wait_ack(mine, acks, r, prev, mask, timeout_ns, info, op);
+}
+
 // ------------------------------------------------------------------ FP8 cast (the rule of epcomm/fp8.py)
 struct CastMode {
     bool fp8, round_scale, ue8m0;
@@ -484,8 +491,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     bool bad = false;
     if (warp == 0) {
         if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
-            skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
-                            !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
+            skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
     } else {
         // Every pair, in batches of kCountBatch loads in flight per thread (a load, then its atomics,
         // one at a time would cost a memory round trip per pair); this block's own pairs' experts
@@ -754,8 +760,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     const int global_e = me * experts_per_rank + local_e;
     const bool remote = is_remote(a.peers, src);
     if (tid == 0) {
-        skip = masked(a.mask, me) || masked(a.mask, src) ||
-               !wait_ack(mine, lay.acks, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        skip = !may_write_slot(mine, lay.acks, me, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
         // Rows for a remote source are staged in this rank's own dispatch area: its own receive of
         // the slot's previous call must be done reading it.
         if (remote && !skip) skip = !wait_ack(mine, lay.acks, me, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
@@ -800,6 +805,10 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     trace_point(a.trace, 0, kTraceSignalled);
     __syncthreads();  // skip is reused by the block's next unit
 }
+
+// The combine kernels' sums: a warp's unit is kSumColumns 16-byte words a lane (kSumSpan words of
+// the row), whose rows it loads kSumBatch at a time, all in flight together.
+constexpr int kSumColumns = 2, kSumBatch = 8, kSumSpan = kSumColumns * kWarpSize;
 
 // A warp's share of a combined row: kColumns 16-byte words a lane (8 bf16 channels each), summed
 // in fp32. acc += w * row, with no fused multiply-add: the reference's rounding.
@@ -879,10 +888,9 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
     // rows it loads kSumBatch slots at a time, all in flight together, then sums in slot order.
     // 7168 channels: 14 units a token, so a block's 16 warps take a token in one memory round trip
     // per 8 slots (one word, 4 slots a time, took four).
-    constexpr int kSumColumns = 2, kSumBatch = 8, kSpan = kSumColumns * kWarpSize;
-    const int units_per_token = (row_int4 + kSpan - 1) / kSpan;
+    const int units_per_token = (row_int4 + kSumSpan - 1) / kSumSpan;
     for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
-        const int c = u / units_per_token, base = (u % units_per_token) * kSpan + lane;
+        const int c = u / units_per_token, base = (u % units_per_token) * kSumSpan + lane;
         const int64_t* offsets = pair_offset + c * K;
         const float* weights = pair_weight + c * K;
         float acc[kSumColumns][8] = {};
@@ -948,9 +956,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 // backends/cuda/low_latency.py: E >= 2R and R * (2H + request_bytes) <= E * 2H).
 // counters (the slot's sent_pairs, 0 between calls): [0] blocks done with their requests, [1] a
 // block saw the caller's topk_idx differ from the dispatch's, [2] blocks done with their partials,
-// The send kernel is cooperative (its blocks wait for each other's signals through the peers).
-// [3]: bit r set by a block that gave up on source r's requests (timed out, or masked it): blocks
+// [3] bit r set by a block that gave up on source r's requests (timed out, or masked it): blocks
 // wait on their own, so one may give up on a source whose signal another then sees.
+// The send kernel is cooperative (its blocks wait for each other's signals through the peers).
 constexpr int kPartialsRequestsDone = 0, kPartialsDiffers = 1, kPartialsDone = 2, kPartialsUnserved = 3;
 
 __device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, int num_ranks, int n, int hidden) {
@@ -975,8 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
 
     if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
-        skip_dst[tid] = masked(a.mask, me) || masked(a.mask, tid) ||
-                        !wait_ack(mine, lay.acks, tid, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
     for (int i = tid; i < E; i += kThreads) {
         const int64_t word = a.layout_range[i];  // [local expert][source]: a layout never filled is clamped
         const int begin = max(0, min(static_cast<int>(word >> 32), N * R));
@@ -1039,11 +1046,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs
     // [s * N * units, (s + 1) * N * units), whatever its token count (blocks that saw a source masked
     // at different times then disagree on that source only), taken by the warps in turn: a token's
     // units go to neighbouring warps of one block, which share its record in L1.
-    constexpr int kSumColumns = 2, kSumBatch = 8, kSpan = kSumColumns * kWarpSize;
-    const int units = (row_int4 + kSpan - 1) / kSpan;
+    const int units = (row_int4 + kSumSpan - 1) / kSumSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
     for (int f = gwarp; f < R * N * units; f += grid_warps) {
-        const int src = f / (N * units), t = (f / units) % N, base = (f % units) * kSpan + lane;
+        const int src = f / (N * units), t = (f / units) % N, base = (f % units) * kSumSpan + lane;
         if (t >= src_tokens[src]) continue;
         const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
         const int n = min(*reinterpret_cast<const int*>(record), K);
@@ -1138,10 +1144,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs
     __syncthreads();
     trace_point(a.trace, 1, kTraceArrived);
     const auto* partials = reinterpret_cast<const int4*>(mine + lay.combine_data);
-    constexpr int kSumColumns = 2, kSpan = kSumColumns * kWarpSize;
-    const int units_per_token = (row_int4 + kSpan - 1) / kSpan;
+    const int units_per_token = (row_int4 + kSumSpan - 1) / kSumSpan;
     for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
-        const int c = u / units_per_token, base = (u % units_per_token) * kSpan + lane;
+        const int c = u / units_per_token, base = (u % units_per_token) * kSumSpan + lane;
         const unsigned ranks = token_ranks[c];
         const int t = first + c;
         int4 v[kMaxRanks][kSumColumns];
