@@ -126,6 +126,8 @@ class Buffer:
         self._ll_cleanings = 0
         self._ll_pending: dict[int, str] = {}
         self._ll_needs_clean = False
+        # Argument shapes a low-latency call of this Buffer passed the checks with (_ll_checked_now).
+        self._ll_checked: set[tuple] = set()
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ static API
@@ -631,11 +633,14 @@ class Buffer:
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, slot,
                 self._mask if self.enable_shrink else None, self.uid, return_recv_hook)
-            handle.backend_state["topk_idx"] = topk_idx.clone()
-            if not return_recv_hook:  # receive on the communication stream too, so the event covers it
-                finish()
-                return recv_x, recv_count, handle, _nothing
-            return recv_x, recv_count, handle, finish  # the receive kernel updates both statistics itself
+            # Without a hook the receive is launched already (on the communication stream too, with
+            # async_finish, so the event covers it); the receive kernel updates both statistics itself.
+            return recv_x, recv_count, handle, finish
+
+        if self._cuda_ll is not None and not async_finish:  # the decode path: no closures on the way
+            recv_x, recv_count, handle, finish = run_cuda()
+            hook = self._make_hook(slot, "low_latency_dispatch", finish) if return_recv_hook else None
+            return recv_x, recv_count, handle, EventOverlap(None), hook
 
         def run():
             if self._cuda_ll is not None:
@@ -660,8 +665,33 @@ class Buffer:
         complete()
         return recv_x, recv_count, handle, event, None
 
+    def _ll_checked_now(self, key: tuple | None) -> None:
+        """Remember the argument shapes of a low-latency call that passed the checks (None: not
+        keyable): a later call with the same ones has only what can differ between calls of one
+        shape checked again (an eager decode step waits on the host time of its calls). At most
+        4096 shapes."""
+        if key is not None:
+            if len(self._ll_checked) >= 4096:
+                self._ll_checked.clear()
+            self._ll_checked.add(key)
+
     def _check_ll_dispatch(self, x, topk_idx, num_max_tokens, num_experts, recv_stats, wait_stats, use_fp8,
                            round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
+        key = None
+        if self._cuda_ll is not None:  # the reference backend reads topk_idx's values: no shortcut
+            key = _tensor_keys(x, topk_idx, recv_stats, wait_stats)
+            if key is not None:
+                key += ("dispatch", num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+                        return_recv_hook)
+                if (key in self._ll_checked and x.is_contiguous() and topk_idx.is_contiguous()
+                        and x.data_ptr() % 16 == 0 and not self._ll_needs_clean):
+                    return
+        self._check_ll_dispatch_fully(x, topk_idx, num_max_tokens, num_experts, recv_stats, wait_stats, use_fp8,
+                                      round_scale, use_ue8m0, async_finish, return_recv_hook)
+        self._ll_checked_now(key)
+
+    def _check_ll_dispatch_fully(self, x, topk_idx, num_max_tokens, num_experts, recv_stats, wait_stats, use_fp8,
+                                 round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
         check_tensor("x", x, dtype=torch.bfloat16, dim=2, device=self.device, contiguous=True)
         num_tokens, hidden = x.shape
         check_int("num_max_dispatch_tokens_per_rank", num_max_tokens, minimum=1)
@@ -714,16 +744,18 @@ class Buffer:
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
         slot = self._take_ll_slot()
+        if self._cuda_ll is not None and not async_finish:  # the decode path: no closures on the way
+            combined, finish = self._cuda_ll.combine(x, topk_idx, topk_weights, handle, out, slot,
+                                                     self._mask if self.enable_shrink else None,
+                                                     combine_wait_recv_cost_stats, return_recv_hook)
+            hook = self._make_hook(slot, "low_latency_combine", finish) if return_recv_hook else None
+            return combined, EventOverlap(None), hook
 
         def run():
-            if self._cuda_ll is not None:
-                combined, finish = self._cuda_ll.combine(x, topk_idx, topk_weights, handle, out, slot,
-                                                         self._mask if self.enable_shrink else None,
-                                                         combine_wait_recv_cost_stats, return_recv_hook)
-                if not return_recv_hook:  # receive on the communication stream too, so the event covers it
-                    finish()
-                    return combined, _nothing
-                return combined, finish
+            if self._cuda_ll is not None:  # without a hook the receive is launched already (the event covers it)
+                return self._cuda_ll.combine(x, topk_idx, topk_weights, handle, out, slot,
+                                             self._mask if self.enable_shrink else None,
+                                             combine_wait_recv_cost_stats, return_recv_hook)
             combined, finish, wait_ns = ref_ll.combine(self._backend, x, topk_idx, topk_weights, handle, out,
                                                        defer_receive=return_recv_hook)
 
@@ -742,6 +774,23 @@ class Buffer:
 
     def _check_ll_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                           return_recv_hook, out, wait_stats) -> None:
+        key = None
+        if self._cuda_ll is not None and not zero_copy and type(handle) is LowLatencyHandle:
+            key = _tensor_keys(x, topk_idx, topk_weights, out, wait_stats)
+            if key is not None:
+                key += ("combine", handle.buffer_uid, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                        handle.num_experts, handle.num_tokens, handle.num_topk, use_logfmt, async_finish,
+                        return_recv_hook)
+                if (key in self._ll_checked and x.is_contiguous() and x.data_ptr() % 16 == 0
+                        and (out is None or (out.is_contiguous() and out.data_ptr() % 16 == 0))
+                        and handle.backend_state.get("received") and not self._ll_needs_clean):
+                    return
+        self._check_ll_combine_fully(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                     return_recv_hook, out, wait_stats)
+        self._ll_checked_now(key)
+
+    def _check_ll_combine_fully(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                return_recv_hook, out, wait_stats) -> None:
         if use_logfmt:
             raise NotImplementedError("use_logfmt=True (LogFMT-compressed combine) is not implemented; "
                                       "use the default BF16 combine")
@@ -851,8 +900,18 @@ _LEAKED: list[Any] = []
 _DEFAULT_CONFIGS: dict[tuple, Config] = {}
 
 
-def _nothing() -> None:
-    pass
+def _tensor_keys(*tensors: torch.Tensor | None) -> tuple | None:
+    """(shape, dtype, device) of each tensor (None stays None), or None where one is not exactly a
+    torch.Tensor (a subclass may override what the checks look at)."""
+    key: tuple = ()
+    for t in tensors:
+        if t is None:
+            key += (None,)
+        elif type(t) is torch.Tensor:
+            key += (t.shape, t.dtype, t.device)
+        else:
+            return None
+    return key
 
 
 def _tensors(obj: Any):

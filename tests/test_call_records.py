@@ -63,7 +63,7 @@ def test_a_mirror_missing_a_field_is_refused(library):
 def test_ll_call_records_match_the_library(ll_library):
     low_latency.bind_calls(ll_library)
     with pytest.raises(ctypes.ArgumentError):
-        ll_library.epcomm_ll_dispatch(low_latency.LLCombineCall(), 1, None)
+        ll_library.epcomm_ll_dispatch(low_latency.LLCombineCall(), 1, None, None)
 
 
 def test_ll_records_are_checked_through_their_own_exports(ll_library):

@@ -41,7 +41,6 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import LowLatencyHandle
 from ...utils.launch import group_device
-from ..rows import low_latency_recv_tensors
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields
 from .ipc import SharedBuffer
@@ -120,8 +119,8 @@ class LLCallContext(ctypes.Structure):
 class LLDispatchCall(ctypes.Structure):
     _fields_ = [("context", LLCallContext),
                 *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
-                *fields(ctypes.c_uint64, "sent_pairs slot_map recv_data recv_scales src_info recv_count layout_range "
-                                         "cumulative_stats"),
+                *fields(ctypes.c_uint64, "sent_pairs slot_map topk_copy recv_data recv_scales src_info recv_count "
+                                         "layout_range cumulative_stats"),
                 *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
@@ -142,7 +141,14 @@ def bind_calls(lib: ctypes.CDLL) -> None:
     for record in (LLCallContext, LLDispatchCall, LLCombineCall):
         check_struct_layout(lib, record, "epcomm_ll_struct")
     for function, record in ((lib.epcomm_ll_dispatch, LLDispatchCall), (lib.epcomm_ll_combine, LLCombineCall)):
-        function.argtypes = [ctypes.POINTER(record), ctypes.c_int, ctypes.c_void_p]
+        function.argtypes = [ctypes.POINTER(record), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        function.restype = ctypes.c_int
+    lib.epcomm_ll_event_create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.epcomm_ll_stream_wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    for function in (lib.epcomm_ll_event_synchronize, lib.epcomm_ll_event_destroy):
+        function.argtypes = [ctypes.c_void_p]
+    for function in (lib.epcomm_ll_event_create, lib.epcomm_ll_event_synchronize, lib.epcomm_ll_stream_wait_event,
+                     lib.epcomm_ll_event_destroy):
         function.restype = ctypes.c_int
     lib.epcomm_ll_combine_partials_fit.argtypes = [ctypes.c_int]
     lib.epcomm_ll_combine_partials_fit.restype = ctypes.c_int
@@ -192,10 +198,15 @@ class CudaLowLatency:
         self.info_np = self.info.numpy()
         # Per slot: whether the receive of its last call was recorded in _received_events (the host
         # waits on it before reading the slot's error record), and the event the hook's receive waits
-        # on (the send). Reused: a slot's next call starts only after these were consumed.
+        # on (the send). Reused: a slot's next call starts only after these were consumed. CUDA
+        # events of the library's (cudaEvent_t), which records them after the launches (_launch).
         self._received: list[bool] = [False, False]
-        self._received_events = [torch.cuda.Event(), torch.cuda.Event()]
-        self._sent_events = [torch.cuda.Event(), torch.cuda.Event()]
+        with torch.cuda.device(device):
+            self._received_events = [self._new_event() for _ in range(2)]
+            self._sent_events = [self._new_event() for _ in range(2)]
+        # What the calls of one shape share (_DispatchShape, _CombineShape), by shape.
+        self._dispatch_shapes: dict[tuple, _DispatchShape] = {}
+        self._combine_shapes: dict[tuple, _CombineShape] = {}
         self._captured = False  # a call was captured in a CUDA graph: its replays record errors too
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
@@ -250,7 +261,15 @@ class CudaLowLatency:
     def _trace(self, op: str) -> torch.Tensor | None:
         return self.traces[op] if self.traces is not None else None
 
+    def _new_event(self) -> int:
+        event = ctypes.c_void_p()
+        check(self.lib.epcomm_ll_event_create(ctypes.byref(event)), "low-latency buffer setup (cudaEventCreate)")
+        return event.value
+
     def close(self) -> None:
+        for event in self._received_events + self._sent_events:
+            self.lib.epcomm_ll_event_destroy(event)  # released once pending work is done
+        self._received_events = self._sent_events = []
         self.shared.close()
 
     def reset(self, meet: Callable[[str], None]) -> None:
@@ -269,14 +288,14 @@ class CudaLowLatency:
         torch.cuda.synchronize(self.device)
         meet("zeroed")
 
-    def check_errors(self, op: str, slot: int) -> None:
+    def check_errors(self, op: str, slot: int, capturing: bool) -> None:
         """Raise what the kernels reported before a call in ``slot`` launches anything: the record of
         the slot's previous call once its receive has finished (the same verdict on every rank), and
         a timeout seen in the other slot's record."""
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             return  # no host wait inside a capture; the next eager call checks
         if self._received[slot]:
-            self._received_events[slot].synchronize()
+            check(self.lib.epcomm_ll_event_synchronize(self._received_events[slot]), op)
             self._received[slot] = False
             self._raise(op, slot)
         elif self._captured:  # replays of captured calls may have recorded errors: look at both slots
@@ -300,15 +319,6 @@ class CudaLowLatency:
             raise ValueError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}")
         raise RuntimeError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}. Destroy the Buffer "
                            "and the process group (or enable failed-rank masking).")
-
-    def _received_now(self, slot: int, stream: torch.cuda.Stream) -> None:
-        """After a receive kernel is launched: the event the slot's next call waits on to check errors."""
-        if torch.cuda.is_current_stream_capturing():
-            self._received[slot] = False  # no host wait on a captured event; the next eager call checks
-            self._captured = True
-            return
-        self._received_events[slot].record(stream)
-        self._received[slot] = True
 
     def check_dispatch_args(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
                             num_experts: int) -> None:
@@ -344,123 +354,204 @@ class CudaLowLatency:
                  round_scale: bool, use_ue8m0: bool, slot: int, mask: torch.Tensor | None, buffer_uid: str,
                  hook: bool) -> tuple[object, torch.Tensor, LowLatencyHandle, Callable[[], None]]:
         """Launch the send kernel; returns (recv_x, recv_count, handle, finish), finish launching the
-        receive. Without ``hook``, one kernel sends and receives, and finish does nothing."""
-        self.check_errors("low_latency_dispatch", slot)
+        receive. Without ``hook``, one kernel sends and receives, and finish does nothing.
+        Host time counts here (an eager decode step waits on it): what depends on the shape only
+        comes from _DispatchShape, the FP8 scales and the small int tensors are views of one
+        allocation, and the kernel copies topk_idx for the handle (no clone)."""
+        capturing = _capturing()
+        self.check_errors("low_latency_dispatch", slot, capturing)
         num_tokens, hidden = x.shape
         num_topk = topk_idx.shape[1]
-        num_ranks = self.num_ranks
-        e_local = num_experts // num_ranks
-        rows = num_max_tokens * num_ranks
-        data_bytes, cols, msg = message_bytes(hidden, use_fp8, use_ue8m0)
+        key = (hidden, num_topk, num_experts, num_max_tokens, use_fp8, round_scale, use_ue8m0)
+        shape = self._dispatch_shapes.get(key)
+        if shape is None:
+            shape = self._dispatch_shapes[key] = _DispatchShape(self, *key)
         dev = self.device
-        recv_x, recv_data, recv_scales = low_latency_recv_tensors(e_local, rows, hidden, use_fp8, use_ue8m0, dev)
-        src_info = torch.empty((e_local, rows), dtype=torch.int32, device=dev)  # -1 past the counts (kernel)
-        recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
-        layout_range = torch.empty((e_local, num_ranks), dtype=torch.int64, device=dev)
-        slot_map = torch.empty((num_tokens, num_topk), dtype=torch.int32, device=dev)
-        handle_state: dict = {"slot_map": slot_map, "received": False}
+        data = torch.empty(shape.data_shape, dtype=shape.data_dtype, device=dev)
+        pairs = num_tokens * num_topk
+        small = torch.empty(shape.small_words(pairs), dtype=torch.int64, device=dev)
+        small32 = small.view(torch.int32)
+        layout_range = small.as_strided(shape.layout_range_shape, shape.layout_range_strides, 0)
+        src_info = small32.as_strided(shape.src_info_shape, shape.src_info_strides, shape.src_info_at)
+        recv_count = small32.as_strided((shape.e_local,), (1,), shape.recv_count_at)
+        scales = None
+        if use_fp8:
+            words = small32 if use_ue8m0 else small32.view(torch.float32)
+            scales = words.as_strided(shape.scales_shape, shape.scales_strides, shape.scales_at)
+        base = small.data_ptr()
+        topk_copy = base + shape.pairs_at
+        slot_map = topk_copy + _round_up(8 * pairs, 16)
         trace = self._trace("dispatch")
 
-        call = LLDispatchCall.from_buffer_copy(self._dispatch_calls[slot])  # this call's own (_launch)
-        call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
-        call.num_experts, call.num_max_tokens = num_experts, num_max_tokens
-        call.shape_tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
-                                   int(self.share_messages))
-        call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
-        call.share_messages = int(self.share_messages)
-        call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
-        call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
-        call.trace, call.slot_map, call.cumulative_stats = addr(trace), addr(slot_map), addr(cumulative_stats)
-        call.recv_data, call.recv_scales, call.src_info = addr(recv_data), addr(recv_scales), addr(src_info)
-        call.recv_count, call.layout_range = addr(recv_count), addr(layout_range)
-        if recv_scales is not None:
-            call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = recv_scales.stride()
-        call.held = (x, topk_idx, mask, wait_stats, trace, slot_map, cumulative_stats, recv_data, recv_scales,
-                     src_info, recv_count, layout_range)
+        call = LLDispatchCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
+        call.num_tokens = num_tokens
+        call.x, call.topk_idx, call.mask = x.data_ptr(), topk_idx.data_ptr(), addr(mask)
+        call.wait_stats, call.trace, call.cumulative_stats = addr(wait_stats), addr(trace), addr(cumulative_stats)
+        call.slot_map, call.topk_copy = slot_map, topk_copy
+        call.recv_data, call.recv_scales = data.data_ptr(), addr(scales)
+        call.src_info, call.recv_count = base + 4 * shape.src_info_at, base + 4 * shape.recv_count_at
+        call.layout_range = base
+        call.held = (x, topk_idx, mask, wait_stats, trace, cumulative_stats, data, scales, small)
 
-        def kernel(phase: int, stream: ctypes.c_void_p) -> int:
-            return self.lib.epcomm_ll_dispatch(call, phase, stream)
-
-        def received() -> None:
-            handle_state["received"] = True  # layout_range is filled once the receive has run
-
-        receive = self._launch(kernel, "low_latency_dispatch", slot, hook, received)
+        state: dict = {"small": small, "topk_copy": topk_copy, "slot_map": slot_map, "received": False}
         handle = LowLatencyHandle(
             buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
             num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
-            layout_range=layout_range, backend_state=handle_state)
-        # The receive keeps the inputs alive until it is launched (its closure holds the record).
+            layout_range=layout_range, backend_state=state)
+        recv_x = (data, scales) if use_fp8 else data
+        entry = self.lib.epcomm_ll_dispatch
+        if not hook:
+            self._launch(entry, call, 0, slot, capturing, "low_latency_dispatch")
+            state["received"] = True  # layout_range is filled once the receive has run
+            return recv_x, recv_count, handle, _nothing
+        send_stream = self._launch(entry, call, 1, slot, capturing, "low_latency_dispatch")
+
+        def receive() -> None:  # the record keeps the inputs alive until then
+            self._launch(entry, call, 2, slot, _capturing(), "low_latency_dispatch", send_stream)
+            state["received"] = True
+
         return recv_x, recv_count, handle, receive
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None,
                 hook: bool) -> tuple[torch.Tensor, Callable[[], None]]:
-        self.check_errors("low_latency_combine", slot)
-        n, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        # The kernels index [T, K] densely: the handle's own copy of the ids (contiguous, and the one
-        # the dispatch used) and contiguous weights. The caller's ids are compared with it on the GPU
-        # (a host comparison would sync).
+        capturing = _capturing()
+        self.check_errors("low_latency_combine", slot, capturing)
+        num_tokens, hidden = handle.num_tokens, handle.hidden
+        key = (hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.num_topk, hook)
+        shape = self._combine_shapes.get(key)
+        if shape is None:
+            shape = self._combine_shapes[key] = _CombineShape(self, *key)
+        # The kernels index [T, K] densely: the handle's own copy of the ids (the one the dispatch
+        # used) and contiguous weights. The caller's ids are compared with it on the GPU (a host
+        # comparison would sync).
         caller_topk_idx = topk_idx.contiguous()
-        topk_idx = handle.backend_state["topk_idx"]
         topk_weights = topk_weights.contiguous()
-        num_tokens, num_topk = handle.num_tokens, handle.num_topk
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                            device=self.device)
-        slot_map, layout_range = handle.backend_state["slot_map"], handle.layout_range
-
+        state = handle.backend_state
         trace = self._trace("combine")
+        self.last_combine_partials = shape.partials
 
-        call = LLCombineCall.from_buffer_copy(self._combine_calls[slot])  # this call's own (_launch)
-        call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
+        call = LLCombineCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
+        call.num_tokens = num_tokens
+        call.x, call.topk_idx, call.mask = x.data_ptr(), state["topk_copy"], addr(mask)
+        call.wait_stats = addr(wait_stats)
+        call.trace, call.layout_range, call.slot_map = addr(trace), handle.layout_range.data_ptr(), state["slot_map"]
+        call.caller_topk_idx, call.topk_weights = caller_topk_idx.data_ptr(), topk_weights.data_ptr()
+        call.out = combined.data_ptr()
+        call.held = (x, mask, wait_stats, trace, state["small"], handle.layout_range, caller_topk_idx, topk_weights,
+                     combined)
+        entry = self.lib.epcomm_ll_combine
+        if not hook:
+            self._launch(entry, call, 0, slot, capturing, "low_latency_combine")
+            return combined, _nothing
+        send_stream = self._launch(entry, call, 1, slot, capturing, "low_latency_combine")
+        return combined, lambda: self._launch(entry, call, 2, slot, _capturing(), "low_latency_combine", send_stream)
+
+    def _launch(self, entry: Callable[..., int], call: ctypes.Structure, phase: int, slot: int, capturing: bool,
+                op: str, send_stream: int | None = None) -> int:
+        """Launch a call's send (phase 1, with a hook), its receive (phase 2: the hook's work) or both
+        (phase 0) on the current stream, and return the stream. ``call`` is the call's own record: a
+        copy of the slot's, filled once by the call and never shared, since the hook runs later, maybe
+        after other calls filled theirs; it holds the tensors its addresses point at (``held``), so
+        the hook keeps them alive until it launches. The library copies it into the kernels'
+        arguments (a captured graph keeps its own copy) and records, after the kernels, the slot's
+        send event (phase 1: a receive on another stream waits on it) or its receive event (the
+        slot's next call waits on it before it reads the error record; none inside a capture)."""
+        stream = _current_stream(self.device)
+        if phase == 1:
+            check(entry(call, 1, stream, self._sent_events[slot]), op)
+            return stream
+        if phase == 2 and stream != send_stream:
+            check(self.lib.epcomm_ll_stream_wait_event(stream, self._sent_events[slot]), op)
+        check(entry(call, phase, stream, None if capturing else self._received_events[slot]), op)
+        self._received[slot] = not capturing  # a captured receive: its replays are checked by the next eager call
+        self._captured |= capturing
+        return stream
+
+
+class _DispatchShape:
+    """What every dispatch of one shape (hidden, K, E, N, format) shares, worked out once: the output
+    tensors' shapes, the byte layout of the call's small tensors in one int64 allocation ([E_local,
+    R] layout_range, [E_local, N*R] src_info, [E_local] recv_count, the FP8 scales, then per
+    (token, slot) the topk_idx copy (int64) and the slot map (int32); each part 16-byte aligned),
+    and per slot a call record with every field but the call's own tensors filled."""
+
+    def __init__(self, backend: CudaLowLatency, hidden: int, num_topk: int, num_experts: int, num_max_tokens: int,
+                 use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
+        num_ranks = backend.num_ranks
+        self.e_local = e_local = num_experts // num_ranks
+        rows = num_max_tokens * num_ranks
+        data_bytes, cols, msg = message_bytes(hidden, use_fp8, use_ue8m0)
+        self.data_shape = (e_local, rows, hidden)
+        self.data_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        # FP8 scales: [E_local, N*R, cols] fp32 (or packed UE8M0 int32), column-major in the last two
+        # dims, as low_latency_recv_tensors lays them out for the reference backend.
+        self.scales_shape, self.scales_strides = (e_local, rows, cols), (cols * rows, 1, rows)
+        self.layout_range_shape, self.layout_range_strides = (e_local, num_ranks), (num_ranks, 1)
+        self.src_info_shape, self.src_info_strides = (e_local, rows), (rows, 1)
+        # Byte offsets in the small allocation (layout_range first, at 0), each part 16-byte aligned.
+        src_info_offset = _round_up(8 * e_local * num_ranks, 16)
+        recv_count_offset = src_info_offset + _round_up(4 * e_local * rows, 16)
+        scales_offset = recv_count_offset + _round_up(4 * e_local, 16)
+        self.pairs_at = scales_offset + _round_up(4 * e_local * rows * cols, 16)
+        # the same, in 4-byte elements (as_strided offsets of the int32 and fp32 views)
+        self.src_info_at, self.recv_count_at = src_info_offset // 4, recv_count_offset // 4
+        self.scales_at = scales_offset // 4
+        self.records = []
+        for record in backend._dispatch_calls:
+            call = LLDispatchCall.from_buffer_copy(record)
+            call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
+            call.num_max_tokens = num_max_tokens
+            call.shape_tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
+                                       int(backend.share_messages))
+            call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
+            call.share_messages = int(backend.share_messages)
+            call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
+            if use_fp8:
+                call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides
+            self.records.append(call)
+
+    def small_words(self, pairs: int) -> int:
+        return (self.pairs_at + _round_up(8 * pairs, 16) + _round_up(4 * pairs, 16)) // 8
+
+
+class _CombineShape:
+    """What every combine of one shape (hidden, E, N, K, with a hook or not) shares: whether it goes by
+    partial sums, and per slot a call record with every field but the call's own tensors filled."""
+
+    def __init__(self, backend: CudaLowLatency, hidden: int, num_experts: int, num_max_tokens: int, num_topk: int,
+                 hook: bool) -> None:
         # By partial sums only without a hook: its send kernel waits for every peer's requests, which
         # a hook's send must not (no SM held while data is in flight; a late hook on another stream
         # could not even start). Tagged with K, which sizes its records.
-        partials = self.combine_partials and not hook and partials_fit(self.num_ranks, num_experts, hidden, num_topk)
-        self.last_combine_partials = partials
-        call.num_experts, call.num_max_tokens = num_experts, n
-        call.shape_tag = shape_tag(2, hidden, num_experts, n, int(partials), num_topk if partials else 0)
-        call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
-        call.x, call.topk_idx, call.mask, call.wait_stats = addr(x), addr(topk_idx), addr(mask), addr(wait_stats)
-        call.trace, call.layout_range, call.slot_map = addr(trace), addr(layout_range), addr(slot_map)
-        call.caller_topk_idx, call.topk_weights, call.out = addr(caller_topk_idx), addr(topk_weights), addr(combined)
-        call.held = (x, topk_idx, mask, wait_stats, trace, layout_range, slot_map, caller_topk_idx, topk_weights,
-                     combined)
+        self.partials = partials = (backend.combine_partials and not hook and
+                                    partials_fit(backend.num_ranks, num_experts, hidden, num_topk))
+        self.records = []
+        for record in backend._combine_calls:
+            call = LLCombineCall.from_buffer_copy(record)
+            call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
+            call.num_max_tokens = num_max_tokens
+            call.shape_tag = shape_tag(2, hidden, num_experts, num_max_tokens, int(partials),
+                                       num_topk if partials else 0)
+            call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
+            self.records.append(call)
 
-        def kernel(phase: int, stream: ctypes.c_void_p) -> int:
-            return self.lib.epcomm_ll_combine(call, phase, stream)
 
-        return combined, self._launch(kernel, "low_latency_combine", slot, hook)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    def _launch(self, kernel: Callable[[int, ctypes.c_void_p], int], op: str, slot: int, hook: bool,
-                received: Callable[[], None] = lambda: None) -> Callable[[], None]:
-        """Launch a call's send (phase 1, with a hook) or send and receive (phase 0) on the current
-        stream; returns what launches the receive (phase 2): the hook's work, or nothing.
-        ``kernel(phase, stream)`` calls the library with the call's own record: a copy of the slot's,
-        filled once by the call and never shared, since the hook runs later, maybe after other calls
-        filled theirs. The record holds the tensors its addresses point at (``held``), so the hook
-        keeps them alive until it launches. The library copies the record into the kernels'
-        arguments, so nothing needs it after the launch (a captured graph keeps its own copy).
-        ``received()`` runs once the receive is launched. The receive follows the send when the hook
-        runs on another stream, and records the event the slot's next call waits on to check errors."""
-        sent = self._sent_events[slot]
-        send_stream = torch.cuda.current_stream(self.device)
 
-        def launch(phase: int) -> None:
-            stream = send_stream
-            if phase == 2:
-                stream = torch.cuda.current_stream(self.device)
-                if stream != send_stream:
-                    stream.wait_event(sent)
-            check(kernel(phase, ctypes.c_void_p(stream.cuda_stream)), op)
-            if phase == 1:
-                sent.record(stream)
-            else:
-                received()
-                self._received_now(slot, stream)
+def _current_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as a cudaStream_t (no Stream object: a host cost per call)."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
-        launch(1 if hook else 0)
-        return (lambda: launch(2)) if hook else _nothing
+
+def _capturing() -> bool:
+    return torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _nothing() -> None:

@@ -377,6 +377,7 @@ struct DispatchArgs {
     int* sent_pairs;          // [E] written pairs per expert of the running send (0 between calls)
     int* mask;                // [R] int32, or nullptr (no failed-rank masking)
     int* slot_map;            // [T, K] out: the row of (t, k) in its block, -1 when not sent
+    int64_t* topk_copy;       // [T, K] out: topk_idx as sent (the handle's: combine uses and checks it)
     // receive side
     uint8_t* recv_data;       // [E_local, N*R, data_bytes]
     uint8_t* recv_scales;     // [E_local, N*R, S] with the strides below (elements of 4 bytes)
@@ -545,6 +546,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         }
         pair_row[j] = row;
         a.slot_map[static_cast<int64_t>(first) * K + j] = row;
+        a.topk_copy[static_cast<int64_t>(first) * K + j] = a.topk_idx[static_cast<int64_t>(first) * K + j];
     }
 
     __syncthreads();  // every pair's row is known
@@ -1213,7 +1215,8 @@ struct LLCallContext {
 struct LLDispatchCall {
     LLCallContext context;
     uint64_t x, topk_idx, mask, wait_stats, trace;
-    uint64_t sent_pairs, slot_map, recv_data, recv_scales, src_info, recv_count, layout_range, cumulative_stats;
+    uint64_t sent_pairs, slot_map, topk_copy, recv_data, recv_scales, src_info, recv_count, layout_range;
+    uint64_t cumulative_stats;
     int64_t scale_stride_e, scale_stride_row, scale_stride_col;
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
     int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
@@ -1242,7 +1245,8 @@ constexpr auto fields_of<ll::LLDispatchCall>() {
     using S = ll::LLDispatchCall;
     return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
                       EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(sent_pairs),
-                      EPCOMM_FIELD(slot_map), EPCOMM_FIELD(recv_data), EPCOMM_FIELD(recv_scales),
+                      EPCOMM_FIELD(slot_map), EPCOMM_FIELD(topk_copy), EPCOMM_FIELD(recv_data),
+                      EPCOMM_FIELD(recv_scales),
                       EPCOMM_FIELD(src_info), EPCOMM_FIELD(recv_count), EPCOMM_FIELD(layout_range),
                       EPCOMM_FIELD(cumulative_stats), EPCOMM_FIELD(scale_stride_e), EPCOMM_FIELD(scale_stride_row),
                       EPCOMM_FIELD(scale_stride_col), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden),
@@ -1358,7 +1362,7 @@ void epcomm_ll_trace_shape(int* blocks, int* points) {
 
 // phase 1: send (and return); phase 2: receive (the hook), with the same record; phase 0: both
 // in one kernel (no hook), or one after the other where its blocks cannot all be resident.
-int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream) {
+static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream) {
     const ll::LLDispatchCall& c = *call;
     if (c.num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
     ll::DispatchArgs a{};
@@ -1370,6 +1374,7 @@ int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t s
     a.share_messages = c.share_messages != 0;
     set_ptr(a.sent_pairs, c.sent_pairs);
     set_ptr(a.slot_map, c.slot_map);
+    set_ptr(a.topk_copy, c.topk_copy);
     set_ptr(a.recv_data, c.recv_data);
     set_ptr(a.recv_scales, c.recv_scales);
     a.scale_stride_e = c.scale_stride_e;
@@ -1402,8 +1407,8 @@ int epcomm_ll_combine_partials_fit(int num_sms) {
     return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
 }
 
-// phases as in epcomm_ll_dispatch
-int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
+// phases as in launch_dispatch
+static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
     const ll::LLCombineCall& c = *call;
     ll::CombineArgs a{};
     set_call(a, c);
@@ -1434,6 +1439,35 @@ int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t str
     if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
+
+// A call's kernels of `phase`, then `done` recorded on the stream after them (nullptr: none): the
+// event the host waits on before it reads the slot's error record (after a receive), or the one a
+// receive hook on another stream waits on (after a send). Recorded here, the host needs no stream
+// object per call (an eager call's host time is what an eager decode step waits on).
+int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
+    const int launched = launch_dispatch(call, phase, stream);
+    if (launched != 0 || done == nullptr) return launched;
+    return static_cast<int>(cudaEventRecord(done, stream));
+}
+
+int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
+    const int launched = launch_combine(call, phase, stream);
+    if (launched != 0 || done == nullptr) return launched;
+    return static_cast<int>(cudaEventRecord(done, stream));
+}
+
+// The buffer's events (two per slot), on the current device, without timing.
+int epcomm_ll_event_create(cudaEvent_t* event) {
+    return static_cast<int>(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+}
+
+int epcomm_ll_event_synchronize(cudaEvent_t event) { return static_cast<int>(cudaEventSynchronize(event)); }
+
+int epcomm_ll_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
+    return static_cast<int>(cudaStreamWaitEvent(stream, event, 0));
+}
+
+int epcomm_ll_event_destroy(cudaEvent_t event) { return static_cast<int>(cudaEventDestroy(event)); }
 
 // The layout and field names of call record `name` (LLCallContext, LLDispatchCall, LLCombineCall):
 // write_record_layout and record_field_name (call_record.cuh) say what they return.

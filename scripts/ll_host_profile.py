@@ -1,0 +1,169 @@
+"""Where the host time of an eager (not graph-captured) low-latency call goes, per token count:
+the host time per call of back-to-back eager dispatches, combines and decode steps, the time of
+each piece of the Python path (monkeypatched timers around the backend's methods), the cost of
+the torch calls it makes (empty, clone, event record), and a cProfile by cumulative time.
+
+Usage (on the GPU machine): python scripts/ll_host_profile.py [--ranks 1] [--tokens 1,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, ".")
+
+from epcomm import Buffer  # noqa: E402
+from epcomm.backends.cuda import low_latency as cuda_ll  # noqa: E402
+from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
+from epcomm.utils.launch import LocalCluster  # noqa: E402
+
+
+def _per_call_us(fn, calls: int = 200) -> tuple[float, float]:
+    """(host us per call, us per call once the GPU has caught up), after a warm-up."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - start) / calls * 1e6
+
+
+def _timed_methods(spent: dict[str, list[float]]):
+    """Wrap the CUDA low-latency backend's methods with host timers; returns the undo."""
+    cls = cuda_ll.CudaLowLatency
+    saved = {}
+    for name in ("check_errors", "dispatch", "combine", "check_dispatch_args", "check_combine_args", "_launch"):
+        original = getattr(cls, name)
+        saved[name] = original
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_name].append((time.perf_counter() - start) * 1e6)
+
+        setattr(cls, name, timed)
+
+    def undo():
+        for name, original in saved.items():
+            setattr(cls, name, original)
+
+    return undo
+
+
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lines = []
+    size = Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn((n, hidden), generator=gen).to(torch.bfloat16).to(dev)
+    idx = make_pattern_topk_idx(gen, n, num_experts, num_topk, num_ranks, "random").to(dev)
+    w = torch.rand((n, num_topk), generator=gen).to(dev)
+    y = torch.randn((num_experts // num_ranks, n * num_ranks, hidden), dtype=torch.bfloat16, device=dev)
+    handles = []
+
+    def dispatch():
+        handles[:] = [buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)[2]]
+
+    def combine():
+        buf.low_latency_combine(y, idx, w, handles[0])
+
+    def step():
+        dispatch()
+        combine()
+
+    def say(text: str) -> None:
+        lines.append(f"rank {rank} T={n}: {text}")
+
+    for name, fn in (("dispatch", dispatch), ("combine", combine), ("dispatch+combine", step)):
+        if name == "combine":
+            dispatch()
+        dist.barrier()
+        host, whole = _per_call_us(fn)
+        say(f"eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
+
+    spent: dict[str, list[float]] = defaultdict(list)
+    undo = _timed_methods(spent)
+    try:
+        dist.barrier()
+        for _ in range(100):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        undo()
+    for name, ts in sorted(spent.items()):
+        ts = sorted(ts)
+        say(f"  backend {name:22s} n={len(ts):4d} median {ts[len(ts) // 2]:7.1f} us  max {ts[-1]:7.1f}")
+
+    rows = n * num_ranks
+    e_local = num_experts // num_ranks
+    pieces = {
+        "torch.empty recv_x fp8": lambda: torch.empty((e_local, rows, hidden), dtype=torch.float8_e4m3fn, device=dev),
+        "torch.empty int32 [E_local, rows]": lambda: torch.empty((e_local, rows), dtype=torch.int32, device=dev),
+        "torch.empty bf16 [T, H]": lambda: torch.empty((n, hidden), dtype=torch.bfloat16, device=dev),
+        "topk_idx.clone()": lambda: idx.clone(),
+        "topk_idx.contiguous()": lambda: idx.contiguous(),
+        "Event().record()": lambda: torch.cuda.Event().record(),
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(dev),
+        "is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+    }
+    for name, fn in pieces.items():
+        host, _ = _per_call_us(fn, 1000)
+        say(f"  piece {name:32s} {host:7.2f} us")
+
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(50):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(35)
+    if rank == 0:
+        say("cProfile of 50 eager steps (dispatch + combine), by cumulative time\n" + out.getvalue())
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        say("torch profiler (CPU) of 20 eager steps\n" +
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    dist.barrier()
+    buf.destroy()
+    return "\n".join(lines)
+
+
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int) -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk) for n in tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--tokens", default="1,128")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with LocalCluster(args.ranks) as cluster:
+        for text in cluster.run(rank_profile, tokens, 7168, 288, 8):
+            print(text)
+
+
+if __name__ == "__main__":
+    main()
