@@ -1,9 +1,14 @@
-"""Where the host time of an eager (not graph-captured) low-latency call goes, per token count:
-the host time per call of back-to-back eager dispatches, combines and decode steps, the time of
-each piece of the Python path (monkeypatched timers around the backend's methods), the cost of
-the torch calls it makes (empty, clone, event record), and a cProfile by cumulative time.
+"""Where the host time of an eager (not graph-captured) call goes, per token count.
 
-Usage (on the GPU machine): python scripts/ll_host_profile.py [--ranks 1] [--tokens 1,128]
+Low-latency mode (default): the host time per call of back-to-back eager dispatches, combines and
+decode steps, the time of each piece of the Python path (monkeypatched timers around the CUDA
+backend's methods), the cost of the torch calls it makes (empty, clone, event record), and a
+cProfile by cumulative time. Normal mode (--mode normal, CUDA intranode kernels): the host time
+per call of eager dispatches (with the layout), cached dispatches and combines, against the time
+with the GPU, and a cProfile of the dispatch.
+
+Usage (on the GPU machine): python scripts/host_profile.py [--mode low_latency|normal] [--ranks 1]
+[--tokens 1,128]
 """
 
 from __future__ import annotations
@@ -150,18 +155,81 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     return "\n".join(lines)
 
 
-def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int) -> str:
-    return "\n".join(_profile(n, hidden, num_experts, num_topk) for n in tokens)
+def _normal_profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+    from epcomm.backends.cuda import intranode
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lines = []
+    config = Buffer.get_dispatch_config(num_ranks)
+    rows = n * num_ranks  # every token to every rank: the most a rank receives
+    row = max(intranode.dispatch_row_bytes(hidden, 2, num_topk, hidden // 128),
+              intranode.combine_row_bytes(hidden, num_topk))
+    size = max(config.get_nvl_buffer_size_hint(hidden * 2, num_ranks), intranode.ROWS_OFFSET + rows * row)
+    buf = Buffer(dist.group.WORLD, size, 0, backend="cuda")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn((n, hidden), generator=gen).to(torch.bfloat16).to(dev)
+    idx = make_pattern_topk_idx(gen, n, num_experts, num_topk, num_ranks, "random").to(dev)
+    w = torch.rand((n, num_topk), generator=gen).to(dev)
+    per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    handles = []
+
+    def dispatch():
+        out = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                           topk_weights=w)
+        handles[:] = [out[0], out[4]]
+
+    def layout_and_dispatch():
+        buf.get_dispatch_layout(idx, num_experts)
+        dispatch()
+
+    def cached():
+        buf.dispatch(x, handle=handles[1])
+
+    def combine():
+        buf.combine(handles[0], handles[1])
+
+    def say(text: str) -> None:
+        lines.append(f"rank {rank} T={n}: {text}")
+
+    for name, fn in (("dispatch", dispatch), ("layout+dispatch", layout_and_dispatch), ("cached dispatch", cached),
+                     ("combine", combine)):
+        dist.barrier()
+        host, whole = _per_call_us(fn, 50)
+        say(f"eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        dispatch()
+        combine()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    if rank == 0:
+        say("cProfile of 20 eager dispatch + combine, by own time\n" + out.getvalue())
+    dist.barrier()
+    buf.destroy()
+    return "\n".join(lines)
+
+
+def rank_profile(mode: str, tokens: list[int], hidden: int, num_experts: int, num_topk: int) -> str:
+    profile = _normal_profile if mode == "normal" else _profile
+    return "\n".join(profile(n, hidden, num_experts, num_topk) for n in tokens)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
-    parser.add_argument("--tokens", default="1,128")
+    parser.add_argument("--mode", choices=("low_latency", "normal"), default="low_latency")
+    parser.add_argument("--tokens", help="tokens per rank (default 1,128; normal mode 4096)")
     args = parser.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = [int(t) for t in (args.tokens or ("4096" if args.mode == "normal" else "1,128")).split(",")]
+    num_experts = 256 if args.mode == "normal" else 288
     with LocalCluster(args.ranks) as cluster:
-        for text in cluster.run(rank_profile, tokens, 7168, 288, 8):
+        for text in cluster.run(rank_profile, args.mode, tokens, 7168, num_experts, 8):
             print(text)
 
 
