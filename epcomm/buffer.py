@@ -118,6 +118,8 @@ class Buffer:
             if low_latency_mode and self.num_rdma_bytes > 0:
                 self._cuda_ll = CudaLowLatency(self.group, self.device, self.num_rdma_bytes, _env.timeout_s())
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._comm_stream is not None:  # _run's events: the compute stream's work, then the call's
+            self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
         self._local_nvl: torch.Tensor | None = None
         self._local_rdma: torch.Tensor | None = None
         self._destroyed = False
@@ -319,19 +321,33 @@ class Buffer:
 
     def _run(self, fn: Callable[[], Any], previous_event: EventOverlap | None, async_finish: bool,
              allocate_on_comm_stream: bool, keep_alive: tuple) -> tuple[Any, EventOverlap]:
-        """Run ``fn`` on the communication stream with DeepEP's event semantics."""
-        if self._comm_stream is None:
+        """Run ``fn`` on the communication stream with DeepEP's event semantics.
+
+        Host time counts here: a normal dispatch launches its receive after the host has read the
+        counts, so the GPU waits on the host's work around it. The events a call waits on at once
+        are the Buffer's own (reused: a wait takes the event's state when it is issued), and the
+        stream switch is two set_stream calls where the Buffer's device is the current one."""
+        comm = self._comm_stream
+        if comm is None:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self.device)
         if previous_event is not None and previous_event.event is not None:
-            self._comm_stream.wait_event(previous_event.event)
+            comm.wait_event(previous_event.event)
         else:
-            self._comm_stream.wait_stream(compute)
-        with torch.cuda.stream(self._comm_stream):
-            result = fn()
-        event = torch.cuda.Event()
-        event.record(self._comm_stream)
-        outputs = [t for t in _tensors(result)]
+            self._compute_ready.record(compute)
+            comm.wait_event(self._compute_ready)
+        if torch.cuda.current_device() == self.device.index:
+            torch.cuda.set_stream(comm)
+            try:
+                result = fn()
+            finally:
+                torch.cuda.set_stream(compute)
+        else:
+            with torch.cuda.stream(comm):
+                result = fn()
+        event = torch.cuda.Event() if async_finish else self._comm_done
+        event.record(comm)
+        outputs = list(_tensors(result))
         if not allocate_on_comm_stream:
             for t in outputs:
                 t.record_stream(compute)
@@ -915,9 +931,11 @@ def _tensor_keys(*tensors: torch.Tensor | None) -> tuple | None:
 
 
 def _tensors(obj: Any):
+    """The tensors in a call's result: the tensors among its items, and in (data, scales) pairs. A list
+    is walked only if it starts with a tensor (num_recv_tokens_per_expert_list is E_local ints)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, tuple | list):
+    elif isinstance(obj, tuple) or (isinstance(obj, list) and obj and isinstance(obj[0], torch.Tensor)):
         for item in obj:
             yield from _tensors(item)
 

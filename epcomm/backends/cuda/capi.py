@@ -20,9 +20,20 @@ def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(addr(t))
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as a cudaStream_t: no Stream object (building one costs
+    a few microseconds of host time per call, which eager calls wait on)."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def stream_ptr(device: torch.device) -> ctypes.c_void_p:
     """The current CUDA stream of ``device``, where the kernels are launched."""
-    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    return ctypes.c_void_p(raw_stream(device))
 
 
 def check(code: int, what: str) -> None:

@@ -162,6 +162,9 @@ class CudaIntranode:
         # A dispatch that waits for its counts on the host starts its sends on this stream first.
         self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"
         self.send_stream = torch.cuda.Stream(device)
+        # Marks the count exchange of a dispatch on its stream; the host waits on it right away, so
+        # one event serves every call (a new one per call costs host time the GPU may wait on).
+        self._counted = torch.cuda.Event()
         # SMs that send, per op (measured on 2 x H200, 4096 tokens, 24 SMs: dispatch is send-bound,
         # combine reduce-bound; bench/results/2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2.txt).
         self.send_share = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") / 100
@@ -248,7 +251,6 @@ class CudaIntranode:
         num_scales = scales.shape[1] if scales is not None else 0
         row_bytes = dispatch_row_bytes(hidden, x.element_size(), num_topk, num_scales)
         cap_rows = self.cap_rows(row_bytes)
-        stream = torch.cuda.current_stream(self.device)
         split = False  # send half launched before the host reads the counts, receive half after
         if cached and "rounds" in handle.backend_state:
             return cached_dispatch_in_rounds(self, x, scales, handle, num_sms), None, None, None, handle
@@ -268,6 +270,7 @@ class CudaIntranode:
                                  f"{experts_per_rank}")
             if num_worst_tokens > cap_rows:
                 self._raise_capacity("dispatch", num_worst_tokens, row_bytes, cap_rows)
+            stream = torch.cuda.current_stream(self.device)
             in_rank = is_token_in_rank.contiguous()
             slot = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=self.device)
             own_tokens = torch.empty(num_tokens, dtype=torch.int32, device=self.device)
@@ -280,10 +283,10 @@ class CudaIntranode:
             call.in_rank, call.send_counts, call.expert_counts = addr(in_rank), addr(send_counts), addr(expert_counts)
             call.topk_idx, call.slot = addr(topk_idx), addr(slot)
             call.own_tokens, call.layout = addr(own_tokens), addr(layout)
-            check(self.lib.epcomm_notify(call, stream_ptr(self.device)), "dispatch")
+            check(self.lib.epcomm_notify(call, stream.cuda_stream), "dispatch")
             num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
             if not num_worst_tokens:
-                counted = torch.cuda.Event()
+                counted = self._counted
                 counted.record(stream)
                 split = self.overlap
                 if split:

@@ -42,7 +42,7 @@ from ... import _env
 from ...handle import LowLatencyHandle
 from ...utils.launch import group_device
 from .build import load_library, load_nvshmem_library
-from .capi import addr, check, check_aligned, check_struct_layout, fields
+from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
@@ -460,7 +460,7 @@ class CudaLowLatency:
         arguments (a captured graph keeps its own copy) and records, after the kernels, the slot's
         send event (phase 1: a receive on another stream waits on it) or its receive event (the
         slot's next call waits on it before it reads the error record; none inside a capture)."""
-        stream = _current_stream(self.device)
+        stream = raw_stream(self.device)
         if phase == 1:
             check(entry(call, 1, stream, self._sent_events[slot]), op)
             return stream
@@ -538,16 +538,6 @@ class _CombineShape:
                                        num_topk if partials else 0)
             call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
             self.records.append(call)
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(device: torch.device) -> int:
-    """The current CUDA stream of ``device`` as a cudaStream_t (no Stream object: a host cost per call)."""
-    if _raw_stream is not None:
-        return _raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _capturing() -> bool:
