@@ -399,9 +399,11 @@ class Buffer:
         if num_experts % self.group_size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
                              f"({self.group_size})")
-        # Reading the values syncs with the host, which a CUDA graph capture cannot do (the CUDA
-        # layout kernel skips out-of-range ids, and dispatch refuses them on the device).
-        check_topk_idx("topk_idx", topk_idx, num_experts, self.device, values=not self._capturing())
+        # Reading the values makes the host wait for the GPU's queued work (every layer of an eager
+        # model), and a CUDA graph capture cannot do it: the CUDA kernels do not (their layout kernel
+        # skips out-of-range ids; dispatch refuses them on the device, on every rank).
+        check_topk_idx("topk_idx", topk_idx, num_experts, self.device,
+                       values=self._cuda is None and not self._capturing())
         self._check_async_args(previous_event, async_finish, allocate_on_comm_stream)
 
         def run():
