@@ -698,6 +698,8 @@ class Buffer:
         key = None
         if self._cuda_ll is not None:  # the reference backend reads topk_idx's values: no shortcut
             key = _tensor_keys(x, topk_idx, recv_stats, wait_stats)
+            if type(num_max_tokens) is not int or type(num_experts) is not int:
+                key = None  # 128.0 == 128 as a key, but only an int passes the checks
             if key is not None:
                 key += ("dispatch", num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
                         return_recv_hook)
@@ -784,7 +786,9 @@ class Buffer:
 
             return combined, complete
 
-        (combined, complete), event = self._run_low_latency(run, async_finish, (x, topk_idx, topk_weights))
+        # Kept until the event is waited on: the handle's small tensors the kernels read too.
+        keep = (x, topk_idx, topk_weights, handle.backend_state.get("small"))
+        (combined, complete), event = self._run_low_latency(run, async_finish, keep)
         if return_recv_hook:
             return combined, event, self._make_hook(slot, "low_latency_combine", complete)
         complete()

@@ -396,6 +396,55 @@ def test_ll_cuda_combine_before_hook_is_refused():
     cluster(2).run(rank_combine_before_hook)
 
 
+def rank_checks_after_a_call_of_the_same_shape():
+    """A call whose argument shapes passed the checks before skips what is fixed per shape (host
+    time, Buffer._ll_checked), never what can differ between calls of one shape: the same shapes
+    with a non-contiguous or misaligned tensor, a float size, or a combine before its dispatch's
+    receive are still refused, and the Buffer goes on working."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    buf = _buffer("cuda", n, hidden, num_experts)
+    x, idx, w = (t.to(dev) for t in make_inputs(67, rank, n, hidden, num_experts, 2, num_ranks, "random"))
+
+    def step(x_in=x, ids=idx, num_max=n, experts=num_experts):
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x_in, ids, num_max, experts, use_fp8=False)
+        return buf.low_latency_combine(recv_x, idx, w, handle)[0]
+
+    want = step().clone()
+    step()  # both slots have seen these shapes
+    strided_x = x.t().contiguous().t()  # same shape, transposed strides
+    shifted_x = torch.empty(n * hidden + 1, dtype=torch.bfloat16, device=dev)[1:].view(n, hidden)
+    shifted_x.copy_(x)  # contiguous, 2 bytes past a 16-byte boundary
+    strided_idx = idx.t().contiguous().t() if idx.shape[1] > 1 else idx[:, :1].expand(n, 1)
+    for what, args, error, message in (
+            ("non-contiguous x", {"x_in": strided_x}, ValueError, "x must be contiguous"),
+            ("misaligned x", {"x_in": shifted_x}, ValueError, "16-byte aligned"),
+            ("non-contiguous topk_idx", {"ids": strided_idx}, ValueError, "contiguous"),
+            ("float N", {"num_max": float(n)}, TypeError, "must be an int"),
+            ("float num_experts", {"experts": float(num_experts)}, TypeError, "must be an int")):
+        try:
+            step(**args)
+        except error as e:
+            assert message in str(e), f"rank {rank}, {what}: {e}"
+        else:
+            raise AssertionError(f"rank {rank}: {what} was accepted after a call of the same shapes")
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                          return_recv_hook=True)
+    with pytest.raises(ValueError, match="has not been received yet"):
+        buf.low_latency_combine(recv_x, idx, w, handle)
+    hook()
+    buf.low_latency_combine(recv_x, idx, w, handle)
+    torch.cuda.synchronize()
+    assert _bits_equal(step(), want), f"rank {rank}: the Buffer no longer works after the refusals"
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+def test_ll_cuda_checks_after_a_call_of_the_same_shape():
+    cluster(1).run(rank_checks_after_a_call_of_the_same_shape)
+
+
 def rank_invalid_inputs_raise_everywhere():
     """The kernels check topk_idx on the GPU (a host check would sync): a rank's invalid ids, or a
     combine given other ids than its dispatch, make every rank raise ValueError at the same later

@@ -379,21 +379,21 @@ class CudaLowLatency:
             words = small32 if use_ue8m0 else small32.view(torch.float32)
             scales = words.as_strided(shape.scales_shape, shape.scales_strides, shape.scales_at)
         base = small.data_ptr()
-        topk_copy = base + shape.pairs_at
-        slot_map = topk_copy + _round_up(8 * pairs, 16)
+        topk_copy_at = shape.pairs_at  # byte offsets in small (the handle keeps offsets, not addresses)
+        slot_map_at = topk_copy_at + _round_up(8 * pairs, 16)
         trace = self._trace("dispatch")
 
         call = LLDispatchCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
         call.num_tokens = num_tokens
         call.x, call.topk_idx, call.mask = x.data_ptr(), topk_idx.data_ptr(), addr(mask)
         call.wait_stats, call.trace, call.cumulative_stats = addr(wait_stats), addr(trace), addr(cumulative_stats)
-        call.slot_map, call.topk_copy = slot_map, topk_copy
+        call.slot_map, call.topk_copy = base + slot_map_at, base + topk_copy_at
         call.recv_data, call.recv_scales = data.data_ptr(), addr(scales)
         call.src_info, call.recv_count = base + 4 * shape.src_info_at, base + 4 * shape.recv_count_at
         call.layout_range = base
         call.held = (x, topk_idx, mask, wait_stats, trace, cumulative_stats, data, scales, small)
 
-        state: dict = {"small": small, "topk_copy": topk_copy, "slot_map": slot_map, "received": False}
+        state: dict = {"small": small, "topk_copy_at": topk_copy_at, "slot_map_at": slot_map_at, "received": False}
         handle = LowLatencyHandle(
             buffer_uid=buffer_uid, num_max_dispatch_tokens_per_rank=num_max_tokens, hidden=hidden,
             num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, src_info=src_info,
@@ -431,14 +431,16 @@ class CudaLowLatency:
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                            device=self.device)
         state = handle.backend_state
+        small = state["small"].data_ptr()
         trace = self._trace("combine")
         self.last_combine_partials = shape.partials
 
         call = LLCombineCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
         call.num_tokens = num_tokens
-        call.x, call.topk_idx, call.mask = x.data_ptr(), state["topk_copy"], addr(mask)
+        call.x, call.topk_idx, call.mask = x.data_ptr(), small + state["topk_copy_at"], addr(mask)
         call.wait_stats = addr(wait_stats)
-        call.trace, call.layout_range, call.slot_map = addr(trace), handle.layout_range.data_ptr(), state["slot_map"]
+        call.trace, call.layout_range = addr(trace), handle.layout_range.data_ptr()
+        call.slot_map = small + state["slot_map_at"]
         call.caller_topk_idx, call.topk_weights = caller_topk_idx.data_ptr(), topk_weights.data_ptr()
         call.out = combined.data_ptr()
         call.held = (x, mask, wait_stats, trace, state["small"], handle.layout_range, caller_topk_idx, topk_weights,
@@ -477,7 +479,10 @@ class _DispatchShape:
     tensors' shapes, the byte layout of the call's small tensors in one int64 allocation ([E_local,
     R] layout_range, [E_local, N*R] src_info, [E_local] recv_count, the FP8 scales, then per
     (token, slot) the topk_idx copy (int64) and the slot map (int32); each part 16-byte aligned),
-    and per slot a call record with every field but the call's own tensors filled."""
+    and per slot a call record with every field but the call's own (its tensors, its token count)
+    filled. The handle keeps the allocation until it is dropped, the scales' bytes with it
+    (E_local * N*R * H/128 * 4: 8.3 MB at EP8, N 128, 288 experts): one allocation instead of two
+    is host time saved at every call."""
 
     def __init__(self, backend: CudaLowLatency, hidden: int, num_topk: int, num_experts: int, num_max_tokens: int,
                  use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
