@@ -20,11 +20,15 @@ import pstats
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ll_profile import decode_step_inputs  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.cuda import low_latency as cuda_ll  # noqa: E402
@@ -43,6 +47,20 @@ def _per_call_us(fn, calls: int = 200) -> tuple[float, float]:
     host = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
     return host, (time.perf_counter() - start) / calls * 1e6
+
+
+def _cprofile(fn, calls: int, order: str, rows: int) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (collective: every rank calls it), its ``rows`` top lines."""
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(rows)
+    return out.getvalue()
 
 
 def _timed_methods(spent: dict[str, list[float]]):
@@ -73,13 +91,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     lines = []
-    size = Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts)
-    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn((n, hidden), generator=gen).to(torch.bfloat16).to(dev)
-    idx = make_pattern_topk_idx(gen, n, num_experts, num_topk, num_ranks, "random").to(dev)
-    w = torch.rand((n, num_topk), generator=gen).to(dev)
-    y = torch.randn((num_experts // num_ranks, n * num_ranks, hidden), dtype=torch.bfloat16, device=dev)
+    buf, x, idx, w, y = decode_step_inputs(n, hidden, num_experts, num_topk)
     handles = []
 
     def dispatch():
@@ -131,17 +143,11 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
         host, _ = _per_call_us(fn, 1000)
         say(f"  piece {name:32s} {host:7.2f} us")
 
-    dist.barrier()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(50):
-        step()
-    profiler.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(35)
     if rank == 0:
-        say("cProfile of 50 eager steps (dispatch + combine), by cumulative time\n" + out.getvalue())
+        say("cProfile of 50 eager steps (dispatch + combine), by cumulative time\n" +
+            _cprofile(step, 50, "cumulative", 35))
+    else:
+        _cprofile(step, 50, "cumulative", 35)
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(20):
@@ -198,18 +204,13 @@ def _normal_profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str
         dist.barrier()
         host, whole = _per_call_us(fn, 50)
         say(f"eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
-    dist.barrier()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(20):
+    def pair():
         dispatch()
         combine()
-    profiler.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+
+    text = _cprofile(pair, 20, "tottime", 25)
     if rank == 0:
-        say("cProfile of 20 eager dispatch + combine, by own time\n" + out.getvalue())
+        say("cProfile of 20 eager dispatch + combine, by own time\n" + text)
     dist.barrier()
     buf.destroy()
     return "\n".join(lines)

@@ -26,10 +26,11 @@ def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int
     return "\n".join(_profile(n, hidden, num_experts, num_topk) for n in tokens)
 
 
-def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
+    """A CUDA low-latency Buffer sized by the hint and this rank's decode-step inputs: (buf, x [n,
+    H] bf16, topk_idx [n, K] random routing, weights, expert outputs y [E_local, n*R, H] bf16)."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    lines = []
     size = Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts)
     buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
     gen = torch.Generator().manual_seed(rank)
@@ -37,6 +38,13 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     idx = make_pattern_topk_idx(gen, n, num_experts, num_topk, num_ranks, "random").to(dev)
     w = torch.rand((n, num_topk), generator=gen).to(dev)
     y = torch.randn((num_experts // num_ranks, n * num_ranks, hidden), dtype=torch.bfloat16, device=dev)
+    return buf, x, idx, w, y
+
+
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+    rank = dist.get_rank()
+    lines = []
+    buf, x, idx, w, y = decode_step_inputs(n, hidden, num_experts, num_topk)
 
     def step():
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)

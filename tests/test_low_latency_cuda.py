@@ -62,7 +62,7 @@ def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
-                         use_ue8m0, use_hook, shrink_last, partials=False):
+                         use_ue8m0, use_hook, shrink_last, partials=False, hook_stream=False):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} N={n} H={hidden} E={num_experts} K={num_topk} {routing} "
            f"fp8={use_fp8} round={round_scale} ue8m0={use_ue8m0} hook={use_hook} shrink={shrink_last}")
@@ -76,6 +76,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
     if partials and num_ranks > 1 and not use_hook:
         bound = _partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
     outs = {}
+    # The hooks on a stream of their own (hook_stream): the receive waits for the send there.
+    side = torch.cuda.Stream(dev) if hook_stream else torch.cuda.current_stream(dev)
     for backend in ("reference", "cuda"):
         buf = _buffer(backend, n, hidden, num_experts, enable_shrink=shrink_last)
         if backend == "cuda" and partials:  # the mode is available (else the test would prove nothing)
@@ -90,7 +92,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
             dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
             return_recv_hook=use_hook)
         if use_hook:
-            hook()
+            with torch.cuda.stream(side):
+                hook()
         torch.cuda.synchronize()
         # Expert stand-in: every received row times (local expert + 1) / 4, from its own data.
         # In place: at 8 ranks sharing one GPU, three fp32 copies of the rows would not fit.
@@ -101,7 +104,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         poison_allocator(dev)
         combined, _, hook = buf.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=use_hook)
         if use_hook:
-            hook()
+            with torch.cuda.stream(side):
+                hook()
         torch.cuda.synchronize()
         if backend == "cuda":  # by partial sums exactly when asked for and without a hook
             assert buf._cuda_ll.last_combine_partials == (partials and not use_hook), tag
@@ -181,6 +185,12 @@ def test_ll_cuda_matches_reference(ranks, case, mode):
 def test_ll_cuda_hook(ranks):
     cluster(ranks).run(rank_ll_vs_reference, [64], 64, 2048, 4 * ranks, 4, "random", seed=31, use_fp8=True,
                        round_scale=False, use_ue8m0=False, use_hook=True, shrink_last=False)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ll_cuda_hook_on_another_stream(ranks):
+    cluster(ranks).run(rank_ll_vs_reference, [64], 64, 2048, 4 * ranks, 4, "random", seed=37, use_fp8=True,
+                       round_scale=False, use_ue8m0=False, use_hook=True, shrink_last=False, hook_stream=True)
 
 
 def rank_ll_shared_messages():

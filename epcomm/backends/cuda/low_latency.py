@@ -392,6 +392,7 @@ class CudaLowLatency:
         call.src_info, call.recv_count = base + 4 * shape.src_info_at, base + 4 * shape.recv_count_at
         call.layout_range = base
         call.held = (x, topk_idx, mask, wait_stats, trace, cumulative_stats, data, scales, small)
+        call.written = (data, small)  # what the receive writes (_launch)
 
         state: dict = {"small": small, "topk_copy_at": topk_copy_at, "slot_map_at": slot_map_at, "received": False}
         handle = LowLatencyHandle(
@@ -445,6 +446,7 @@ class CudaLowLatency:
         call.out = combined.data_ptr()
         call.held = (x, mask, wait_stats, trace, state["small"], handle.layout_range, caller_topk_idx, topk_weights,
                      combined)
+        call.written = (combined,)
         entry = self.lib.epcomm_ll_combine
         if not hook:
             self._launch(entry, call, 0, slot, capturing, "low_latency_combine")
@@ -468,6 +470,11 @@ class CudaLowLatency:
             return stream
         if phase == 2 and stream != send_stream:
             check(self.lib.epcomm_ll_stream_wait_event(stream, self._sent_events[slot]), op)
+            # The outputs were allocated on the send stream and are written on this one: the
+            # allocator must not reuse them before this stream is done with them.
+            receiving = torch.cuda.current_stream(self.device)
+            for t in call.written:
+                t.record_stream(receiving)
         check(entry(call, phase, stream, None if capturing else self._received_events[slot]), op)
         self._received[slot] = not capturing  # a captured receive: its replays are checked by the next eager call
         self._captured |= capturing
