@@ -71,16 +71,23 @@ def unpack_token_rows(recv: torch.Tensor, num_recv: int, num_rows: int, x: torch
     return recv_x_out, recv_topk_idx, recv_topk_weights
 
 
+def low_latency_scales_layout(num_local_experts: int, rows: int, hidden: int,
+                              use_ue8m0: bool) -> tuple[tuple[int, int, int], tuple[int, int, int], torch.dtype]:
+    """(shape, strides, dtype) of a low-latency dispatch's FP8 scales: [E_local, N*R, H/128] fp32, or
+    [.., H/512] packed UE8M0 int32, column-major in the last two dims (what DeepEP returns). Every
+    backend lays them out by this."""
+    cols = hidden // 128 // (4 if use_ue8m0 else 1)
+    return (num_local_experts, rows, cols), (cols * rows, 1, rows), torch.int32 if use_ue8m0 else torch.float32
+
+
 def low_latency_recv_tensors(num_local_experts: int, rows: int, hidden: int, use_fp8: bool, use_ue8m0: bool,
                              device: torch.device):
     """``(recv_x as the API returns it, data, scales or None)`` of a low-latency dispatch: data
-    [E_local, N*R, H] (e4m3 or bf16); FP8 scales [E_local, N*R, H/128] fp32, or [.., H/512] packed
-    UE8M0 int32, column-major in the last two dims (allocated [E_local, cols, N*R] and transposed)."""
+    [E_local, N*R, H] (e4m3 or bf16) and the FP8 scales (low_latency_scales_layout)."""
     if not use_fp8:
         data = torch.empty((num_local_experts, rows, hidden), dtype=torch.bfloat16, device=device)
         return data, data, None
     data = torch.empty((num_local_experts, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
-    cols = hidden // 128 // (4 if use_ue8m0 else 1)
-    scales = torch.empty((num_local_experts, cols, rows), dtype=torch.int32 if use_ue8m0 else torch.float32,
-                         device=device).transpose(1, 2)
+    shape, strides, dtype = low_latency_scales_layout(num_local_experts, rows, hidden, use_ue8m0)
+    scales = torch.empty_strided(shape, strides, dtype=dtype, device=device)
     return (data, scales), data, scales

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import LowLatencyHandle
 from ...utils.launch import group_device
+from ..rows import low_latency_scales_layout
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
 from .ipc import SharedBuffer
@@ -368,8 +369,8 @@ class CudaLowLatency:
             shape = self._dispatch_shapes[key] = _DispatchShape(self, *key)
         dev = self.device
         data = torch.empty(shape.data_shape, dtype=shape.data_dtype, device=dev)
-        pairs = num_tokens * num_topk
-        small = torch.empty(shape.small_words(pairs), dtype=torch.int64, device=dev)
+        topk_copy_at, slot_map_at, small_words = shape.pairs_layout(num_tokens * num_topk)
+        small = torch.empty(small_words, dtype=torch.int64, device=dev)
         small32 = small.view(torch.int32)
         layout_range = small.as_strided(shape.layout_range_shape, shape.layout_range_strides, 0)
         src_info = small32.as_strided(shape.src_info_shape, shape.src_info_strides, shape.src_info_at)
@@ -378,9 +379,7 @@ class CudaLowLatency:
         if use_fp8:
             words = small32 if use_ue8m0 else small32.view(torch.float32)
             scales = words.as_strided(shape.scales_shape, shape.scales_strides, shape.scales_at)
-        base = small.data_ptr()
-        topk_copy_at = shape.pairs_at  # byte offsets in small (the handle keeps offsets, not addresses)
-        slot_map_at = topk_copy_at + _round_up(8 * pairs, 16)
+        base = small.data_ptr()  # the handle keeps offsets in small, not addresses
         trace = self._trace("dispatch")
 
         call = LLDispatchCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
@@ -499,9 +498,9 @@ class _DispatchShape:
         data_bytes, cols, msg = message_bytes(hidden, use_fp8, use_ue8m0)
         self.data_shape = (e_local, rows, hidden)
         self.data_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        # FP8 scales: [E_local, N*R, cols] fp32 (or packed UE8M0 int32), column-major in the last two
-        # dims, as low_latency_recv_tensors lays them out for the reference backend.
-        self.scales_shape, self.scales_strides = (e_local, rows, cols), (cols * rows, 1, rows)
+        # FP8 scales, laid out as the reference backend lays them out (used with FP8 only; their
+        # region below has cols = 0 words a row without FP8).
+        self.scales_shape, self.scales_strides, _ = low_latency_scales_layout(e_local, rows, hidden, use_ue8m0)
         self.layout_range_shape, self.layout_range_strides = (e_local, num_ranks), (num_ranks, 1)
         self.src_info_shape, self.src_info_strides = (e_local, rows), (rows, 1)
         # Byte offsets in the small allocation (layout_range first, at 0), each part 16-byte aligned.
@@ -526,8 +525,11 @@ class _DispatchShape:
                 call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides
             self.records.append(call)
 
-    def small_words(self, pairs: int) -> int:
-        return (self.pairs_at + _round_up(8 * pairs, 16) + _round_up(4 * pairs, 16)) // 8
+    def pairs_layout(self, pairs: int) -> tuple[int, int, int]:
+        """For a call of ``pairs`` (token, slot) pairs: the byte offsets in the small allocation of
+        the topk_idx copy and of the slot map, and the allocation's int64 words."""
+        slot_map_at = self.pairs_at + _round_up(8 * pairs, 16)
+        return self.pairs_at, slot_map_at, (slot_map_at + _round_up(4 * pairs, 16)) // 8
 
 
 class _CombineShape:
