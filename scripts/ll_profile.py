@@ -81,10 +81,12 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times.setdefault(e.name, []).append(e.device_time)
     for name, ts in sorted(times.items()):
-        short = name.split("(")[0].split("::")[-1][:40]
+        short = _short(name)
         ts = sorted(ts)
         lines.append(f"rank {rank} T={n}: {short:40s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
                      f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
+    lines += _step_activities(prof, rank, n, 20)
+    lines += _eager_launchers(step, rank, n)
     dist.barrier()
     import time
 
@@ -112,6 +114,46 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     dist.barrier()
     buf.destroy()
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0].split("::")[-1][:40]
+
+
+def _step_activities(prof, rank: int, n: int, replays: int) -> list[str]:
+    """The GPU activities of the last profiled replay in start order, with their start and end
+    relative to the replay's first (where the gaps between a step's kernels are, and what else runs
+    in it)."""
+    acts = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    per = len(acts) // replays if replays else 0
+    if per == 0:
+        return []
+    last = acts[-per:]
+    t0 = last[0][0]
+    return [f"rank {rank} T={n}: replay activity {_short(name):40s} {start - t0:7.1f} -> {end - t0:7.1f} us"
+            for start, end, name in last]
+
+
+def _eager_launchers(step, rank: int, n: int) -> list[str]:
+    """Which host operation launched each GPU activity of one eager step (a copy or fill in the
+    step shows here with the torch operation that made it)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
+            continue
+        chain, parent = [e.name], e.cpu_parent
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        names = ", ".join(sorted({_short(k.name) for k in e.kernels}))
+        out.append(f"rank {rank} T={n}: eager step: {' < '.join(chain)} launched {names}")
+    return out
 
 
 _POINTS = ("start", "ready", "rows", "written", "signalled", "arrived", "received", "end")
