@@ -135,7 +135,7 @@ constexpr int kOpDispatch = 5, kOpCombine = 6;
 // stores the global timer at each point it passes, after the barrier that ends the phase. A
 // call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
 // in every normal call: one untaken branch per point.
-constexpr int kTracePoints = 8, kTraceBlocks = 4096;
+constexpr int kTracePoints = 10, kTraceBlocks = 4096;
 enum TracePoint {
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
@@ -146,6 +146,8 @@ enum TracePoint {
     kTraceArrived = 5,    // the receive's (first) signals arrived
     kTraceReceived = 6,   // the receive's copies or sums are done
     kTraceEnd = 7,
+    kTraceCast = 8,       // dispatch, thread 0 alone: its first token's channels loaded and cast
+    kTraceStored = 9,     // dispatch, thread 0 alone: its stores of them issued
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
@@ -423,6 +425,11 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
         q0 = cast_fp8x8(r0, v0, a.mode, s0);
         q1 = cast_fp8x8(r1, v1, a.mode, s1);
     }
+    const bool stamp = a.trace != nullptr && unit == 0 && t == static_cast<int>(blockIdx.x) * a.chunk_tokens;
+    if (stamp) {  // the stamp waits for the cast values
+        asm volatile("" ::"r"(q0.x), "r"(q1.x), "r"(r0.x), "r"(r1.x));
+        trace_point(a.trace, 0, kTraceCast);
+    }
     const int R = a.num_ranks, experts_per_rank = a.num_experts / R;
     bool staged = false;
     for (int k = 0; k < a.num_topk; ++k) {
@@ -463,6 +470,7 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
             if (v1) reinterpret_cast<int4*>(msg)[i1] = r1;
         }
     }
+    if (stamp) trace_point(a.trace, 0, kTraceStored);
 }
 
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
