@@ -47,6 +47,7 @@ from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_s
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
+_MAX_BUFFER_BYTES = 32 << 30  # plan_message (low_latency.cuh): message offsets in 16-byte units, int32
 _TIMEOUT = 1
 _GAVE_UP_OFFSET = 40  # low_latency.cuh kGaveUpOffset: int32 in the buffer's header
 _ERRORS = {_TIMEOUT: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
@@ -186,6 +187,9 @@ class CudaLowLatency:
         if num_rdma_bytes <= self.header + 64:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for the low-latency kernels; use "
                              "Buffer.get_low_latency_rdma_size_hint")
+        if num_rdma_bytes > _MAX_BUFFER_BYTES:  # the dispatch's send plan holds offsets in 16-byte units, int32
+            raise ValueError(f"num_rdma_bytes={num_rdma_bytes}: the CUDA low-latency kernels address at most "
+                             f"{_MAX_BUFFER_BYTES} bytes (32 GiB) a rank")
         if self.transport == "nvshmem":
             from .nvshmem import SymmetricBuffer
 

@@ -402,17 +402,11 @@ __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int gr
 }
 
 // Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
-// 0-15 of each half hold one group): loaded once, cast once, stored into each of the token's
-// messages (`rows`/`experts`: its K pairs; row -1: not sent). Unit 0 also writes each message's
-// tail: the token index and the alias. Messages to remote peers are written once, into the token's
-// staging message (`staging`), which the send kernel then puts to each of them.
-// With share_messages, a token's pairs to one mapped rank share a message: the first of them with a
-// row (the holder) gets the data; the others only their tail, whose alias names the holder's
-// message there (its local expert * N + row + 1; 0: the message holds its own data), from which
-// the receiver copies. The holder's stores are the same block's, so the count that releases the
-// aliasing pair releases them too. What crosses NVLink: once per (token, rank), not per expert.
-__device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& lay, int t, int unit, const int* rows,
-                                          const int* experts, uint8_t* staging, int lane) {
+// 0-15 of each half hold one group): loaded once, cast once, and stored into each of the token's
+// messages that holds data, which plan_message named for its K pairs (`offsets16`, `ranks`). The
+// messages' tails are written by plan_message already: what a warp does per message is its stores.
+__device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const* bufs, int t, int unit,
+                                          const int* offsets16, const uint8_t* ranks, int lane) {
     const int num_int4 = a.hidden / 8;
     const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
     const bool v0 = i0 < num_int4, v1 = i1 < num_int4;
@@ -430,34 +424,10 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
         asm volatile("" ::"r"(q0.x), "r"(q1.x), "r"(r0.x), "r"(r1.x));
         trace_point(a.trace, 0, kTraceCast);
     }
-    const int R = a.num_ranks, experts_per_rank = a.num_experts / R;
-    bool staged = false;
     for (int k = 0; k < a.num_topk; ++k) {
-        const int row = rows[k];
-        if (row < 0) continue;
-        const int e = experts[k], dst = e / experts_per_rank, local_e = e % experts_per_rank;
-        uint8_t* msg;
-        int alias = 0;
-        if (is_remote(a.peers, dst)) {
-            if (staged) continue;
-            staged = true;
-            msg = staging + static_cast<int64_t>(t) * a.msg_bytes;
-        } else {
-            msg = a.peers.bufs[dst] + lay.data +
-                  ((static_cast<int64_t>(local_e) * R + a.rank) * a.num_max_tokens + row) * a.msg_bytes;
-            for (int j = 0; a.share_messages && j < k; ++j) {
-                if (rows[j] >= 0 && experts[j] / experts_per_rank == dst) {
-                    alias = (experts[j] % experts_per_rank) * a.num_max_tokens + rows[j] + 1;
-                    break;
-                }
-            }
-        }
-        if (unit == 0 && lane == 0) {
-            int* tail = reinterpret_cast<int*>(msg + a.data_bytes + a.num_scale_cols * 4);
-            tail[0] = t;
-            tail[1] = alias;
-        }
-        if (alias != 0) continue;
+        const int offset16 = offsets16[k];
+        if (offset16 < 0) continue;
+        uint8_t* msg = bufs[ranks[k]] + static_cast<int64_t>(offset16) * 16;
         if (a.mode.fp8) {
             if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
             if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
@@ -473,6 +443,53 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, const Layout& l
     if (stamp) trace_point(a.trace, 0, kTraceStored);
 }
 
+// Where pair j of the block (token first + j / K) has its data written, once every pair's row is
+// known: in rank `rank`'s buffer at byte 16 * the value returned (layouts are 16-byte aligned; the
+// host keeps buffers under 32 GiB), -1 for nowhere. That is the expert's message at the pair's row
+// in the peer's buffer; for a remote peer, the token's staging message in this rank's (its first
+// remote pair only: the send kernel then puts it to each); nowhere when the pair is not sent. The
+// message's tail (token index, alias) is stored here, once.
+// With share_messages, a token's pairs to one mapped rank share a message: the first of them with a
+// row (the holder) gets the data; the others only their tail, whose alias names the holder's
+// message there (its local expert * N + row + 1; 0: the message holds its own data), from which
+// the receiver copies. The holder's stores are the same block's, so the count that releases the
+// aliasing pair releases them too. What crosses NVLink: once per (token, rank), not per expert.
+// Computed by one thread per pair instead of by each of a token's warps for each of its messages
+// (with divisions and peer-table lookups on every warp's way to its stores).
+__device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout& lay, uint8_t* const* bufs,
+                                            const int* pair_expert, const int* pair_row, int first, int j, uint8_t& rank) {
+    const int K = a.num_topk, R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
+    const int experts_per_rank = a.num_experts / R;
+    const int row = pair_row[j], e = pair_expert[j];
+    rank = 0;
+    if (row < 0) return -1;
+    const int dst = e / experts_per_rank, token_begin = j - j % K, t = first + j / K;
+    int64_t offset;
+    int alias = 0;
+    if (is_remote(a.peers, dst)) {
+        for (int i = token_begin; i < j; ++i)  // an earlier remote pair of the token has it staged
+            if (pair_row[i] >= 0 && is_remote(a.peers, pair_expert[i] / experts_per_rank)) return -1;
+        offset = lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes;  // this rank's staging area
+        int* tail = reinterpret_cast<int*>(bufs[me] + offset + a.data_bytes + a.num_scale_cols * 4);
+        tail[0] = t;
+        tail[1] = 0;
+        rank = static_cast<uint8_t>(me);
+        return static_cast<int>(offset / 16);
+    }
+    offset = lay.data + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * a.msg_bytes;
+    for (int i = token_begin; a.share_messages && i < j; ++i) {
+        if (pair_row[i] >= 0 && pair_expert[i] / experts_per_rank == dst) {
+            alias = (pair_expert[i] % experts_per_rank) * N + pair_row[i] + 1;
+            break;
+        }
+    }
+    int* tail = reinterpret_cast<int*>(bufs[dst] + offset + a.data_bytes + a.num_scale_cols * 4);
+    tail[0] = t;
+    tail[1] = alias;
+    rank = static_cast<uint8_t>(dst);
+    return alias != 0 ? -1 : static_cast<int>(offset / 16);
+}
+
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
@@ -481,6 +498,9 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     int* total = expert_counts + a.num_experts;
     __shared__ int pair_expert[kMaxChunkEntries];  // this block's pairs: expert (-1: none)
     __shared__ int pair_row[kMaxChunkEntries];     // and row in the expert's block (-1: not sent)
+    __shared__ int pair_offset16[kMaxChunkEntries];  // and where its data goes: plan_message (static shared
+    __shared__ uint8_t pair_rank[kMaxChunkEntries];  // memory plus 2E ints of counts stay under 48 KB)
+    __shared__ uint8_t* bufs[kMaxRanks];            // the peer table, read per message
     __shared__ bool skip_dst[kMaxRanks];
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, me = a.rank, N = a.num_max_tokens;
@@ -495,6 +515,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int num_pairs = max(0, last - first) * K;
 
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
+    if (tid < R) bufs[tid] = a.peers.bufs[tid];
     __syncthreads();
     // Warp 0 waits for the acknowledgements while the other warps count: the two waits overlap.
     bool bad = false;
@@ -558,15 +579,18 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     }
 
     __syncthreads();  // every pair's row is known
+    for (int j = tid; j < num_pairs; j += kThreads)
+        pair_offset16[j] = plan_message(a, lay, bufs, pair_expert, pair_row, first, j, pair_rank[j]);
+    __syncthreads();
     trace_point(a.trace, 0, kTraceRows);
 
     // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
-    // into every message of the token: no staging, x read once.
+    // into every message of the token that holds data: x read once.
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
     uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
     for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
         const int c = u / units_per_token;
-        send_unit(a, lay, first + c, u % units_per_token, pair_row + c * K, pair_expert + c * K, staging, lane);
+        send_unit(a, bufs, first + c, u % units_per_token, pair_offset16 + c * K, pair_rank + c * K, lane);
     }
     __syncthreads();
     if constexpr (Net::kRemote) {  // a warp puts each staged message to each remote pair's peer
