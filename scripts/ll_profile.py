@@ -156,8 +156,7 @@ def _eager_launchers(step, rank: int, n: int) -> list[str]:
     return out
 
 
-_POINTS = ("start", "ready", "rows", "written", "signalled", "arrived", "received", "end", "cast", "stored")
-_ORDER = (0, 1, 2, 8, 9, 3, 4, 5, 6, 7)  # the points in the order a block passes them
+_POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end")
 _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 
@@ -196,8 +195,7 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
     rank = dist.get_rank()
     out = [f"rank {rank} T={n}: phase timeline of one replayed step (us from the first dispatch block's start; "
            f"earliest / median / latest block; median of {samples} samples)"]
-    for (op, plane, p), vals in sorted(rows.items(),
-                                       key=lambda kv: (list(_KERNELS).index(kv[0][:2]), _ORDER.index(kv[0][2]))):
+    for (op, plane, p), vals in sorted(rows.items(), key=lambda kv: (list(_KERNELS).index(kv[0][:2]), kv[0][2])):
         med = [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(3)]
         out.append(f"rank {rank} T={n}:   {_KERNELS[(op, plane)]:26s} {_POINTS[p]:9s} "
                    f"{med[0]:7.1f} {med[1]:7.1f} {med[2]:7.1f}")

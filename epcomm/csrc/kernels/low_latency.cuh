@@ -136,18 +136,18 @@ constexpr int kOpDispatch = 5, kOpCombine = 6;
 // call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
 // in every normal call: one untaken branch per point.
 constexpr int kTracePoints = 10, kTraceBlocks = 4096;
-enum TracePoint {
+enum TracePoint {  // in the order a block passes them
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
-    kTraceRows = 2,       // dispatch: the rows of the block's pairs are known (the data is next)
-    kTraceWritten = 3,    // the block's messages or rows are stored (dispatch: remote ones put too; a
+    kTraceRows = 2,       // dispatch: the rows of the block's pairs are known and planned (the data is next)
+    kTraceCast = 3,       // dispatch, thread 0 alone: its first token's channels loaded and cast
+    kTraceStored = 4,     // dispatch, thread 0 alone: its stores of them issued
+    kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
-    kTraceSignalled = 4,  // the block's counts are signalled
-    kTraceArrived = 5,    // the receive's (first) signals arrived
-    kTraceReceived = 6,   // the receive's copies or sums are done
-    kTraceEnd = 7,
-    kTraceCast = 8,       // dispatch, thread 0 alone: its first token's channels loaded and cast
-    kTraceStored = 9,     // dispatch, thread 0 alone: its stores of them issued
+    kTraceSignalled = 6,  // the block's counts are signalled
+    kTraceArrived = 7,    // the receive's (first) signals arrived
+    kTraceReceived = 8,   // the receive's copies or sums are done
+    kTraceEnd = 9,
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
@@ -209,9 +209,9 @@ __device__ __forceinline__ int64_t next_seq(uint8_t* mine) { return ld_volatile(
 __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        fence_gpu();  // the block's reads of the counter and the slot come before its arrival
+        // The arrival releases the block's reads of the counter and the slot (finish_recv_kernel).
         int* done = reinterpret_cast<int*>(mine + kDoneOffset);
-        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+        if (atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
             reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
             *counter(mine) = seq;
@@ -226,11 +226,12 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
                                    const int* mask) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        fence_gpu();  // the block's reads of the slot come before its arrival
+        // The arrival releases the block's reads of the slot (one acq_rel atomic rather than a fence
+        // then a relaxed add) and the last one acquires everyone's.
         int* done = reinterpret_cast<int*>(peers.bufs[me] + kRecvDoneOffset) + slot;
-        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+        if (atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
-            fence_sys();  // every block's reads (their fences and arrivals came first) before the acks
+            fence_sys();  // every block's reads (released by their arrivals, acquired here) before the acks
             for (int r = 0; r < num_ranks; ++r)  // not to masked ranks: they may be gone
                 if (r == me || !masked(mask, r)) signal_peer(peers, me, r, acks + 8 * me, seq);
         }
@@ -280,8 +281,11 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
 __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t prev, int* mask, uint64_t timeout_ns,
                          int* info, int op) {
     int* gave_up = gave_up_word(const_cast<uint8_t*>(mine));
-    if (prev <= 0) return true;
     const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
+    // Read before `prev` is needed: the callers' load of prev and this one are in flight together
+    // (one memory round trip at the start of a send instead of two, where the peer has acknowledged).
+    const int64_t seen = ld_acquire_sys(ack);
+    if (prev <= 0 || seen >= prev) return true;
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
         if (ld_acquire_sys(ack) >= prev) return true;
