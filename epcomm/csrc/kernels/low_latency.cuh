@@ -209,9 +209,9 @@ __device__ __forceinline__ int64_t next_seq(uint8_t* mine) { return ld_volatile(
 __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        // The arrival releases the block's reads of the counter and the slot (finish_recv_kernel).
+        fence_gpu();  // the block's reads of the counter and the slot come before its arrival
         int* done = reinterpret_cast<int*>(mine + kDoneOffset);
-        if (atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1) {
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
             reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
             *counter(mine) = seq;
@@ -226,12 +226,11 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
                                    const int* mask) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        // The arrival releases the block's reads of the slot (one acq_rel atomic rather than a fence
-        // then a relaxed add) and the last one acquires everyone's.
+        fence_gpu();  // the block's reads of the slot come before its arrival
         int* done = reinterpret_cast<int*>(peers.bufs[me] + kRecvDoneOffset) + slot;
-        if (atomic_add_acq_rel_gpu(done, 1) == static_cast<int>(gridDim.x) - 1) {
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
-            fence_sys();  // every block's reads (released by their arrivals, acquired here) before the acks
+            fence_sys();  // every block's reads (their fences and arrivals came first) before the acks
             for (int r = 0; r < num_ranks; ++r)  // not to masked ranks: they may be gone
                 if (r == me || !masked(mask, r)) signal_peer(peers, me, r, acks + 8 * me, seq);
         }
@@ -281,11 +280,8 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
 __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t prev, int* mask, uint64_t timeout_ns,
                          int* info, int op) {
     int* gave_up = gave_up_word(const_cast<uint8_t*>(mine));
+    if (prev <= 0) return true;
     const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
-    // Read before `prev` is needed: the callers' load of prev and this one are in flight together
-    // (one memory round trip at the start of a send instead of two, where the peer has acknowledged).
-    const int64_t seen = ld_acquire_sys(ack);
-    if (prev <= 0 || seen >= prev) return true;
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
         if (ld_acquire_sys(ack) >= prev) return true;
