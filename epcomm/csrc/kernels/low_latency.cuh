@@ -541,7 +541,10 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
                 const int64_t e = ids[u];
                 if (e < -1 || e >= E) bad = true;
                 const bool valid = e >= 0 && e < E;
-                if (i >= own_begin && i < own_begin + num_pairs) pair_expert[i - own_begin] = valid ? static_cast<int>(e) : -1;
+                if (i >= own_begin && i < own_begin + num_pairs) {
+                    pair_expert[i - own_begin] = valid ? static_cast<int>(e) : -1;
+                    a.topk_copy[i] = e;  // the handle's copy, from the register (not loaded again later)
+                }
                 if (!valid) continue;
                 atomicAdd(total + e, 1);
                 if (i < own_begin) atomicAdd(before + e, 1);
@@ -575,7 +578,6 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         }
         pair_row[j] = row;
         a.slot_map[static_cast<int64_t>(first) * K + j] = row;
-        a.topk_copy[static_cast<int64_t>(first) * K + j] = a.topk_idx[static_cast<int64_t>(first) * K + j];
     }
 
     __syncthreads();  // every pair's row is known
@@ -793,6 +795,9 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     const int local_e = unit / R, src = unit % R;
     const int global_e = me * experts_per_rank + local_e;
     const bool remote = is_remote(a.peers, src);
+    // Loaded first: in flight while the acknowledgement is waited for (after the barrier below it
+    // was a memory round trip of its own).
+    const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
     if (tid == 0) {
         skip = !may_write_slot(mine, lay.acks, me, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
         // Rows for a remote source are staged in this rank's own dispatch area: its own receive of
@@ -807,7 +812,6 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
         for (int i = tid; i < a.num_tokens * a.num_topk; i += num_threads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
     trace_point(a.trace, 0, kTraceReady);
-    const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
     // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
     const int begin = max(0, min(static_cast<int>(word >> 32), rows_per_expert));
     const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(N, rows_per_expert - begin)));
@@ -882,38 +886,59 @@ __device__ __forceinline__ void store_bf16_row(int4* out, const float (&acc)[kCo
 __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const Layout& lay) {
     __shared__ int64_t pair_offset[kMaxChunkEntries];  // 16-byte word of the pair's row; -1: absent
     __shared__ float pair_weight[kMaxChunkEntries];
+    __shared__ int expert_rows[kMaxExperts];            // rows each expert returned (below)
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, K = a.num_topk, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
     const int row_int4 = a.hidden / 8;
     uint8_t* mine = a.peers.bufs[me];
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
-    // Block 0 waits for each source's first expert: every source's verdict on its inputs is seen
-    // (whatever this rank's tokens chose), and it times the arrivals (wait-cost statistics).
-    if (blockIdx.x == 0 && tid < R && !masked(a.mask, me) && !masked(a.mask, tid)) {
-        uint64_t waited = 0;
-        if (wait_signal(signals + tid * experts_per_rank, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpCombine,
-                        &waited) >= 0 && a.wait_stats != nullptr)
-            atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(waited));
-    }
     const int first = blockIdx.x * a.chunk_tokens;
     const int last = min(a.num_tokens, first + a.chunk_tokens);
     const int num_pairs = max(0, last - first) * K;
-    for (int j = tid; j < num_pairs; j += kThreads) {
+    // The block's pairs (at most kMaxChunkEntries = 2 a thread) are loaded first, so that their
+    // loads and the signals' below are in flight together: a pair's signal waited for after its
+    // expert id arrived cost a memory round trip more.
+    static_assert(kMaxChunkEntries <= 2 * kThreads, "two pairs a thread");
+    int64_t pair_e[2];
+    int pair_s[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int j = tid + q * kThreads;
         const int64_t i = static_cast<int64_t>(first) * K + j;
-        const int64_t e = a.topk_idx[i];
-        const int s = a.slot_map[i];
-        int64_t offset = -1;  // present: valid id, sent at dispatch, and its block has arrived
-        if (e >= 0 && e < a.num_experts && s >= 0) {
-            const int src = static_cast<int>(e / experts_per_rank);
-            // Present only within the rows the source returned (a block it skipped returns none).
-            if (!masked(a.mask, src) &&
-                s < wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
-                                kOpCombine, nullptr))
-                offset = (e * N + s) * row_int4;
+        pair_e[q] = j < num_pairs ? a.topk_idx[i] : -1;
+        pair_s[q] = j < num_pairs ? a.slot_map[i] : -1;
+        if (j < num_pairs) pair_weight[j] = a.topk_weights[i];
+    }
+    // Every expert's signal, whatever this block's tokens chose: each source signals all of its
+    // experts at every call, and waiting for the few that a block's tokens skip costs nothing
+    // next to a round trip. The count is the rows the source returned (a block it skipped returns
+    // none); -1 for a masked source, -2 after a timeout. Block 0 times the arrival of each source's
+    // first expert (wait-cost statistics). Every source's verdict on its inputs is seen by every
+    // block, whatever this rank's tokens chose.
+    for (int e = tid; e < a.num_experts; e += kThreads) {
+        const int src = e / experts_per_rank;
+        int count = -1;
+        if (!masked(a.mask, me) && !masked(a.mask, src)) {
+            uint64_t waited = 0;
+            const bool timed = blockIdx.x == 0 && a.wait_stats != nullptr && e % experts_per_rank == 0;
+            count = wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                                kOpCombine, timed ? &waited : nullptr);
+            if (timed && count >= 0)
+                atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
         }
-        pair_offset[j] = offset;
-        pair_weight[j] = a.topk_weights[i];
+        expert_rows[e] = count;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int j = tid + q * kThreads;
+        if (j >= num_pairs) continue;
+        const int64_t e = pair_e[q];
+        const int s = pair_s[q];
+        // present: a valid id, sent at dispatch, within the rows its source returned
+        const bool present = e >= 0 && e < a.num_experts && s >= 0 && s < expert_rows[e];
+        pair_offset[j] = present ? (e * N + s) * row_int4 : -1;
     }
     __syncthreads();
     trace_point(a.trace, 1, kTraceArrived);
