@@ -406,7 +406,7 @@ __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int gr
 // messages that holds data, which plan_message named for its K pairs (`offsets16`, `ranks`). The
 // messages' tails are written by plan_message already: what a warp does per message is its stores.
 __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const* bufs, int t, int unit,
-                                          const int* offsets16, const uint8_t* ranks, int lane) {
+                                          const int* offsets16, const uint8_t* ranks, bool first_unit, int lane) {
     const int num_int4 = a.hidden / 8;
     const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
     const bool v0 = i0 < num_int4, v1 = i1 < num_int4;
@@ -419,7 +419,7 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
         q0 = cast_fp8x8(r0, v0, a.mode, s0);
         q1 = cast_fp8x8(r1, v1, a.mode, s1);
     }
-    const bool stamp = a.trace != nullptr && unit == 0 && t == static_cast<int>(blockIdx.x) * a.chunk_tokens;
+    const bool stamp = a.trace != nullptr && first_unit;  // the warp's first (thread 0 stamps)
     if (stamp) {  // the stamp waits for the cast values
         asm volatile("" ::"r"(q0.x), "r"(q1.x), "r"(r0.x), "r"(r1.x));
         trace_point(a.trace, 0, kTraceCast);
@@ -448,7 +448,7 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
 // host keeps buffers under 32 GiB), -1 for nowhere. That is the expert's message at the pair's row
 // in the peer's buffer; for a remote peer, the token's staging message in this rank's (its first
 // remote pair only: the send kernel then puts it to each); nowhere when the pair is not sent. The
-// message's tail (token index, alias) is stored here, once.
+// message's tail (token index, alias) is stored here (by the token's part 0), once.
 // With share_messages, a token's pairs to one mapped rank share a message: the first of them with a
 // row (the holder) gets the data; the others only their tail, whose alias names the holder's
 // message there (its local expert * N + row + 1; 0: the message holds its own data), from which
@@ -457,7 +457,8 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
 // Computed by one thread per pair instead of by each of a token's warps for each of its messages
 // (with divisions and peer-table lookups on every warp's way to its stores).
 __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout& lay, uint8_t* const* bufs,
-                                            const int* pair_expert, const int* pair_row, int first, int j, uint8_t& rank) {
+                                            const int* pair_expert, const int* pair_row, int first, int j,
+                                            bool write_tail, uint8_t& rank) {
     const int K = a.num_topk, R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
     const int row = pair_row[j], e = pair_expert[j];
@@ -470,9 +471,11 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
         for (int i = token_begin; i < j; ++i)  // an earlier remote pair of the token has it staged
             if (pair_row[i] >= 0 && is_remote(a.peers, pair_expert[i] / experts_per_rank)) return -1;
         offset = lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes;  // this rank's staging area
-        int* tail = reinterpret_cast<int*>(bufs[me] + offset + a.data_bytes + a.num_scale_cols * 4);
-        tail[0] = t;
-        tail[1] = 0;
+        if (write_tail) {
+            int* tail = reinterpret_cast<int*>(bufs[me] + offset + a.data_bytes + a.num_scale_cols * 4);
+            tail[0] = t;
+            tail[1] = 0;
+        }
         rank = static_cast<uint8_t>(me);
         return static_cast<int>(offset / 16);
     }
@@ -483,9 +486,11 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
             break;
         }
     }
-    int* tail = reinterpret_cast<int*>(bufs[dst] + offset + a.data_bytes + a.num_scale_cols * 4);
-    tail[0] = t;
-    tail[1] = alias;
+    if (write_tail) {
+        int* tail = reinterpret_cast<int*>(bufs[dst] + offset + a.data_bytes + a.num_scale_cols * 4);
+        tail[0] = t;
+        tail[1] = alias;
+    }
     rank = static_cast<uint8_t>(dst);
     return alias != 0 ? -1 : static_cast<int>(offset / 16);
 }
@@ -510,7 +515,19 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
-    const int first = blockIdx.x * a.chunk_tokens;
+    // With fewer tokens than blocks, a token's units (512 channels each) are split among `parts`
+    // blocks (part p takes units p, p + parts, ...): one SM storing all of a token's messages (8 x
+    // 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the other SMs idle.
+    // Every part plans the token's pairs alike; part 0 writes the handle's records and the tails.
+    // Not with remote peers: a staged message is put whole, once every unit of it is written.
+    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
+    bool any_remote = false;
+    for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
+    const int parts = a.chunk_tokens == 1 && a.num_tokens > 0 && !any_remote
+                          ? max(1, min(units_per_token, static_cast<int>(gridDim.x) / a.num_tokens))
+                          : 1;
+    const int part = static_cast<int>(blockIdx.x) % parts;
+    const int first = static_cast<int>(blockIdx.x) / parts * a.chunk_tokens;
     const int last = min(a.num_tokens, first + a.chunk_tokens);
     const int num_pairs = max(0, last - first) * K;
 
@@ -543,7 +560,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
                 const bool valid = e >= 0 && e < E;
                 if (i >= own_begin && i < own_begin + num_pairs) {
                     pair_expert[i - own_begin] = valid ? static_cast<int>(e) : -1;
-                    a.topk_copy[i] = e;  // the handle's copy, from the register (not loaded again later)
+                    if (part == 0) a.topk_copy[i] = e;  // the handle's copy, from the register
                 }
                 if (!valid) continue;
                 atomicAdd(total + e, 1);
@@ -577,22 +594,23 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
             if (row >= N || skip_dst[e / experts_per_rank]) row = -1;  // past the block's room: dropped
         }
         pair_row[j] = row;
-        a.slot_map[static_cast<int64_t>(first) * K + j] = row;
+        if (part == 0) a.slot_map[static_cast<int64_t>(first) * K + j] = row;
     }
 
     __syncthreads();  // every pair's row is known
     for (int j = tid; j < num_pairs; j += kThreads)
-        pair_offset16[j] = plan_message(a, lay, bufs, pair_expert, pair_row, first, j, pair_rank[j]);
+        pair_offset16[j] = plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
     __syncthreads();
     trace_point(a.trace, 0, kTraceRows);
 
     // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
     // into every message of the token that holds data: x read once.
-    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
     uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
-    for (int u = warp; u < (last - first) * units_per_token; u += kWarpsPerBlock) {
-        const int c = u / units_per_token;
-        send_unit(a, bufs, first + c, u % units_per_token, pair_offset16 + c * K, pair_rank + c * K, lane);
+    const int block_units = (units_per_token - part + parts - 1) / parts;  // units of each token here
+    for (int v = warp; v < (last - first) * block_units; v += kWarpsPerBlock) {
+        const int c = v / block_units;
+        send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
+                  v == warp, lane);
     }
     __syncthreads();
     if constexpr (Net::kRemote) {  // a warp puts each staged message to each remote pair's peer
@@ -619,8 +637,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         // The count releases this block's stores of the message (before the barrier) at GPU scope
         // and acquires the earlier writers'; the last writer's fence_sys below then releases all of
         // them to the peer (causality is transitive across the two scopes). A fence_sys per pair
-        // instead cost 1 us a dispatch at T=128 (one H100).
-        if (atomic_add_acq_rel_gpu(a.sent_pairs + e, 1) != total[e] - 1) continue;
+        // instead cost 1 us a dispatch at T=128 (one H100). Each part of a token counts its pairs.
+        if (atomic_add_acq_rel_gpu(a.sent_pairs + e, 1) != total[e] * parts - 1) continue;
         a.sent_pairs[e] = 0;
         const int dst = e / experts_per_rank;
         if (skip_dst[dst]) continue;
@@ -1450,8 +1468,9 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
         // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
         (void)cudaGetLastError();
     }
-    if (phase != 2)
-        ll::dispatch_send<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
+    // A block per SM while tokens are fewer (a token's units split among blocks: send_dispatch_messages).
+    const int send_blocks = a.chunk_tokens == 1 && c.num_tokens > 0 ? num_sms : num_blocks(c.num_tokens, a.chunk_tokens);
+    if (phase != 2) ll::dispatch_send<<<send_blocks, ll::kThreads, shared, stream>>>(a);
     if (phase != 1)
         ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
