@@ -12,8 +12,10 @@
 //         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
 //         range), which gives each of its pairs the row it takes in the expert's block without any
 //         inter-block traffic: rows follow ascending (token, slot), so outputs are deterministic and
-//         equal to the reference backend's. Each warp then loads 512 channels of a token once, casts
-//         them (FP8 per 128 channels) once, and stores them into every message of the token. A
+//         equal to the reference backend's. One thread per pair plans its message (plan_message);
+//         each warp then loads 512 channels of a token once, casts them (FP8 per 128 channels)
+//         once, and stores them into every message of the token (with fewer tokens than blocks, a
+//         token's 512-channel units are split among several blocks). A
 //         per-expert counter of written pairs names the last writer, which stores the block's count
 //         (+ the call counter) with one release: the receiver's signal.
 //   recv: one block per (local expert, source): waits for the counts of the sources up to its own
