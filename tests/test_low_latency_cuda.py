@@ -147,6 +147,7 @@ LL_CASES = [
     ([4], 4, 1024, 2, 2, "one_expert"),
     ([0], 4, 512, 2, 2, "random"),
     ([1], 1, 512, 2, 2, "random"),
+    ([1, 9], 16, 7168, 36, 8, "random"),  # fewer tokens than SMs: a token's units split among 14 blocks
 ]
 
 

@@ -75,7 +75,7 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     """(data bytes, scale columns, message bytes) of one dispatched (token, expert) pair."""
     data = hidden if use_fp8 else hidden * 2
     cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
-    return data, cols, _round_up(data + cols * 4 + 8, 16)  # + the token index and the alias (send_unit)
+    return data, cols, _round_up(data + cols * 4 + 8, 16)  # + the token index and the alias (plan_message)
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,7 +15,7 @@
 //         equal to the reference backend's. One thread per pair plans its message (plan_message);
 //         each warp then loads 512 channels of a token once, casts them (FP8 per 128 channels)
 //         once, and stores them into every message of the token (with fewer tokens than blocks, a
-//         token's 512-channel units are split among several blocks). A
+//         token's 512-channel units are split among several blocks of the fused kernel). A
 //         per-expert counter of written pairs names the last writer, which stores the block's count
 //         (+ the call counter) with one release: the receiver's signal.
 //   recv: one block per (local expert, source): waits for the counts of the sources up to its own
@@ -142,7 +142,7 @@ enum TracePoint {  // in the order a block passes them
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
     kTraceRows = 2,       // dispatch: the rows of the block's pairs are known and planned (the data is next)
-    kTraceCast = 3,       // dispatch, thread 0 alone: its first token's channels loaded and cast
+    kTraceCast = 3,       // dispatch, thread 0 alone: its first unit's channels loaded and cast
     kTraceStored = 4,     // dispatch, thread 0 alone: its stores of them issued
     kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
@@ -373,7 +373,7 @@ struct DispatchArgs {
     CastMode mode;
     int data_bytes, msg_bytes;  // message: data | scales | int32 token | int32 alias | padding to 16
     int num_scale_cols;         // scale words (4 bytes) of a message
-    bool share_messages;        // a token's pairs to one mapped rank share one message (send_unit)
+    bool share_messages;        // a token's pairs to one mapped rank share one message (plan_message)
     int slot;
     int64_t slot_bytes;
     int chunk_tokens;         // tokens per block of the send kernel
@@ -520,6 +520,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     // With fewer tokens than blocks, a token's units (512 channels each) are split among `parts`
     // blocks (part p takes units p, p + parts, ...): one SM storing all of a token's messages (8 x
     // 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the other SMs idle.
+    // The fused kernel has a block per SM; the hook's send kernel a block per token range (parts 1).
+    // Every block computes the same `parts` (its counts depend on it).
     // Every part plans the token's pairs alike; part 0 writes the handle's records and the tails.
     // Not with remote peers: a staged message is put whole, once every unit of it is written.
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
@@ -699,7 +701,7 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
     const int mine_count = counts[src];
     const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
     const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
-    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (send_unit)
+    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (plan_message)
     for (int u = warp; u < mine_count * pieces; u += num_warps) {
         const int i = u / pieces, piece = u % pieces;
         const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
@@ -826,7 +828,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     }
     // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
     // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
-    // (combine_recv's block 0), so every rank sees the verdict.
+    // (combine_recv's blocks wait for every expert), so every rank sees the verdict.
     bool differs = false;
     if (a.caller_topk_idx != nullptr && local_e == 0)
         for (int i = tid; i < a.num_tokens * a.num_topk; i += num_threads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
@@ -1470,9 +1472,10 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
         // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
         (void)cudaGetLastError();
     }
-    // A block per SM while tokens are fewer (a token's units split among blocks: send_dispatch_messages).
-    const int send_blocks = a.chunk_tokens == 1 && c.num_tokens > 0 ? num_sms : num_blocks(c.num_tokens, a.chunk_tokens);
-    if (phase != 2) ll::dispatch_send<<<send_blocks, ll::kThreads, shared, stream>>>(a);
+    // The hook's send: a block per token range (no token parts: idle blocks would spin on the
+    // acknowledgements on every SM, and a hook's send must leave the SMs to the work beside it).
+    if (phase != 2)
+        ll::dispatch_send<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
     if (phase != 1)
         ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
