@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What the open issues still owe on a machine with several GPUs (every measurement so far since the
+# early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
+# order; each writes its logs and JSON under $OUT/STEP-*.
+# Usage (on the device machine): STEP=tests|normal|ll|hier bash scripts/multi_gpu_plan.sh <local sha>
+#   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
+#           cross-GPU memory ordering, which ranks sharing one GPU cannot show)        #3 #4 #5 #8
+#   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
+#           BF16 and FP8, NCCL beside it                                               #3 #8
+#   ll      low latency, 1-256 tokens: base, shared messages, partial sums, both (the defaults of
+#           EPCOMM_LL_SHARE_MESSAGES / EPCOMM_LL_COMBINE_PARTIALS are decided by this)  #4 #8
+#   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
+#           2x4 and 4x2 on 8), direct and NVSHMEM-put transports, per-tier bytes       #5 #8
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
+step=${STEP:?set STEP to tests, normal, ll or hier}
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+out="$OUT/$step"
+mkdir -p "$out"
+echo "multi_gpu_plan: step $step, $gpus GPUs, commit $sha"
+python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; load_library(); \
+load_nvshmem_library()" 2>&1 | tail -3 || exit 1
+bench() {  # bench NAME ARGS...: the benchmark at every GPU, JSON and table into $out
+  local name=$1
+  shift
+  timeout "${BENCH_TIMEOUT_S:-200}" python3 -m epcomm.bench --backend cuda --commit "$sha" --json "$out/$name.json" "$@" \
+    2>&1 | tee "$out/$name.log" | grep -E "^ *(normal|low_latency) |rror" | grep -v nccl-a2a
+}
+status=0
+case $step in
+  tests)
+    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-540}" python3 -m pytest -q -rf -p no:cacheprovider \
+      tests/test_intranode_cuda.py tests/test_low_latency_cuda.py tests/test_hierarchical_cuda.py \
+      tests/test_nvshmem_cuda.py tests/test_reliability_cuda.py 2>&1 | tee "$out/tests.log" | tail -15 || status=1
+    ;;
+  normal)
+    bench sms --modes normal --num-sms 8,16,24 || status=1
+    bench tokens --modes normal --num-sms 24 --tokens 512,1024,2048,4096,8192,16384 || status=1
+    ;;
+  ll)
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'share|env|EPCOMM_LL_SHARE_MESSAGES=1' \
+      'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+      'both|env|EPCOMM_LL_SHARE_MESSAGES=1|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+      -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
+    ;;
+  hier)
+    splits=(2)
+    [ "$gpus" -ge 8 ] && splits=(2 4)
+    for k in "${splits[@]}"; do
+      bench "split-k$k" --modes normal --strategies hierarchical --ranks-per-domain "$k" || status=1
+      EPCOMM_HIER_TRANSPORT=put bench "split-k$k-put" --modes normal --strategies hierarchical \
+        --ranks-per-domain "$k" || status=1
+    done
+    ;;
+  *)
+    echo "multi_gpu_plan: unknown step $step (tests, normal, ll, hier)"
+    exit 2
+    ;;
+esac
+exit $status
