@@ -403,29 +403,18 @@ __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int gr
         reinterpret_cast<float*>(msg + data_bytes)[group] = scale;
 }
 
-// A lane's two 16-byte words of token t's unit (512 channels): words 64 * unit + lane and + 32.
-struct UnitChannels {
-    int4 r0, r1;
-};
-
-__device__ __forceinline__ UnitChannels load_unit(const DispatchArgs& a, int t, int unit, int lane) {
-    const int num_int4 = a.hidden / 8;
-    const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
-    const auto* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden);
-    return {i0 < num_int4 ? ld_nc_int4(x + i0) : make_int4(0, 0, 0, 0),
-            i1 < num_int4 ? ld_nc_int4(x + i1) : make_int4(0, 0, 0, 0)};
-}
-
-// A token's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
-// 0-15 of each half hold one group): loaded once (`in`, load_unit), cast once, and stored into each of the token's
+// Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
+// 0-15 of each half hold one group): loaded once, cast once, and stored into each of the token's
 // messages that holds data, which plan_message named for its K pairs (`offsets16`, `ranks`). The
 // messages' tails are written by plan_message already: what a warp does per message is its stores.
-__device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const* bufs, int unit, const UnitChannels& in,
+__device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const* bufs, int t, int unit,
                                           const int* offsets16, const uint8_t* ranks, bool first_unit, int lane) {
     const int num_int4 = a.hidden / 8;
     const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
     const bool v0 = i0 < num_int4, v1 = i1 < num_int4;
-    const int4 r0 = in.r0, r1 = in.r1;
+    const auto* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden);
+    const int4 r0 = v0 ? ld_nc_int4(x + i0) : make_int4(0, 0, 0, 0);
+    const int4 r1 = v1 ? ld_nc_int4(x + i1) : make_int4(0, 0, 0, 0);
     uint2 q0 = {}, q1 = {};
     float s0 = 0.f, s1 = 0.f;
     if (a.mode.fp8) {
@@ -545,12 +534,6 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int first = static_cast<int>(blockIdx.x) / parts * a.chunk_tokens;
     const int last = min(a.num_tokens, first + a.chunk_tokens);
     const int num_pairs = max(0, last - first) * K;
-    const int block_units = (units_per_token - part + parts - 1) / parts;  // units of each token here
-    // A warp's first unit of x is loaded now: in flight while the pairs are counted and planned
-    // (x is the caller's, constant during the call).
-    UnitChannels prefetched{};
-    if (warp < (last - first) * block_units)
-        prefetched = load_unit(a, first + warp / block_units, part + warp % block_units * parts, lane);
 
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
     if (tid < R) bufs[tid] = a.peers.bufs[tid];
@@ -627,10 +610,11 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
     // into every message of the token that holds data: x read once.
     uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
+    const int block_units = (units_per_token - part + parts - 1) / parts;  // units of each token here
     for (int v = warp; v < (last - first) * block_units; v += kWarpsPerBlock) {
-        const int c = v / block_units, unit = part + v % block_units * parts;
-        send_unit(a, bufs, unit, v == warp ? prefetched : load_unit(a, first + c, unit, lane), pair_offset16 + c * K,
-                  pair_rank + c * K, v == warp, lane);
+        const int c = v / block_units;
+        send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
+                  v == warp, lane);
     }
     __syncthreads();
     if constexpr (Net::kRemote) {  // a warp puts each staged message to each remote pair's peer
