@@ -36,6 +36,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                         "not one per (token, expert) (bf16 partials: within bf16 rounding of the "
                                         "reference); 0 = a row per (token, expert), the reference's sum bitwise. "
                                         "Read when a Buffer is built; every rank must agree"),
+    "EPCOMM_LL_BLOCK_RECEIVE": ("0", "CUDA low-latency mode, dispatch without a receive hook: 1 = each block "
+                                     "waits for the counts of all of its (expert, source) units and its warps "
+                                     "share their rows' copies; 0 = a group of warps per unit copies that unit's "
+                                     "rows. Read when a Buffer is built"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -83,6 +87,10 @@ def timeout_s() -> float:
 
 def ll_share_messages() -> bool:
     return _switch("EPCOMM_LL_SHARE_MESSAGES")
+
+
+def ll_block_receive() -> bool:
+    return _switch("EPCOMM_LL_BLOCK_RECEIVE")
 
 
 def ll_combine_partials() -> bool:

@@ -209,6 +209,23 @@ def test_ll_cuda_shared_messages_match_reference(ranks):
     cluster(ranks).run(rank_ll_shared_messages, timeout_s=400)
 
 
+def rank_ll_block_receive():
+    """EPCOMM_LL_BLOCK_RECEIVE=1: the fused dispatch's blocks receive their units together (their
+    warps share the copies); every case in every format, with shared messages too, and the graph."""
+    with env_var("EPCOMM_LL_BLOCK_RECEIVE", 1):
+        for i, case in enumerate(LL_CASES):
+            for mode in MODES:
+                rank_ll_case(case, mode, hook=False, seed=150 + i)
+        with env_var("EPCOMM_LL_SHARE_MESSAGES", 1):
+            rank_ll_case(LL_CASES[0], "fp8", hook=False, seed=149)
+        rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_ll_cuda_block_receive_matches_reference(ranks):
+    cluster(ranks).run(rank_ll_block_receive, timeout_s=400)
+
+
 def rank_ll_shared_messages_nvshmem():
     """The same over NVSHMEM with rank 1 remote: pairs to it keep their own messages, mapped ones alias."""
     with env_var("EPCOMM_LL_SHARE_MESSAGES", 1), env_var("EPCOMM_LL_TRANSPORT", "nvshmem"), \

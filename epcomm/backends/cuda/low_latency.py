@@ -126,7 +126,7 @@ class LLDispatchCall(ctypes.Structure):
                 *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
-                                        "share_messages padding")]
+                                        "share_messages block_receive")]
 
 
 class LLCombineCall(ctypes.Structure):
@@ -181,6 +181,7 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.share_messages = _env.ll_share_messages()  # in every call's shape tag: ranks that disagree are named
+        self.block_receive = _env.ll_block_receive()  # the receive side only: ranks may differ
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -524,6 +525,7 @@ class _DispatchShape:
                                        int(backend.share_messages))
             call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
             call.share_messages = int(backend.share_messages)
+            call.block_receive = int(backend.block_receive)
             call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
             if use_fp8:
                 call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides

@@ -667,6 +667,73 @@ struct WarpGroup {
     }
 };
 
+// Piece `piece` of message i of (local expert, source)'s block, copied into row begin + i of the
+// expert's packed rows; piece 0 also its scales and src_info. This and the two helpers below are
+// the steps of receive_dispatch_unit, which keeps its own copy of them until the A/B of
+// EPCOMM_LL_BLOCK_RECEIVE on a GPU (so that the default kernel's machine code stays the one
+// measured); then one of the two receive paths goes, and the other uses these.
+__device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const Layout& lay, const uint8_t* mine,
+                                                    int local_e, int src, int begin, int i, int piece, int lane) {
+    const int R = a.num_ranks, N = a.num_max_tokens;
+    const int rows_per_expert = N * R;
+    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
+    const int data_int4 = a.data_bytes / 16;
+    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (plan_message)
+    const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
+    const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
+    if (a.share_messages) {
+        const int alias = reinterpret_cast<const int*>(msg + tail)[1];
+        if (alias > 0)
+            data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
+                                         a.msg_bytes;
+    }
+    const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
+    copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(data),
+               data_int4, piece, lane);
+    if (piece != 0) return;
+    for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
+        reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
+                                                   c * a.scale_stride_col] =
+            reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
+    if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + tail);
+}
+
+// Thread j (< R) waits for source j's count of `local_e` and returns it: 0 when masked (or timed
+// out: reported, and nothing to copy), never more than a block's room. The wait of the unit's own
+// source (`src`) is timed into the wait-cost statistics for local expert 0.
+__device__ __forceinline__ int wait_source_count(const DispatchArgs& a, int64_t seq, const Layout& lay,
+                                                 uint8_t* mine, int local_e, int src, int j) {
+    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
+    int count = 0;
+    uint64_t waited = 0;
+    if (!masked(a.mask, me) && !masked(a.mask, j)) {
+        const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + j;
+        count = wait_signal(signal, seq, a.shape_tag, j, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
+        count = count < 0 ? 0 : min(count, N);
+    }
+    if (a.wait_stats != nullptr && local_e == 0 && j == src) atomicAdd(
+        reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
+    return count;
+}
+
+// By the last source's unit of an expert: its receive count, layout ranges and the src_info of the
+// rows past its count (-1), from the R sources' counts (`total` their sum); `tid` of `num_threads`.
+__device__ __forceinline__ void complete_expert(const DispatchArgs& a, int local_e, const int* counts, int total,
+                                                int tid, int num_threads) {
+    const int R = a.num_ranks, rows_per_expert = a.num_max_tokens * R;
+    if (tid == 0) {
+        a.recv_count[local_e] = total;
+        if (a.cumulative_stats != nullptr) atomicAdd(a.cumulative_stats + local_e, total);
+    }
+    if (tid < R) {
+        int run = 0;
+        for (int j = 0; j < tid; ++j) run += counts[j];
+        a.layout_range[static_cast<int64_t>(local_e) * R + tid] = (static_cast<int64_t>(run) << 32) | counts[tid];
+    }
+    for (int r = total + tid; r < rows_per_expert; r += num_threads)
+        a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
+}
+
 // The receive role of a dispatch for one (local expert, source) unit, run by a group of warps: its
 // rows go after those of the sources before it. `first_unit`: the block's first (it stamps the trace).
 __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const Layout& lay, int unit, int plane,
@@ -738,6 +805,56 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
     g.sync();  // counts[] is reused by the group's next unit
 }
 
+// The fused dispatch's receive role with EPCOMM_LL_BLOCK_RECEIVE=1: a block takes its units
+// (unit blockIdx.x + m * gridDim.x) kMaxFusedGroups at a time, waits for all of their counts, and
+// its 16 warps share their messages' pieces, instead of each unit's group of warps copying its own
+// rows. The unit with the most rows set the kernel's end (random top-8 of 288 at 128 tokens: ~11
+// rows against 3.6 on average, copied by 4 warps while the block's other warps idled).
+__device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t seq, const Layout& lay) {
+    __shared__ int counts[kMaxFusedGroups][kMaxRanks];
+    __shared__ int begins[kMaxFusedGroups];     // the unit's first row in its expert's packed rows
+    __shared__ int pieces_end[kMaxFusedGroups];  // pieces of the batch's units up to this one's (inclusive)
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, E = a.num_experts, grid = static_cast<int>(gridDim.x);
+    const int pieces = num_pieces(a.data_bytes / 16);
+    uint8_t* mine = a.peers.bufs[a.rank];
+    for (int batch = blockIdx.x; batch < E; batch += grid * kMaxFusedGroups) {
+        const int units = min(kMaxFusedGroups, (E - batch + grid - 1) / grid);
+        if (tid < units * R) {
+            const int unit = batch + tid / R * grid;
+            counts[tid / R][tid % R] = wait_source_count(a, seq, lay, mine, unit / R, unit % R, tid % R);
+        }
+        __syncthreads();
+        if (batch == static_cast<int>(blockIdx.x)) trace_point(a.trace, 0, kTraceArrived);
+        if (tid == 0) {
+            int run = 0;
+            for (int m = 0; m < units; ++m) {
+                const int src = (batch + m * grid) % R;
+                int begin = 0;
+                for (int j = 0; j < src; ++j) begin += counts[m][j];
+                begins[m] = begin;
+                run += counts[m][src] * pieces;
+                pieces_end[m] = run;
+            }
+        }
+        __syncthreads();
+        for (int f = warp; f < pieces_end[units - 1]; f += kWarpsPerBlock) {
+            int m = 0;
+            while (f >= pieces_end[m]) ++m;
+            const int unit = batch + m * grid, within = f - (m > 0 ? pieces_end[m - 1] : 0);
+            copy_received_piece(a, lay, mine, unit / R, unit % R, begins[m], within / pieces, within % pieces, lane);
+        }
+        for (int m = 0; m < units; ++m) {
+            const int unit = batch + m * grid;
+            if (unit % R != R - 1) continue;  // the last source's unit completes the expert's metadata
+            int total = 0;
+            for (int j = 0; j < R; ++j) total += counts[m][j];
+            complete_expert(a, unit / R, counts[m], total, tid, kThreads);
+        }
+        __syncthreads();  // counts[] is reused by the next batch
+    }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
 
 // The receive hook's kernel: one block per (local expert, source).
@@ -755,23 +872,29 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 
 // Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
 // (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
-// cooperatively (every block resident at once; see the launcher).
+// cooperatively (every block resident at once; see the launcher). kBlockReceive: the receive role
+// of receive_dispatch_units_together (EPCOMM_LL_BLOCK_RECEIVE=1) instead of a warp group per unit.
+template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const int64_t seq = send_dispatch_messages(a);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    // The units are split among groups of warps, enough groups that every unit has one at once
-    // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a wait,
-    // a copy and two barriers to the kernel.
-    const int wanted = (a.num_experts + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
-    const int groups = wanted <= 1 ? 1 : wanted <= 2 ? 2 : wanted <= 4 ? 4 : kMaxFusedGroups;
-    const int group_threads = kThreads / groups, group = static_cast<int>(threadIdx.x) / group_threads;
-    __shared__ int counts[kMaxFusedGroups][kMaxRanks];
-    // Barrier 0 is __syncthreads'; the groups take 1.. (a block has 16).
-    const WarpGroup g{group * group_threads, group_threads, groups == 1 ? 0 : 1 + group, counts[group]};
-    const int first_unit = static_cast<int>(blockIdx.x) * groups;
-    for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
-        receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
-    if (a.trace != nullptr) __syncthreads();  // every group's copies are done
+    if constexpr (kBlockReceive) {
+        receive_dispatch_units_together(a, seq, lay);
+    } else {
+        // The units are split among groups of warps, enough groups that every unit has one at once
+        // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a
+        // wait, a copy and two barriers to the kernel.
+        const int wanted = (a.num_experts + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+        const int groups = wanted <= 1 ? 1 : wanted <= 2 ? 2 : wanted <= 4 ? 4 : kMaxFusedGroups;
+        const int group_threads = kThreads / groups, group = static_cast<int>(threadIdx.x) / group_threads;
+        __shared__ int counts[kMaxFusedGroups][kMaxRanks];
+        // Barrier 0 is __syncthreads'; the groups take 1.. (a block has 16).
+        const WarpGroup g{group * group_threads, group_threads, groups == 1 ? 0 : 1 + group, counts[group]};
+        const int first_unit = static_cast<int>(blockIdx.x) * groups;
+        for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
+            receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
+    }
+    if (a.trace != nullptr) __syncthreads();  // every copy of the block is done
     trace_point(a.trace, 0, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
     trace_point(a.trace, 0, kTraceEnd);
@@ -1299,7 +1422,7 @@ struct LLDispatchCall {
     int64_t scale_stride_e, scale_stride_row, scale_stride_col;
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
     int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
-    int32_t share_messages, padding;
+    int32_t share_messages, block_receive;
 };
 
 struct LLCombineCall {
@@ -1333,7 +1456,7 @@ constexpr auto fields_of<ll::LLDispatchCall>() {
                       EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
                       EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
                       EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(share_messages),
-                      EPCOMM_FIELD(padding)};
+                      EPCOMM_FIELD(block_receive)};
 }
 template <>
 constexpr auto fields_of<ll::LLCombineCall>() {
@@ -1465,9 +1588,12 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     set_ptr(a.cumulative_stats, c.cumulative_stats);
     const int num_sms = c.context.num_sms, num_experts = c.num_experts;
     const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
-    if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
-        fits_at_once<ll::dispatch_fused>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms)) {
-        const cudaError_t launched = launch_cooperative(ll::dispatch_fused, num_sms, shared, stream, a);
+    const bool together = c.block_receive != 0;
+    const bool fits = together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms)
+                               : fits_at_once<ll::dispatch_fused<false>>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms);
+    if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms && fits) {
+        const cudaError_t launched = together ? launch_cooperative(ll::dispatch_fused<true>, num_sms, shared, stream, a)
+                                              : launch_cooperative(ll::dispatch_fused<false>, num_sms, shared, stream, a);
         if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
         // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
         (void)cudaGetLastError();
