@@ -62,7 +62,7 @@ def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
-                         use_ue8m0, use_hook, shrink_last, partials=False, hook_stream=False):
+                         use_ue8m0, use_hook, shrink_last, partials=False, hook_stream=False, num_sms=None):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} N={n} H={hidden} E={num_experts} K={num_topk} {routing} "
            f"fp8={use_fp8} round={round_scale} ue8m0={use_ue8m0} hook={use_hook} shrink={shrink_last}")
@@ -82,6 +82,9 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         buf = _buffer(backend, n, hidden, num_experts, enable_shrink=shrink_last)
         if backend == "cuda" and partials:  # the mode is available (else the test would prove nothing)
             assert buf._cuda_ll.combine_partials and partials_fit(num_ranks, num_experts, hidden, num_topk), tag
+        if backend == "cuda" and num_sms is not None:  # the dispatch's kernels on fewer blocks than SMs
+            for call in buf._cuda_ll._dispatch_calls:  # the shape records copy these at the first call
+                call.context.num_sms = num_sms
         if shrink_last:
             buf.low_latency_update_mask_buffer(num_ranks - 1, True)
         recv_stats = torch.zeros(e_local, dtype=torch.int32, device=dev)
@@ -211,11 +214,23 @@ def test_ll_cuda_shared_messages_match_reference(ranks):
 
 def rank_ll_block_receive():
     """EPCOMM_LL_BLOCK_RECEIVE=1: the fused dispatch's blocks receive their units together (their
-    warps share the copies); every case in every format, with shared messages too, and the graph."""
+    warps share the copies); every case in every format; on 1 and 3 blocks (a block's units in
+    several batches of 8, and fewer blocks than ranks); with shared messages; a masked rank; the graph."""
+    num_ranks = dist.get_world_size()
     with env_var("EPCOMM_LL_BLOCK_RECEIVE", 1):
+        probe = _buffer("cuda", 8, 512, 2 * num_ranks)
+        assert probe._cuda_ll.block_receive  # the switch took (else the test would prove nothing)
+        probe.destroy()
         for i, case in enumerate(LL_CASES):
             for mode in MODES:
                 rank_ll_case(case, mode, hook=False, seed=150 + i)
+        tokens, n, hidden, per_rank, topk, routing = LL_CASES[0]
+        for sms in (1, 3):
+            rank_ll_vs_reference(tokens, n, hidden, per_rank * num_ranks, topk, routing, seed=160 + sms, use_fp8=True,
+                                 round_scale=False, use_ue8m0=False, use_hook=False, shrink_last=False, num_sms=sms)
+        if num_ranks > 2:
+            rank_ll_vs_reference([8], 8, 512, 4 * num_ranks, 3, "random", seed=165, use_fp8=True, round_scale=False,
+                                 use_ue8m0=False, use_hook=False, shrink_last=True)
         with env_var("EPCOMM_LL_SHARE_MESSAGES", 1):
             rank_ll_case(LL_CASES[0], "fp8", hook=False, seed=149)
         rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)

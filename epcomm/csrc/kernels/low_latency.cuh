@@ -1589,9 +1589,10 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     const int num_sms = c.context.num_sms, num_experts = c.num_experts;
     const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
     const bool together = c.block_receive != 0;
-    const bool fits = together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms)
-                               : fits_at_once<ll::dispatch_fused<false>>(num_sms, 2 * sizeof(int) * ll::kMaxExperts, num_sms);
-    if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms && fits) {
+    const size_t most_shared = 2 * sizeof(int) * ll::kMaxExperts;
+    if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+        (together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, most_shared, num_sms)
+                  : fits_at_once<ll::dispatch_fused<false>>(num_sms, most_shared, num_sms))) {
         const cudaError_t launched = together ? launch_cooperative(ll::dispatch_fused<true>, num_sms, shared, stream, a)
                                               : launch_cooperative(ll::dispatch_fused<false>, num_sms, shared, stream, a);
         if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
