@@ -86,7 +86,6 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
         lines.append(f"rank {rank} T={n}: {short:40s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
                      f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
     lines += _step_activities(prof, rank, n, 20)
-    lines += _eager_launchers(step, rank, n)
     dist.barrier()
     import time
 
@@ -133,27 +132,6 @@ def _step_activities(prof, rank: int, n: int, replays: int) -> list[str]:
     t0 = last[0][0]
     return [f"rank {rank} T={n}: replay activity {_short(name):40s} {start - t0:7.1f} -> {end - t0:7.1f} us"
             for start, end, name in last]
-
-
-def _eager_launchers(step, rank: int, n: int) -> list[str]:
-    """Which host operation launched each GPU activity of one eager step (a copy or fill in the
-    step shows here with the torch operation that made it)."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
-            continue
-        chain, parent = [e.name], e.cpu_parent
-        while parent is not None and len(chain) < 4:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        names = ", ".join(sorted({_short(k.name) for k in e.kernels}))
-        out.append(f"rank {rank} T={n}: eager step: {' < '.join(chain)} launched {names}")
-    return out
 
 
 _POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end")
