@@ -1057,10 +1057,10 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
     }
     // Every expert's signal, whatever this block's tokens chose: each source signals all of its
     // experts at every call, and waiting for the few that a block's tokens skip costs nothing
-    // next to a round trip. The count is the rows the source returned (a block it skipped returns
-    // none); -1 for a masked source, -2 after a timeout. Block 0 times the arrival of each source's
-    // first expert (wait-cost statistics). Every source's verdict on its inputs is seen by every
-    // block, whatever this rank's tokens chose.
+    // next to a round trip; so every block also sees every source's verdict on its inputs. The
+    // count is the rows the source returned (a block it skipped returns none); -1 for a masked
+    // source, -2 after a timeout. Block 0 times the arrival of each source's first expert
+    // (wait-cost statistics).
     for (int e = tid; e < a.num_experts; e += kThreads) {
         const int src = e / experts_per_rank;
         int count = -1;
