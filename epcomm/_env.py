@@ -36,10 +36,12 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                         "not one per (token, expert) (bf16 partials: within bf16 rounding of the "
                                         "reference); 0 = a row per (token, expert), the reference's sum bitwise. "
                                         "Read when a Buffer is built; every rank must agree"),
-    "EPCOMM_LL_BLOCK_RECEIVE": ("0", "CUDA low-latency mode, dispatch without a receive hook: 1 = each block "
-                                     "waits for the counts of all of its (expert, source) units and its warps "
-                                     "share their rows' copies; 0 = a group of warps per unit copies that unit's "
-                                     "rows. Read when a Buffer is built"),
+    "EPCOMM_LL_BLOCK_RECEIVE": ("auto", "CUDA low-latency mode, dispatch without a receive hook: 1 = each block "
+                                        "waits for the counts of all of its (expert, source) units and its warps "
+                                        "share their rows' copies; 0 = a group of warps per unit copies that "
+                                        "unit's rows; auto = 1 for a call of at least 2 (token, expert) pairs "
+                                        "per expert (tokens * top-k >= 2 * experts), else 0. Read when a Buffer "
+                                        "is built"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -89,8 +91,11 @@ def ll_share_messages() -> bool:
     return _switch("EPCOMM_LL_SHARE_MESSAGES")
 
 
-def ll_block_receive() -> bool:
-    return _switch("EPCOMM_LL_BLOCK_RECEIVE")
+def ll_block_receive() -> str:
+    value = env_str("EPCOMM_LL_BLOCK_RECEIVE")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"EPCOMM_LL_BLOCK_RECEIVE must be auto, 0 or 1, got {value!r}")
+    return value
 
 
 def ll_combine_partials() -> bool:

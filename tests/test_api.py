@@ -141,6 +141,9 @@ def test_low_latency_transport_settings():
         assert _env.ll_share_messages() is True
     with env_var("EPCOMM_LL_SHARE_MESSAGES", "yes"), pytest.raises(ValueError, match="must be 0 or 1"):
         _env.ll_share_messages()
+    assert _env.ll_block_receive() == "auto"
+    with env_var("EPCOMM_LL_BLOCK_RECEIVE", "on"), pytest.raises(ValueError, match="auto, 0 or 1"):
+        _env.ll_block_receive()
     assert _env.ll_combine_partials() is False
     with env_var("EPCOMM_LL_COMBINE_PARTIALS", "1"):
         assert _env.ll_combine_partials() is True
@@ -174,3 +177,12 @@ def rank_choose_transport() -> dict:
 def test_low_latency_transport_choice():
     for seen in cluster(2).run(rank_choose_transport):
         assert seen == {"auto": "ipc", "remote": "nvshmem", "forced": "nvshmem"}, seen
+
+
+def test_low_latency_block_receive_choice():
+    """EPCOMM_LL_BLOCK_RECEIVE=auto takes the block receive from 2 pairs per expert on; 0 and 1 force."""
+    from epcomm.backends.cuda.low_latency import receive_together
+    assert receive_together("auto", 128, 8, 288) and receive_together("auto", 72, 8, 288)
+    assert not receive_together("auto", 71, 8, 288) and not receive_together("auto", 1, 8, 288)
+    assert not receive_together("auto", 0, 8, 288)
+    assert receive_together("1", 1, 8, 288) and not receive_together("0", 256, 8, 288)

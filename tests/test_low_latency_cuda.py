@@ -212,14 +212,16 @@ def test_ll_cuda_shared_messages_match_reference(ranks):
     cluster(ranks).run(rank_ll_shared_messages, timeout_s=400)
 
 
-def rank_ll_block_receive():
-    """EPCOMM_LL_BLOCK_RECEIVE=1: the fused dispatch's blocks receive their units together (their
-    warps share the copies); every case in every format; on 1 and 3 blocks (a block's units in
-    several batches of 8, and fewer blocks than ranks); with shared messages; a masked rank; the graph."""
+def rank_ll_block_receive(mode):
+    """EPCOMM_LL_BLOCK_RECEIVE forced either way (auto picks per call, so each path would see only
+    some cases): 1, the fused dispatch's blocks receive their units together (their warps share the
+    copies); 0, a group of warps per unit. Every case in every format; on 1 and 3 blocks (a block's
+    units in several batches of 8, and fewer blocks than ranks); with shared messages; a masked
+    rank; the graph."""
     num_ranks = dist.get_world_size()
-    with env_var("EPCOMM_LL_BLOCK_RECEIVE", 1):
+    with env_var("EPCOMM_LL_BLOCK_RECEIVE", mode):
         probe = _buffer("cuda", 8, 512, 2 * num_ranks)
-        assert probe._cuda_ll.block_receive  # the switch took (else the test would prove nothing)
+        assert probe._cuda_ll.block_receive == mode  # the switch took (else the test would prove nothing)
         probe.destroy()
         for i, case in enumerate(LL_CASES):
             for mode in MODES:
@@ -236,9 +238,10 @@ def rank_ll_block_receive():
         rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)
 
 
+@pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("ranks", RANKS)
-def test_ll_cuda_block_receive_matches_reference(ranks):
-    cluster(ranks).run(rank_ll_block_receive, timeout_s=400)
+def test_ll_cuda_block_receive_matches_reference(ranks, mode):
+    cluster(ranks).run(rank_ll_block_receive, mode, timeout_s=400)
 
 
 def rank_ll_shared_messages_nvshmem():

@@ -669,9 +669,7 @@ struct WarpGroup {
 
 // Piece `piece` of message i of (local expert, source)'s block, copied into row begin + i of the
 // expert's packed rows; piece 0 also its scales and src_info. This and the two helpers below are
-// the steps of receive_dispatch_unit, which keeps its own copy of them until the A/B of
-// EPCOMM_LL_BLOCK_RECEIVE on a GPU (so that the default kernel's machine code stays the one
-// measured); then one of the two receive paths goes, and the other uses these.
+// the steps of both receive paths (a warp group per unit, or a block's units together).
 __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const Layout& lay, const uint8_t* mine,
                                                     int local_e, int src, int begin, int i, int piece, int lane) {
     const int R = a.num_ranks, N = a.num_max_tokens;
@@ -741,23 +739,10 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
     int* counts = g.counts;
     const int tid = static_cast<int>(threadIdx.x) - g.first, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int num_threads = g.threads, num_warps = num_threads / kWarpSize;
-    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
-    const int rows_per_expert = N * R;
-    uint8_t* mine = a.peers.bufs[me];
+    const int R = a.num_ranks;
+    uint8_t* mine = a.peers.bufs[a.rank];
     const int local_e = unit / R, src = unit % R;
-    if (tid < R) {  // thread j waits for source j's count of this expert
-        int count = 0;
-        uint64_t waited = 0;
-        if (!masked(a.mask, me) && !masked(a.mask, tid)) {
-            const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + tid;
-            count = wait_signal(signal, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
-            // masked (or timed out: reported, and nothing to copy); never more than a block's room
-            count = count < 0 ? 0 : min(count, N);
-        }
-        counts[tid] = count;
-        if (a.wait_stats != nullptr && local_e == 0 && tid == src) atomicAdd(
-            reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
-    }
+    if (tid < R) counts[tid] = wait_source_count(a, seq, lay, mine, local_e, src, tid);
     g.sync();
     if (unit == first_unit) trace_point(a.trace, plane, kTraceArrived);  // thread 0 of the block's first unit
     int begin = 0, total = 0;
@@ -765,51 +750,20 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
         if (j < src) begin += counts[j];
         total += counts[j];
     }
-    const int mine_count = counts[src];
-    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
-    const int data_int4 = a.data_bytes / 16, pieces = num_pieces(data_int4);
-    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (plan_message)
-    for (int u = warp; u < mine_count * pieces; u += num_warps) {
-        const int i = u / pieces, piece = u % pieces;
-        const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
-        const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
-        if (a.share_messages) {
-            const int alias = reinterpret_cast<const int*>(msg + tail)[1];
-            if (alias > 0)
-                data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
-                                             a.msg_bytes;
-        }
-        const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
-        copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(data),
-                   data_int4, piece, lane);
-        if (piece != 0) continue;
-        for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
-            reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
-                                                       c * a.scale_stride_col] =
-                reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
-        if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + tail);
-    }
-    if (src == R - 1) {  // the last source's block completes the expert's metadata
-        if (tid == 0) {
-            a.recv_count[local_e] = total;
-            if (a.cumulative_stats != nullptr) atomicAdd(a.cumulative_stats + local_e, total);
-        }
-        if (tid < R) {
-            int run = 0;
-            for (int j = 0; j < tid; ++j) run += counts[j];
-            a.layout_range[static_cast<int64_t>(local_e) * R + tid] = (static_cast<int64_t>(run) << 32) | counts[tid];
-        }
-        for (int r = total + tid; r < rows_per_expert; r += num_threads)
-            a.src_info[static_cast<int64_t>(local_e) * rows_per_expert + r] = -1;
-    }
+    const int pieces = num_pieces(a.data_bytes / 16), mine_count = counts[src];
+    for (int u = warp; u < mine_count * pieces; u += num_warps)
+        copy_received_piece(a, lay, mine, local_e, src, begin, u / pieces, u % pieces, lane);
+    if (src == R - 1) complete_expert(a, local_e, counts, total, tid, num_threads);  // the expert's last source
     g.sync();  // counts[] is reused by the group's next unit
 }
 
-// The fused dispatch's receive role with EPCOMM_LL_BLOCK_RECEIVE=1: a block takes its units
-// (unit blockIdx.x + m * gridDim.x) kMaxFusedGroups at a time, waits for all of their counts, and
-// its 16 warps share their messages' pieces, instead of each unit's group of warps copying its own
-// rows. The unit with the most rows set the kernel's end (random top-8 of 288 at 128 tokens: ~11
-// rows against 3.6 on average, copied by 4 warps while the block's other warps idled).
+// The fused dispatch's receive role for calls with many rows per unit (the host's choice:
+// EPCOMM_LL_BLOCK_RECEIVE): a block takes its units (unit blockIdx.x + m * gridDim.x)
+// kMaxFusedGroups at a time, waits for all of their counts, and its 16 warps share their messages'
+// pieces, instead of each unit's group of warps copying its own rows, where the unit with the
+// most rows sets the kernel's end (random top-8 of 288 at 128 tokens: ~11 rows against 3.6 on
+// average, copied by 4 warps while the block's other warps idle). With few rows the wait for
+// every unit's count first costs more than it saves (one H100, one rank: +1.3 us at 1 token).
 __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t seq, const Layout& lay) {
     __shared__ int counts[kMaxFusedGroups][kMaxRanks];
     __shared__ int begins[kMaxFusedGroups];     // the unit's first row in its expert's packed rows
@@ -873,7 +827,7 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 // Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
 // (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
 // cooperatively (every block resident at once; see the launcher). kBlockReceive: the receive role
-// of receive_dispatch_units_together (EPCOMM_LL_BLOCK_RECEIVE=1) instead of a warp group per unit.
+// of receive_dispatch_units_together instead of a warp group per unit.
 template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const int64_t seq = send_dispatch_messages(a);
