@@ -27,7 +27,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_HIER_TRANSPORT": ("auto", "CUDA hierarchical mode, between domains: auto (NVSHMEM puts; direct stores "
                                       "to a mate NVSHMEM maps over NVLink) or put (NVSHMEM puts to every mate: the "
                                       "path to other hosts, tested on one)"),
-    "EPCOMM_LL_SHARE_MESSAGES": ("0", "CUDA low-latency mode: 1 = a token's pairs to one rank share one message "
+    "EPCOMM_LL_SHARE_MESSAGES": ("1", "CUDA low-latency mode: 1 = a token's pairs to one rank share one message "
                                       "(its data crosses NVLink once per (token, rank), not once per expert; the "
                                       "receiver copies it for each expert); 0 = a message per (token, expert). "
                                       "Read when a Buffer is built; every rank must agree"),

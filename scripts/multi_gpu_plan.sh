@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # What the open issues still owe on a machine with several GPUs (every measurement so far since the
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
-# order; each writes its logs and JSON under $OUT/STEP-*.
+# order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
+# and prints the tables.
 # Usage (on the device machine): STEP=tests|normal|ll|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show)        #3 #4 #5 #8
 #   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
 #           BF16 and FP8, NCCL beside it                                               #3 #8
-#   ll      low latency, 1-256 tokens: base, shared messages, partial sums, both, block receive forced
-#           off and on (the defaults of EPCOMM_LL_SHARE_MESSAGES / _COMBINE_PARTIALS and the auto
-#           rule of _BLOCK_RECEIVE come from it)                                      #4 #8
+#   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
+#           messages + partial sums, block receive forced off and on (the defaults of
+#           EPCOMM_LL_SHARE_MESSAGES / _COMBINE_PARTIALS and the auto rule of _BLOCK_RECEIVE come
+#           from it)                                                                   #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
 #           2x4 and 4x2 on 8), direct and NVSHMEM-put transports, per-tier bytes       #5 #8
 set -uo pipefail
@@ -17,8 +19,12 @@ source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
 step=${STEP:?set STEP to tests, normal, ll or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-out="$OUT/$step"
+out=$(mktemp -d)/$step
 mkdir -p "$out"
+pack() {  # everything the step wrote, in one file
+  tar czf "$OUT/$step.tgz" -C "$(dirname "$out")" "$step" && echo "multi_gpu_plan: packed $OUT/$step.tgz"
+}
+trap pack EXIT
 echo "multi_gpu_plan: step $step, $gpus GPUs, commit $sha"
 python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; load_library(); \
 load_nvshmem_library()" 2>&1 | tail -3 || exit 1
@@ -40,15 +46,20 @@ case $step in
     bench tokens --modes normal --num-sms 24 --tokens 512,1024,2048,4096,8192,16384 || status=1
     ;;
   ll)
-    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'share|env|EPCOMM_LL_SHARE_MESSAGES=1' \
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \
       'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       'both|env|EPCOMM_LL_SHARE_MESSAGES=1|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1
     ;;
   hier)
-    splits=(2)
-    [ "$gpus" -ge 8 ] && splits=(2 4)
+    # k ranks a domain: 2x2 on 4 GPUs, 4x2 and 2x4 on 8, 2x1 on 2 (one GPU: nothing to split)
+    case $gpus in
+      1) echo "multi_gpu_plan: hier needs 2 or more GPUs"; exit 2 ;;
+      2 | 3) splits=(1) ;;
+      4 | 5 | 6 | 7) splits=(2) ;;
+      *) splits=(2 4) ;;
+    esac
     for k in "${splits[@]}"; do
       bench "split-k$k" --modes normal --strategies hierarchical --ranks-per-domain "$k" || status=1
       EPCOMM_HIER_TRANSPORT=put bench "split-k$k-put" --modes normal --strategies hierarchical \

@@ -197,19 +197,24 @@ def test_ll_cuda_hook_on_another_stream(ranks):
                        round_scale=False, use_ue8m0=False, use_hook=True, shrink_last=False, hook_stream=True)
 
 
-def rank_ll_shared_messages():
-    """EPCOMM_LL_SHARE_MESSAGES=1: a token's pairs to one rank share a message (send_unit's aliases);
-    every case in every format, one with a hook, and the graph."""
-    with env_var("EPCOMM_LL_SHARE_MESSAGES", 1):
+def rank_ll_shared_messages(mode):
+    """EPCOMM_LL_SHARE_MESSAGES forced either way (the other tests run the default, 1): 1, a token's
+    pairs to one rank share a message (send_unit's aliases); 0, a message per (token, expert).
+    Every case in every format, one with a hook, and the graph."""
+    with env_var("EPCOMM_LL_SHARE_MESSAGES", mode):
+        probe = _buffer("cuda", 8, 512, 2 * dist.get_world_size())
+        assert probe._cuda_ll.share_messages == (mode == "1")  # the switch took
+        probe.destroy()
         for i, case in enumerate(LL_CASES):
-            for mode in MODES:
-                rank_ll_case(case, mode, hook=i == 1, seed=70 + i)
+            for mode_ in MODES:
+                rank_ll_case(case, mode_, hook=i == 1, seed=70 + i)
         rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)
 
 
+@pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("ranks", RANKS)
-def test_ll_cuda_shared_messages_match_reference(ranks):
-    cluster(ranks).run(rank_ll_shared_messages, timeout_s=400)
+def test_ll_cuda_shared_messages_match_reference(ranks, mode):
+    cluster(ranks).run(rank_ll_shared_messages, mode, timeout_s=400)
 
 
 def rank_ll_block_receive(mode):
