@@ -680,8 +680,12 @@ __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const
     const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
     const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
     if (a.share_messages) {
+        // An address read from the buffer is bounded before use: a peer that made a call of
+        // another shape (reported: its signals carry its shape tag) may have written over this
+        // rank's own messages with its layout, and a count that is valid can then come with a
+        // tail that is not. Its rows are garbage then, but the call raises and nothing faults.
         const int alias = reinterpret_cast<const int*>(msg + tail)[1];
-        if (alias > 0)
+        if (alias > 0 && alias <= a.num_experts / R * N)
             data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
                                          a.msg_bytes;
     }
