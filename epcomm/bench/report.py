@@ -115,6 +115,9 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
         if f"{op}_hook_send_s" in per_rank[0]:
             record[f"{op}_send_us"] = _sig(max(r[f"{op}_hook_send_s"] for r in per_rank) * 1e6)
             record[f"{op}_recv_us"] = _sig(max(r[f"{op}_hook_recv_s"] for r in per_rank) * 1e6)
+    for op in ("dispatch", "combine"):  # low latency on the CUDA backend: its kernels' device time
+        if f"{op}_kernel_s" in per_rank[0]:
+            record[f"{op}_kernel_us"] = _sig(max(r[f"{op}_kernel_s"] for r in per_rank) * 1e6)
     for op in ("dispatch", "combine", "step"):  # low latency on the CUDA backend: replayed CUDA graphs
         if f"{op}_graph_s" in per_rank[0]:
             key = "dispatch_combine" if op == "step" else op
@@ -161,6 +164,8 @@ _COLUMNS = (
     ("graph d/c/d+c us", 17, lambda r: "/".join(f"{r[k]:.1f}" for k in ("dispatch_graph_us", "combine_graph_us",
                                                                        "dispatch_combine_graph_us"))
      if "dispatch_graph_us" in r else ""),
+    ("kernel d/c us", 13, lambda r: f"{r['dispatch_kernel_us']:.1f}/{r['combine_kernel_us']:.1f}"
+     if "dispatch_kernel_us" in r else ""),
     ("a2a/disp", 8, lambda r: r.get("_vs_a2a", "")),
     ("checked", 7, lambda r: "yes" if r["checked"] else "FAILED"),
 )

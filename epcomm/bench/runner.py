@@ -289,6 +289,8 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
                   (("dispatch", dispatch_with_hook), ("combine", combine_with_hook))}
     graph_times = _time_ll_graphs(case, buf, dispatch, combine, inputs, rank, tag, failures) \
         if buf.backend_name == "cuda" else {}
+    kernel_times = {f"{op}_kernel_s": _time_ll_kernels(fn, case, buf.device)
+                    for op, fn in (("dispatch", dispatch), ("combine", combine))} if buf.backend_name == "cuda" else {}
 
     num_selections = int((mine.topk_idx >= 0).sum())
     result = {
@@ -304,6 +306,7 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     if buf.backend_name == "cuda":
         result["ll_transport"], result["ll_remote_ranks"] = buf.low_latency_transport()
     result.update(graph_times)
+    result.update(kernel_times)
     if case.diagnose:
         # Mean wait per call for each source rank, as this rank saw it (us).
         for name, stats in wait_stats.items():
@@ -331,6 +334,31 @@ def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combin
              inputs, rank, case.num_experts)
     _guarded(failures, f"{tag} (CUDA-graph combine)", checks.check_ll_combine, outputs["combine"][0], inputs[rank])
     return times
+
+
+def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) -> float:
+    """Median seconds of the device time of a low-latency call's own kernels (those of
+    epcomm::ll; a combine's two are summed), from torch.profiler over ``case.iters`` calls with the
+    L2 flushed before each: how DeepEP's test reports its per-operation times (bench_kineto), so
+    they compare directly. The event spans (``dispatch_us``) add the launch floor to them: ~4 us
+    of a tiny kernel's span on one H100 (scripts/launch_floor.py)."""
+    flush = l2_flush_buffer(device)
+    for _ in range(case.warmup):
+        call()
+    torch.cuda.synchronize(device)
+    iters = max(case.iters, 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            call()
+        torch.cuda.synchronize(device)
+    kernels = sorted((e.time_range.start, e.device_time) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and "epcomm::ll::" in e.name)
+    per_call = len(kernels) // iters
+    if per_call == 0 or len(kernels) % iters:
+        raise RuntimeError(f"the profiler saw {len(kernels)} low-latency kernels in {iters} calls")
+    sums = [sum(t for _, t in kernels[i:i + per_call]) for i in range(0, len(kernels), per_call)]
+    return statistics.median(sums) * 1e-6
 
 
 def _time_hook_split(call_with_hook: Callable[[], Any], case: Case, device: torch.device) -> tuple[float, float]:
