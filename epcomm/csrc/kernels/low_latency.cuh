@@ -697,7 +697,10 @@ __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const
         reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
                                                    c * a.scale_stride_col] =
             reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
-    if (lane == 0) a.src_info[row] = *reinterpret_cast<const int*>(msg + tail);
+    if (lane == 0) {  // bounded too: callers index tokens with it (see the alias above)
+        const int token = *reinterpret_cast<const int*>(msg + tail);
+        a.src_info[row] = token >= 0 && token < N ? token : -1;
+    }
 }
 
 // Thread j (< R) waits for source j's count of `local_e` and returns it: 0 when masked (or timed
@@ -1030,7 +1033,7 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
             if (timed && count >= 0)
                 atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
         }
-        expert_rows[e] = count;
+        expert_rows[e] = min(count, N);  // a block's room (the 8-bit shape tag can collide)
     }
     __syncthreads();
 #pragma unroll
