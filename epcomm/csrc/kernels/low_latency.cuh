@@ -27,6 +27,8 @@
 // Without a hook a dispatch is one cooperative kernel (dispatch_fused: the send role, then the
 // receive role's units taken in turn by the same blocks): one launch less, which is what an eager
 // call's host time is made of; a replayed graph gains little (measured on 2 H200: 40.8 vs 41.4 us).
+// So is a combine whose peers are all mapped (combine_fused: each block returns its units' rows,
+// its warps sharing them, then sums its tokens).
 //
 // Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
 // Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
@@ -887,6 +889,23 @@ struct CombineArgs {
     int request_bytes;
 };
 
+// {begin, count} of a (local expert, source) unit's rows from its layout word, clamped to the
+// unit's room: a layout never filled (no receive ran) cannot make a combine write elsewhere.
+__device__ __forceinline__ int2 unit_rows(int64_t word, int n, int num_ranks) {
+    const int begin = max(0, min(static_cast<int>(word >> 32), n * num_ranks));
+    return make_int2(begin, max(0, min(static_cast<int>(word & 0xffffffff), min(n, n * num_ranks - begin))));
+}
+
+// Whether the caller's topk_idx differs from its dispatch's (the handle's copy is what the kernels
+// use), compared by the `num_threads` threads from `tid`; every signal of local expert 0 carries
+// the verdict (combine receives wait for every expert), so every rank sees it.
+__device__ __forceinline__ bool topk_differs(const CombineArgs& a, int tid, int num_threads) {
+    bool differs = false;
+    if (a.caller_topk_idx != nullptr)
+        for (int i = tid; i < a.num_tokens * a.num_topk; i += num_threads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
+    return differs;
+}
+
 // The send role of a combine for one (local expert, source) unit, run by a whole block (any number
 // of warps): the expert's outputs for that source's rows go back to it.
 __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t prev, const Layout& lay, int unit) {
@@ -913,14 +932,11 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
     // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
     // (combine_recv's blocks wait for every expert), so every rank sees the verdict.
-    bool differs = false;
-    if (a.caller_topk_idx != nullptr && local_e == 0)
-        for (int i = tid; i < a.num_tokens * a.num_topk; i += num_threads) differs |= a.caller_topk_idx[i] != a.topk_idx[i];
+    const bool differs = local_e == 0 && topk_differs(a, tid, num_threads);
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
     trace_point(a.trace, 0, kTraceReady);
-    // Clamped to the block's room: a layout never filled (no receive ran) cannot write elsewhere.
-    const int begin = max(0, min(static_cast<int>(word >> 32), rows_per_expert));
-    const int count = max(0, min(static_cast<int>(word & 0xffffffff), min(N, rows_per_expert - begin)));
+    const int2 rows = unit_rows(word, N, R);
+    const int begin = rows.x, count = rows.y;
     const int64_t rows_offset = lay.combine_data + static_cast<int64_t>(global_e) * N * row_int4 * 16;
     uint8_t* staging = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * row_int4 * 16;
     if (!skip) {
@@ -1088,6 +1104,79 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(C
     send_combine_unit(a, seq, prev, lay, blockIdx.x);
     finish_send_kernel(mine, seq, a.slot);
     trace_point(a.trace, 0, kTraceEnd);
+}
+
+// The send role of a fused combine (no hook, every peer mapped): block b returns the rows of its
+// units b, b + grid, ... (up to kMaxFusedGroups at a time), its 16 warps sharing their pieces, and
+// thread m signals unit m once the block's stores are done. Then the same blocks receive: the
+// units' last stores and the receives' first waits overlap, where two kernels put the send
+// kernel's drain and the receive kernel's start between them.
+__device__ void send_combine_units_together(const CombineArgs& a, int64_t seq, int64_t prev, const Layout& lay) {
+    __shared__ int2 rows[kMaxFusedGroups];        // {begin, count} of the batch's units
+    __shared__ bool skip[kMaxFusedGroups];
+    __shared__ int pieces_end[kMaxFusedGroups];   // pieces of the batch's units up to this one's (inclusive)
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens, E = a.num_experts, grid = static_cast<int>(gridDim.x);
+    const int experts_per_rank = E / R, row_int4 = a.hidden / 8, pieces = num_pieces(row_int4);
+    uint8_t* mine = a.peers.bufs[me];
+    const auto* x = reinterpret_cast<const int4*>(a.x);
+    // The verdict on topk_idx goes with local expert 0's units (units 0 .. R-1): their blocks compare.
+    const bool judges = static_cast<int>(blockIdx.x) < R;
+    const int64_t invalid = __syncthreads_or(judges && topk_differs(a, tid, kThreads)) ? kInvalidInputBit : 0;
+    for (int batch = blockIdx.x; batch < E; batch += grid * kMaxFusedGroups) {
+        const int units = min(kMaxFusedGroups, (E - batch + grid - 1) / grid);
+        if (tid < units) {  // thread m: unit m's rows, and its source's acknowledgement
+            const int unit = batch + tid * grid;
+            rows[tid] = unit_rows(a.layout_range[unit], N, R);  // [local expert][source] = unit
+            skip[tid] = !may_write_slot(mine, lay.acks, me, unit % R, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int run = 0;
+            for (int m = 0; m < units; ++m) pieces_end[m] = run += skip[m] ? 0 : rows[m].y * pieces;
+        }
+        __syncthreads();
+        if (batch == static_cast<int>(blockIdx.x)) trace_point(a.trace, 0, kTraceReady);
+        for (int f = warp; f < pieces_end[units - 1]; f += kWarpsPerBlock) {
+            int m = 0;
+            while (f >= pieces_end[m]) ++m;
+            const int unit = batch + m * grid, within = f - (m > 0 ? pieces_end[m - 1] : 0);
+            const int local_e = unit / R, src = unit % R, i = within / pieces;
+            auto* out = reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data) +
+                        (static_cast<int64_t>(me * experts_per_rank + local_e) * N + i) * row_int4;
+            copy_piece(out, x + (static_cast<int64_t>(local_e) * N * R + rows[m].x + i) * row_int4, row_int4,
+                       within % pieces, lane);
+        }
+        __syncthreads();
+        if (batch == static_cast<int>(blockIdx.x)) trace_point(a.trace, 0, kTraceWritten);
+        if (tid < units && !skip[tid]) {
+            const int unit = batch + tid * grid, local_e = unit / R, src = unit % R;
+            fence_sys();  // the block's rows (before the barrier) are released by the signal
+            signal_peer(a.peers, me, src, lay.combine_signals + 8 * (me * experts_per_rank + local_e),
+                        make_signal(seq, a.shape_tag, local_e == 0 ? invalid : 0, rows[tid].y));
+        }
+        __syncthreads();  // rows, skip and pieces_end are reused by the next batch
+    }
+    trace_point(a.trace, 0, kTraceSignalled);
+}
+
+// Without a hook, with every peer mapped: one cooperative kernel returns the rows and then sums
+// them (its blocks wait for each other's signals: all resident at once).
+__global__ void __launch_bounds__(kThreads, 1) combine_fused(CombineArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    trace_point(a.trace, 0, kTraceStart);
+    send_combine_units_together(a, seq, prev, lay);
+    finish_send_kernel(mine, seq, a.slot);
+    trace_point(a.trace, 0, kTraceEnd);
+    trace_point(a.trace, 1, kTraceStart);
+    receive_combined_tokens(a, seq, lay);
+    if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
+    trace_point(a.trace, 1, kTraceReceived);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    trace_point(a.trace, 1, kTraceEnd);
 }
 
 // The receive hook's kernel.
@@ -1576,6 +1665,9 @@ int epcomm_ll_combine_partials_fit(int num_sms) {
     return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
 }
 
+// A combine without a hook as one cooperative kernel (combine_fused) rather than two.
+constexpr bool kFusedCombine = true;
+
 // phases as in launch_dispatch
 static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
     const ll::LLCombineCall& c = *call;
@@ -1602,8 +1694,16 @@ static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t
         if (phase != 1) ll::combine_partials_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
         return static_cast<int>(cudaGetLastError());
     }
-    // Phase 0 is the two kernels one after the other: a fused combine (one cooperative kernel, as for
-    // dispatch) measured no faster, and slower from 256 tokens (fewer units in flight at once).
+    // Phase 0 with every peer mapped: one cooperative kernel (combine_fused), where it fits.
+    const int num_sms = c.context.num_sms;
+    bool any_remote = false;
+    for (int r = 0; r < a.num_ranks; ++r) any_remote |= a.peers.bufs[r] == nullptr;
+    if (kFusedCombine && phase == 0 && !any_remote && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+        fits_at_once<ll::combine_fused>(num_sms, 0, num_sms)) {
+        const cudaError_t launched = launch_cooperative(ll::combine_fused, num_sms, 0, stream, a);
+        if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
+        (void)cudaGetLastError();  // fewer SMs than the device has are ours: the two kernels instead
+    }
     if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
     if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
