@@ -1106,6 +1106,17 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(C
     trace_point(a.trace, 0, kTraceEnd);
 }
 
+// The receive role of a combine's last kernel (combine_fused, or the hook's combine_recv): the
+// block's tokens summed, then the slot acknowledged by the last block.
+__device__ __forceinline__ void receive_combine_role(const CombineArgs& a, int64_t seq, const Layout& lay) {
+    trace_point(a.trace, 1, kTraceStart);
+    receive_combined_tokens(a, seq, lay);
+    if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
+    trace_point(a.trace, 1, kTraceReceived);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    trace_point(a.trace, 1, kTraceEnd);
+}
+
 // The send role of a fused combine (no hook, every peer mapped): block b returns the rows of its
 // units b, b + grid, ... (up to kMaxFusedGroups at a time), its 16 warps sharing their pieces, and
 // thread m signals unit m once the block's stores are done. Then the same blocks receive: the
@@ -1171,12 +1182,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_fused(CombineArgs a) {
     send_combine_units_together(a, seq, prev, lay);
     finish_send_kernel(mine, seq, a.slot);
     trace_point(a.trace, 0, kTraceEnd);
-    trace_point(a.trace, 1, kTraceStart);
-    receive_combined_tokens(a, seq, lay);
-    if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
-    trace_point(a.trace, 1, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
-    trace_point(a.trace, 1, kTraceEnd);
+    receive_combine_role(a, seq, lay);
 }
 
 // The receive hook's kernel.
@@ -1184,12 +1190,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    trace_point(a.trace, 1, kTraceStart);
-    receive_combined_tokens(a, seq, lay);
-    if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
-    trace_point(a.trace, 1, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
-    trace_point(a.trace, 1, kTraceEnd);
+    receive_combine_role(a, seq, lay);
 }
 
 // ------------------------------------------------------------------ combine by partial sums
