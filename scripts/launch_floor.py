@@ -1,6 +1,6 @@
 """The floor of the benchmark's timing method on this GPU: the span its CUDA events measure around
 a call that does (almost) nothing, eager and replayed from a CUDA graph, with the benchmark's L2
-flush and head start before each span (epcomm/bench/timing.py). A low-latency call's figure is
+flush and head start before each span (epcomm/bench/timing.py, cold_start). A low-latency call's figure is
 its kernels plus this floor, so the floor says how much of a 20 us dispatch is the launch.
 
     python3 scripts/launch_floor.py [--iters 200]
@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from epcomm.bench.timing import HEAD_START_CYCLES, l2_flush_buffer
+from epcomm.bench.timing import cold_start, l2_flush_buffer
 
 
 def spans(fn, iters: int, device: torch.device) -> list[float]:
@@ -23,8 +23,7 @@ def spans(fn, iters: int, device: torch.device) -> list[float]:
     torch.cuda.synchronize(device)
     marks = []
     for _ in range(iters):
-        flush.zero_()
-        torch.cuda._sleep(HEAD_START_CYCLES)
+        cold_start(flush)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import Buffer, per_token_cast_to_fp8
 from ..utils.launch import group_device
 from . import checks, metrics
-from .timing import HEAD_START_CYCLES, l2_flush_buffer, time_samples
+from .timing import cold_start, l2_flush_buffer, time_samples
 from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
@@ -366,7 +366,7 @@ def _time_hook_split(call_with_hook: Callable[[], Any], case: Case, device: torc
     hook (the receive), each timed on its own; every rank makes the same calls.
 
     On GPU each span is the device time of its kernels alone, as DeepEP's test reports its
-    send/receive split: an L2 flush and a spin (timing.HEAD_START_CYCLES) are queued before each
+    send/receive split: an L2 flush and a spin (timing.cold_start) are queued before each
     span, so the host has queued the call (or the hook) by the time the GPU reaches the span's
     start event, and no host time counts (an
     earlier version synced every iteration and timed the host's launch latency with the kernels:
@@ -388,13 +388,11 @@ def _time_hook_split(call_with_hook: Callable[[], Any], case: Case, device: torc
 
     def queued() -> list[torch.cuda.Event]:
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        flush.zero_()
-        torch.cuda._sleep(HEAD_START_CYCLES)  # the host queues the call meanwhile (timing.py says why)
+        cold_start(flush)  # the host queues the call meanwhile (timing.py says why)
         marks[0].record()
         hook = call_with_hook()[-1]
         marks[1].record()
-        flush.zero_()
-        torch.cuda._sleep(HEAD_START_CYCLES)
+        cold_start(flush)
         marks[2].record()
         hook()
         marks[3].record()

@@ -37,6 +37,15 @@ def l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _flush_buffer
 
 
+def cold_start(flush: torch.Tensor, before: Callable[[], None] | None = None) -> None:
+    """Queue what precedes a timed span on the GPU: the L2 flush (``flush``, from
+    :func:`l2_flush_buffer`), then, after the host work ``before`` if any, the head start."""
+    flush.zero_()
+    if before is not None:
+        before()
+    torch.cuda._sleep(HEAD_START_CYCLES)
+
+
 def time_call(fn: Callable[[], Any], warmup: int, iters: int, device: torch.device,
               before: Callable[[], None] | None = None) -> tuple[float, Any]:
     """Run ``fn`` ``warmup`` times untimed, then ``iters`` times timed; return (median seconds, last result).
@@ -100,10 +109,7 @@ def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.dev
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
-        flush.zero_()
-        if before is not None:
-            before()
-        torch.cuda._sleep(HEAD_START_CYCLES)
+        cold_start(flush, before)
         starts[i].record()
         result = fn()
         ends[i].record()
