@@ -116,7 +116,8 @@ def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int
     at 2 or more pairs per expert, where the unit with the most rows would otherwise set the end
     (one H100, one rank, graph dispatch: 25.4 -> 24.4 us at 128 tokens, 37.8 -> 35.4 at 256, but
     16.3 -> 17.8 at 1 and 18.8 -> 19.4 at 32: the wait for all of a block's counts first costs
-    more than a few rows' copies; bench/results/2026-11-23_ll-one-rank-block-receive-*-308727c_*). Every source sends about T * K / E pairs to each unit."""
+    more than a few rows' copies; bench/results/2026-11-23_ll-one-rank-block-receive-*-308727c_*).
+    Every source sends about T * K / E pairs to each unit."""
     if mode != "auto":
         return mode == "1"
     return num_tokens * num_topk >= 2 * num_experts
