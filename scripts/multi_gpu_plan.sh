@@ -9,8 +9,8 @@
 #   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
 #           BF16 and FP8, NCCL beside it                                               #3 #8
 #   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
-#           messages + partial sums (two kernels, and one: kFusedPartials), block receive forced
-#           off and on (the defaults of
+#           messages + partial sums (one kernel, the default, and two: kFusedPartials off), block
+#           receive forced off and on (the defaults of
 #           EPCOMM_LL_SHARE_MESSAGES / _COMBINE_PARTIALS and the auto rule of _BLOCK_RECEIVE come
 #           from it)                                                                   #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
@@ -50,7 +50,7 @@ case $step in
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \
       'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       'both|env|EPCOMM_LL_SHARE_MESSAGES=1|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
-      'both-fused|env|EPCOMM_LL_COMBINE_PARTIALS=1|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kFusedPartials = false;/constexpr bool kFusedPartials = true;/' \
+      'both-two-kernels|env|EPCOMM_LL_COMBINE_PARTIALS=1|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kFusedPartials = true;/constexpr bool kFusedPartials = false;/' \
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1
     ;;
