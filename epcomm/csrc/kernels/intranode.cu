@@ -438,22 +438,6 @@ __device__ __forceinline__ void write_peer_meta(const DispatchArgs& a, uint8_t* 
             a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
 }
 
-// Bit d: token t goes to rank d, and this sender writes it (the receivers copy this rank's own
-// rows when `local_by_receiver`). A ballot: every lane of the warp calls it.
-__device__ __forceinline__ unsigned dispatch_destinations(const DispatchArgs& a, int t, int lane) {
-    const int R = a.num_ranks;
-    const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane] &&
-                     !(lane == a.rank && a.local_by_receiver);
-    return __ballot_sync(kFullMask, hit);
-}
-
-// Lane d: where token t's row goes in destination d's output, for the destinations in `mask`.
-__device__ __forceinline__ int dispatch_row_pos(const DispatchArgs& a, const int* s_layout, unsigned mask, int t,
-                                                int lane) {
-    return (mask >> lane & 1u) ? s_layout[kLayDstBase + lane] + a.slot[static_cast<int64_t>(t) * a.num_ranks + lane]
-                               : 0;
-}
-
 __device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane, int64_t& e, float& w) {
     e = -1;
     w = 0.f;
@@ -463,6 +447,41 @@ __device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane
     }
 }
 
+// What a sending warp needs of token t: lane d < R whether the token goes to rank d and is this
+// sender's to write (the receivers copy this rank's own rows when `local_by_receiver`) and its
+// slot there; lane k < K its k-th expert and weight. The loads do not depend on each other, so
+// they are in flight together, and a warp loads its next token's route before copying this one's
+// row: a warp that waited for the destinations, then the slots, then the experts spent about a
+// third of its time on those latencies (one rank, 24 SMs: ~31 GB/s per sending SM against 44 for
+// a bare copy, scripts/copy_rate.cu).
+struct TokenRoute {
+    bool hit;
+    int slot;
+    int64_t e;
+    float w;
+};
+
+__device__ __forceinline__ TokenRoute load_route(const DispatchArgs& a, int t, int lane) {
+    TokenRoute r{false, 0, -1, 0.f};
+    if (t >= a.num_tokens) return r;
+    const int R = a.num_ranks;
+    if (lane < R) {
+        const int64_t at = static_cast<int64_t>(t) * R + lane;
+        r.hit = a.in_rank[at] && !(lane == a.rank && a.local_by_receiver);
+        r.slot = a.slot[at];
+    }
+    load_topk(a, t, lane, r.e, r.w);
+    return r;
+}
+
+// Bit d: the token goes to rank d. A ballot: every lane of the warp calls it.
+__device__ __forceinline__ unsigned route_mask(const TokenRoute& r) { return __ballot_sync(kFullMask, r.hit); }
+
+// Lane d: where the token's row goes in destination d's output (0 where it does not go).
+__device__ __forceinline__ int route_row_pos(const TokenRoute& r, const int* s_layout, int lane) {
+    return r.hit ? s_layout[kLayDstBase + lane] + r.slot : 0;
+}
+
 // Sender: one warp per token; x is read once and stored to every destination. Rows to other
 // ranks go to their buffers (then a flag per row); the row to this rank goes straight to the
 // outputs unless the receivers do it (`local_by_receiver`).
@@ -470,10 +489,13 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
     const int lane = threadIdx.x % kWarpSize;
     const int me = a.rank;
     const int x_int4 = a.x_bytes / 16;
+    TokenRoute next = load_route(a, warp, lane);
     for (int t = warp; t < a.num_tokens; t += num_warps) {
-        const unsigned mask = dispatch_destinations(a, t, lane);
+        const TokenRoute route = next;
+        next = load_route(a, t + num_warps, lane);
+        const unsigned mask = route_mask(route);
         if (mask == 0) continue;
-        const int pos_lane = dispatch_row_pos(a, s_layout, mask, t, lane);
+        const int pos_lane = route_row_pos(route, s_layout, lane);
         int4* dst_x[kMaxRanks];
         uint8_t* dst_row[kMaxRanks];  // remote row slot, or nullptr
         int dst_pos[kMaxRanks];
@@ -507,16 +529,13 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
                     if (i + u * kWarpSize < x_int4) dst_x[d][i + u * kWarpSize] = v[u];
             }
         }
-        int64_t e;
-        float w;
-        load_topk(a, t, lane, e, w);
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
             if (dst_x[d] == nullptr) continue;
             if (dst_row[d] == nullptr)
-                write_own_meta(a, t, dst_pos[d], e, w, lane);
+                write_own_meta(a, t, dst_pos[d], route.e, route.w, lane);
             else
-                write_peer_meta(a, dst_row[d], d, t, e, w, lane);
+                write_peer_meta(a, dst_row[d], d, t, route.e, route.w, lane);
         }
         // Publish: after the warp's stores, lane d releases the flag of destination d's row.
         __syncwarp();
@@ -545,14 +564,14 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
     const int lane = threadIdx.x % kWarpSize;
     const int me = a.rank;
     auto source = [&](int t) -> const void* {
-        return dispatch_destinations(a, t, lane) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes : nullptr;
+        return route_mask(load_route(a, t, lane)) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes : nullptr;
     };
     auto send = [&](int t, const uint8_t* stage, int64_t** flags) {
-        const unsigned mask = dispatch_destinations(a, t, lane);
-        const int pos_lane = dispatch_row_pos(a, s_layout, mask, t, lane);
-        int64_t e;
-        float w;
-        load_topk(a, t, lane, e, w);
+        const TokenRoute route = load_route(a, t, lane);
+        const unsigned mask = route_mask(route);
+        const int pos_lane = route_row_pos(route, s_layout, lane);
+        const int64_t e = route.e;
+        const float w = route.w;
         int64_t* my_flag = nullptr;  // lane d: the flag of destination d's row
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
@@ -608,6 +627,9 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (i >= own_begin && i < own_end) {  // this rank's own token, straight from x
             const int t = a.own_tokens[i - own_begin];
             const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
+            int64_t e;
+            float w;
+            load_topk(a, t, lane, e, w);  // in flight with the row's first loads
             constexpr int kUnroll = kRecvUnroll;
             for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
                 int4 v[kUnroll];
@@ -618,9 +640,6 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
                 for (int u = 0; u < kUnroll; ++u)
                     if (c + u * kWarpSize < x_int4) out[c + u * kWarpSize] = v[u];
             }
-            int64_t e;
-            float w;
-            load_topk(a, t, lane, e, w);
             write_own_meta(a, t, p, e, w, lane);
             continue;
         }
@@ -630,11 +649,17 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
                            seq, a.timeout_ns, a.info, a.op, src))
             return;
+        // The row's top-k ids and weights are loaded with its first words, stored after them.
+        int64_t e = -1;
+        float w = 0.f;
+        if (a.has_topk && lane < K) {
+            e = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
+            if (a.has_weights) w = reinterpret_cast<const float*>(r + row.weight_offset)[lane];
+        }
         warp_copy_int4<kRecvUnroll>(out, reinterpret_cast<const int4*>(r), x_int4, lane);
         if (a.has_topk && lane < K) {
-            a.recv_topk_idx[p * K + lane] = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
-            if (a.has_weights)
-                a.recv_topk_weights[p * K + lane] = reinterpret_cast<const float*>(r + row.weight_offset)[lane];
+            a.recv_topk_idx[p * K + lane] = e;
+            if (a.has_weights) a.recv_topk_weights[p * K + lane] = w;
         }
         for (int c = lane; c < a.num_scales; c += kWarpSize)
             a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
@@ -767,6 +792,9 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
         int i;
         uint8_t* r = combine_return_row(a, s_layout, j, i);
         const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(i) * a.hidden);
+        // K = 0 without weights (the pointer is null also when no rows arrived); loaded with the
+        // row's first words, stored after them.
+        const float w = lane < K ? a.weights[static_cast<int64_t>(i) * K + lane] : 0.f;
         constexpr int kUnroll = 4;
         for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
             int4 v[kUnroll];
@@ -777,8 +805,7 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
             for (int u = 0; u < kUnroll; ++u)
                 if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
         }
-        if (lane < K)  // K = 0 without weights (the pointer is null also when no rows arrived)
-            reinterpret_cast<float*>(r + a.hidden * 2)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
+        if (lane < K) reinterpret_cast<float*>(r + a.hidden * 2)[lane] = w;
         __syncwarp();
         if (lane == 0) st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
     }
@@ -813,8 +840,23 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
     const int R = a.num_ranks, me = a.rank, K = a.num_topk, x_int4 = a.hidden / 8;
     uint8_t* mine = a.peers.bufs[me];
     const int own_begin = s_layout[kLayRecvOff + me];
+    // Lane d < R: whether token t went to rank d, and its slot there; loaded a token ahead (as the
+    // dispatch's senders do, see TokenRoute), so the loads do not wait for each other or the sums.
+    auto load_hit = [&](int t, bool& hit, int& slot) {
+        hit = false;
+        slot = 0;
+        if (t < a.num_tokens && lane < R) {
+            hit = a.in_rank[static_cast<int64_t>(t) * R + lane];
+            slot = a.slot[static_cast<int64_t>(t) * R + lane];
+        }
+    };
+    bool next_hit;
+    int next_slot;
+    load_hit(warp, next_hit, next_slot);
     for (int t = warp; t < a.num_tokens; t += num_warps) {
-        const bool hit = lane < R && a.in_rank[static_cast<int64_t>(t) * R + lane];
+        const bool hit = next_hit;
+        const int64_t s = next_slot;
+        load_hit(t + num_warps, next_hit, next_slot);
         const unsigned mask = __ballot_sync(kFullMask, hit);
         // Lane d finds (and for another rank, waits for) the row destination d returned: the waits
         // of all sources overlap.
@@ -822,7 +864,6 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
         const float* w_lane = nullptr;
         bool ok = true;
         if (hit) {
-            const int64_t s = a.slot[static_cast<int64_t>(t) * R + lane];
             if (lane == me) {
                 row_lane = reinterpret_cast<const int4*>(a.x + (own_begin + s) * a.hidden);
                 if (K > 0) w_lane = a.weights + (own_begin + s) * K;
@@ -839,13 +880,19 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
             return reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<uint64_t>(row_lane), d));
         };
         if (a.out_weights != nullptr) {
-            float acc = 0.f;
-            for (unsigned m = mask; m != 0; m &= m - 1) {
-                const int d = __ffs(m) - 1;
-                const auto* w = reinterpret_cast<const float*>(
+            // Every source's weights are loaded before the first is added (a loop over the mask
+            // would wait for each load in turn); the sum keeps ascending rank order.
+            float w[kMaxRanks];
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                const auto* p = reinterpret_cast<const float*>(
                     __shfl_sync(kFullMask, reinterpret_cast<uint64_t>(w_lane), d));
-                if (lane < K) acc += w[lane];
+                w[d] = (mask >> d & 1u) && lane < K ? p[lane] : 0.f;
             }
+            float acc = 0.f;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d)
+                if (mask >> d & 1u) acc += w[d];
             if (lane < K) a.out_weights[static_cast<int64_t>(t) * K + lane] = acc;
         }
         int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden);
