@@ -15,9 +15,12 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
                                      "counts (0: one fused kernel after the read)"),
-    "EPCOMM_DISPATCH_SEND_SMS_PCT": ("50", "CUDA backend: percent of a dispatch's SMs that send (the rest "
-                                           "receive)"),
-    "EPCOMM_COMBINE_SEND_SMS_PCT": ("33", "CUDA backend: percent of a combine's SMs that send (the rest reduce)"),
+    "EPCOMM_DISPATCH_SEND_SMS_PCT": ("auto", "CUDA backend: percent of a dispatch's SMs that send (the rest "
+                                             "receive), or auto: split by the bytes each role moves at the "
+                                             "rank count (README)"),
+    "EPCOMM_COMBINE_SEND_SMS_PCT": ("auto", "CUDA backend: percent of a combine's SMs that send (the rest "
+                                            "reduce), or auto: split by the bytes each role moves at the rank "
+                                            "count (README)"),
     "EPCOMM_SEND_TMA": ("0", "CUDA backend, normal mode inside a node: 1 = senders move rows with bulk copies "
                              "(TMA) through shared memory, several rows in flight per warp; 0 = register copies "
                              "(faster as measured on 2 H200: see the README)"),
@@ -53,12 +56,15 @@ def env_str(name: str) -> str:
     return os.environ.get(name, default)
 
 
-def send_sms_pct(name: str) -> float:
+def send_sms_pct(name: str) -> float | None:
+    """The percentage set, or None for auto."""
     raw = env_str(name)
+    if raw == "auto":
+        return None
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a percentage, got {raw!r}") from None
+        raise ValueError(f"{name} must be a percentage or auto, got {raw!r}") from None
     if not 0 < value < 100:
         raise ValueError(f"{name} must lie in (0, 100), got {value}")
     return value

@@ -7,7 +7,7 @@
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show)        #3 #4 #5 #8
 #   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
-#           BF16 and FP8, NCCL beside it                                               #3 #8
+#           BF16 and FP8, NCCL beside it; the SM split of before 2026-11-24 (fixed) #3 #8
 #   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
 #           messages + partial sums (one kernel, the default, and two: kFusedPartials off), block
 #           receive forced off and on (the defaults of
@@ -45,6 +45,9 @@ case $step in
   normal)
     bench sms --modes normal --num-sms 8,16,24 || status=1
     bench tokens --modes normal --num-sms 24 --tokens 512,1024,2048,4096,8192,16384 || status=1
+    # the SM split: auto (send_share) against the fixed 50% / 33% of before 2026-11-24
+    EPCOMM_DISPATCH_SEND_SMS_PCT=50 EPCOMM_COMBINE_SEND_SMS_PCT=33 bench split-fixed --modes normal --num-sms 24 \
+      || status=1
     ;;
   ll)
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \

@@ -160,6 +160,29 @@ def test_send_tma_setting():
         _env.send_tma()
 
 
+def test_send_sms_split():
+    """EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT: a percentage in (0, 100) or auto (the default), which
+    splits a call's SMs by the bytes each role moves (send_share): at 2 ranks 2/3 of a fused
+    dispatch's SMs send, 1/3 of a split dispatch's and of a combine's; at one rank the side with
+    nothing to move keeps one SM."""
+    from epcomm.backends.cuda.intranode import send_share
+
+    for name in ("EPCOMM_DISPATCH_SEND_SMS_PCT", "EPCOMM_COMBINE_SEND_SMS_PCT"):
+        assert _env.send_sms_pct(name) is None
+        with env_var(name, "40"):
+            assert _env.send_sms_pct(name) == 40.0
+        for bad, message in (("half", "a percentage or auto"), ("100", r"must lie in \(0, 100\)")):
+            with env_var(name, bad), pytest.raises(ValueError, match=message):
+                _env.send_sms_pct(name)
+    assert send_share("dispatch_fused", 2) == pytest.approx(2 / 3)
+    assert send_share("dispatch_split", 2) == pytest.approx(1 / 3)
+    assert send_share("combine", 2) == pytest.approx(1 / 3)
+    assert [round(24 * send_share(w, 8)) for w in ("dispatch_fused", "dispatch_split", "combine")] == [13, 11, 11]
+    assert send_share("dispatch_fused", 1) == 1.0 and send_share("combine", 1) == 0.0
+    with pytest.raises(ValueError, match="unknown work"):
+        send_share("gather", 2)
+
+
 def rank_choose_transport() -> dict:
     from epcomm.backends.cuda.low_latency import _choose_transport
 

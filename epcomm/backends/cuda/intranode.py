@@ -71,6 +71,30 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 
 
 
+def send_share(work: str, num_ranks: int) -> float:
+    """The share of a call's SMs that send when EPCOMM_*_SEND_SMS_PCT is auto: both roles busy for
+    the same time if a sending SM and a receiving (or reducing) SM move rows at the same rate (one
+    H100: 44-47 GB/s per SM for a row copy, scripts/copy_rate.cu). Per byte that a rank receives in
+    dispatch (or sends back in combine), with R ranks:
+
+        work            senders move                   receivers / reducers move   share
+        dispatch_fused  1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
+        dispatch_split  (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
+        combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
+
+    At 2 ranks this gives 2/3, 1/3 and 1/3, the best of the splits measured there (2 x H200, 24 SMs:
+    cached dispatch 234 us at 2/3 against 258 at 1/2; combine 383 us at 1/3 against 510 at 1/2,
+    bench/results/2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2.txt); at 8 ranks 8/15, 7/15
+    and 7/15: a combine at 8 ranks returns 7/8 of its rows over NVLink, and 8 of 24 SMs (the
+    earlier fixed 33%) could not send them at 420 GB/s. At one rank the senders of a combine or a
+    split dispatch have nothing to move, and those of a fused dispatch everything."""
+    if work == "dispatch_fused":
+        return num_ranks / (2 * num_ranks - 1)
+    if work in ("dispatch_split", "combine"):
+        return (num_ranks - 1) / (2 * num_ranks - 1)
+    raise ValueError(f"unknown work {work!r}")
+
+
 class CallContext(ctypes.Structure):
     """What every call of one rank's Buffer shares. This and the call records below mirror the
     structs of the same names in csrc/kernels/intranode.cu (checked when the library loads)."""
@@ -165,10 +189,8 @@ class CudaIntranode:
         # Marks the count exchange of a dispatch on its stream; the host waits on it right away, so
         # one event serves every call (a new one per call costs host time the GPU may wait on).
         self._counted = torch.cuda.Event()
-        # SMs that send, per op (measured on 2 x H200, 4096 tokens, 24 SMs: dispatch is send-bound,
-        # combine reduce-bound; bench/results/2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2.txt).
-        self.send_share = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") / 100
-                           for op in ("dispatch", "combine")}
+        # Percent of a call's SMs that send, per op, as set (None: auto, see send_share).
+        self.send_pct = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") for op in ("dispatch", "combine")}
         # Senders move rows by register copies, or by bulk copies through shared memory (slower as
         # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
         self.send_tma = int(_env.send_tma())
@@ -190,10 +212,12 @@ class CudaIntranode:
 
 
 
-    def _send_blocks(self, num_sms: int, op: str) -> int:
-        """SMs given to sending (the rest receive or reduce): EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT of
-        num_sms, at least one for each role."""
-        return min(max(1, round(num_sms * self.send_share[op])), max(1, num_sms - 1))
+    def _send_blocks(self, num_sms: int, work: str) -> int:
+        """SMs given to sending (the rest receive or reduce), at least one for each role: the share
+        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_share's for `work`."""
+        pct = self.send_pct["combine" if work == "combine" else "dispatch"]
+        share = pct / 100 if pct is not None else send_share(work, self.num_ranks)
+        return min(max(1, round(num_sms * share)), max(1, num_sms - 1))
 
     def cap_rows(self, row_bytes: int) -> int:
         return (self.num_bytes - ROWS_OFFSET) // row_bytes
@@ -358,7 +382,8 @@ class CudaIntranode:
         """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu)."""
         call = self._dispatch_call
         call.mode, call.op = mode, op_code
-        call.num_sms, call.num_send_blocks = num_sms, self._send_blocks(num_sms, "dispatch")
+        call.num_sms = num_sms
+        call.num_send_blocks = self._send_blocks(num_sms, "dispatch_fused" if mode == 0 else "dispatch_split")
         call.num_tokens, call.x_bytes, call.x = x.shape[0], x.shape[1] * x.element_size(), addr(x)
         call.scales, call.num_scales = addr(scales), scales.shape[1] if scales is not None else 0
         call.scale_stride_t, call.scale_stride_c = scales.stride() if scales is not None else (0, 0)
