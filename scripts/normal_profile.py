@@ -1,0 +1,92 @@
+"""Where a normal-mode call's time goes on the GPU machine (CUDA intranode kernels): the device time
+of each kernel of a cached dispatch and of a combine (torch.profiler), and the GPU activities of
+one call in start order with the gaps between them, per token count. The benchmark's time of a
+call is these kernels plus the launch gaps; what is fixed (the notify / barrier kernel, launches)
+shows at small token counts, what scales with the rows at large ones.
+
+Usage (on the GPU machine): python scripts/normal_profile.py [--ranks 1] [--tokens 512,4096] [--num-sms 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, ".")
+
+from epcomm import Buffer  # noqa: E402
+from epcomm.backends.cuda.intranode import buffer_bytes_needed  # noqa: E402
+from epcomm.bench.workloads import make_rank_inputs  # noqa: E402
+from epcomm.utils.launch import LocalCluster  # noqa: E402
+
+
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, num_sms: int) -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk, num_sms) for n in tokens)
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0].split("<")[0].split("::")[-1][:40]
+
+
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int) -> str:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    Buffer.set_num_sms(num_sms)
+    configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+    num_bytes = max([buffer_bytes_needed(n, hidden, 2, num_ranks, num_topk)] +
+                    [c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in configs])
+    buf = Buffer(dist.group.WORLD, num_bytes, backend="cuda")
+    mine = make_rank_inputs(0, rank, n, hidden, num_experts, num_topk)
+    x, idx, w = mine.x.to(dev), mine.topk_idx.to(dev), mine.topk_weights.to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    calls = {"cached dispatch": lambda: buf.dispatch(x, handle=handle),
+             "combine": lambda: buf.combine(recv_x, handle)}
+    lines = []
+    for name, fn in calls.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        acts = sorted((e.time_range.start, e.time_range.end, _short(e.name)) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)
+        times: dict[str, list[float]] = {}
+        for start, end, kernel in acts:
+            times.setdefault(kernel, []).append(end - start)
+        for kernel, ts in sorted(times.items()):
+            ts.sort()
+            lines.append(f"rank {rank} T={n} {name}: {kernel:32s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
+                         f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
+        per = len(acts) // 20
+        if per:
+            last = acts[-per:]
+            t0 = last[0][0]
+            lines += [f"rank {rank} T={n} {name}: activity {kernel:32s} {s - t0:8.1f} -> {e - t0:8.1f} us"
+                      for s, e, kernel in last]
+        dist.barrier()
+    buf.destroy()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--tokens", default="512,4096")
+    parser.add_argument("--num-sms", type=int, default=24)
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with LocalCluster(args.ranks) as cluster:
+        for text in cluster.run(rank_profile, tokens, 7168, 256, 8, args.num_sms):
+            print(text)
+
+
+if __name__ == "__main__":
+    main()
