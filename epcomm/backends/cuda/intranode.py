@@ -167,7 +167,8 @@ class CudaIntranode:
         self.c = {name: self.lib.epcomm_constant(name.encode()) for name in (
             "rows_offset", "row_trailer_bytes", "max_ranks", "max_experts_per_rank", "info_ints", "layout_ints",
             "info_error", "info_error_op", "info_error_ranks", "info_num_recv", "info_recv_counts", "info_matrix",
-            "info_refusal", "info_experts", "op_dispatch", "op_cached_dispatch", "op_combine", "op_barrier")}
+            "info_max_recv", "info_max_send", "info_refusal", "info_experts", "op_dispatch", "op_cached_dispatch",
+            "op_combine", "op_barrier")}
         if (self.c["rows_offset"], self.c["row_trailer_bytes"], self.c["layout_ints"]) != \
                 (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
@@ -287,6 +288,8 @@ class CudaIntranode:
             num_recv = handle.num_recv_tokens
             if not num_worst_tokens and st["max_recv"] > cap_rows:
                 self._raise_capacity("dispatch", st["max_recv"], row_bytes, cap_rows)
+            self._set_dispatch_inputs(x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                                      own_tokens, layout, row_bytes, cap_rows, num_sms)
         else:
             experts_per_rank = num_experts // num_ranks
             if experts_per_rank > c["max_experts_per_rank"]:
@@ -308,6 +311,10 @@ class CudaIntranode:
             call.topk_idx, call.slot = addr(topk_idx), addr(slot)
             call.own_tokens, call.layout = addr(own_tokens), addr(layout)
             check(self.lib.epcomm_notify(call, stream.cuda_stream), "dispatch")
+            # Everything of the kernels' record but the outputs is set now: after the host read of
+            # the counts only the outputs are (the GPU waits for that part of the host's work).
+            self._set_dispatch_inputs(x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                                      own_tokens, layout, row_bytes, cap_rows, num_sms)
             num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
             if not num_worst_tokens:
                 counted = self._counted
@@ -316,16 +323,13 @@ class CudaIntranode:
                 if split:
                     self.send_stream.wait_event(counted)
                     with torch.cuda.stream(self.send_stream):
-                        self._launch_dispatch(1, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank,
-                                              slot, own_tokens, layout, row_bytes, cap_rows, None, None, None, None,
-                                              0, num_sms, c["op_dispatch"])
+                        self._launch_dispatch(1, c["op_dispatch"], num_sms)
                 try:
                     counted.synchronize()
                     self.check_errors("dispatch")
-                    matrix = self.info_np[c["info_matrix"]:c["info_matrix"] + num_ranks * num_ranks].reshape(
-                        num_ranks, num_ranks)
-                    num_recv = int(self.info_np[c["info_num_recv"]])
-                    max_recv, max_send = int(matrix.sum(0).max()), int(matrix.sum(1).max())
+                    info = self.info_np
+                    num_recv = int(info[c["info_num_recv"]])
+                    max_recv, max_send = int(info[c["info_max_recv"]]), int(info[c["info_max_send"]])
                 except BaseException:
                     if split:  # the send half may still read the inputs
                         stream.wait_stream(self.send_stream)
@@ -339,7 +343,7 @@ class CudaIntranode:
                         stream.wait_stream(self.send_stream)
                     expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
                     return self._dispatch_in_rounds(
-                        x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix.copy(),
+                        x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, self._count_matrix(),
                         expert_list, buffer_uid, num_sms)
         num_out = num_worst_tokens or num_recv
         recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
@@ -353,10 +357,8 @@ class CudaIntranode:
             recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
             if topk_weights is not None:
                 recv_topk_weights = torch.empty((num_out, num_topk), dtype=torch.float32, device=self.device)
-        self._launch_dispatch(2 if split else 0, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank,
-                              in_rank, slot, own_tokens, layout, row_bytes, cap_rows, recv_x, recv_scales,
-                              recv_topk_idx, recv_topk_weights, num_out, num_sms,
-                              c["op_cached_dispatch"] if cached else c["op_dispatch"])
+        self._launch_dispatch(2 if split else 0, c["op_cached_dispatch"] if cached else c["op_dispatch"], num_sms,
+                              recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_out)
         if split:
             stream.wait_stream(self.send_stream)
         recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
@@ -365,6 +367,7 @@ class CudaIntranode:
         if num_worst_tokens:
             recv_counts, send_counts, expert_list, max_recv, max_send = [], [], [], -1, -1
         else:  # read after the launch: the GPU is not kept waiting for these lists
+            matrix = self._count_matrix()
             recv_counts = [int(v) for v in matrix[:, rank]]
             send_counts = [int(v) for v in matrix[rank]]
             expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
@@ -376,14 +379,16 @@ class CudaIntranode:
                            "experts_per_rank": experts_per_rank, "max_recv": max_recv, "max_send": max_send})
         return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
-    def _launch_dispatch(self, mode, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
-                         own_tokens, layout, row_bytes, cap_rows, recv_x, recv_scales, recv_topk_idx,
-                         recv_topk_weights, num_out, num_sms, op_code) -> None:
-        """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu)."""
+    def _count_matrix(self):
+        """[R, R] rows rank s sends to rank d, as the last count exchange left them (a copy)."""
+        c, r = self.c, self.num_ranks
+        return self.info_np[c["info_matrix"]:c["info_matrix"] + r * r].reshape(r, r).copy()
+
+    def _set_dispatch_inputs(self, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                             own_tokens, layout, row_bytes, cap_rows, num_sms) -> None:
+        """The fields of the dispatch kernels' record that do not depend on the outputs."""
         call = self._dispatch_call
-        call.mode, call.op = mode, op_code
         call.num_sms = num_sms
-        call.num_send_blocks = self._send_blocks(num_sms, "dispatch_fused" if mode == 0 else "dispatch_split")
         call.num_tokens, call.x_bytes, call.x = x.shape[0], x.shape[1] * x.element_size(), addr(x)
         call.scales, call.num_scales = addr(scales), scales.shape[1] if scales is not None else 0
         call.scale_stride_t, call.scale_stride_c = scales.stride() if scales is not None else (0, 0)
@@ -392,6 +397,14 @@ class CudaIntranode:
         call.experts_per_rank, call.row_stride, call.cap_rows = experts_per_rank, row_bytes, cap_rows
         call.in_rank, call.slot = addr(in_rank), addr(slot)
         call.own_tokens, call.layout = addr(own_tokens), addr(layout)
+
+    def _launch_dispatch(self, mode, op_code, num_sms, recv_x=None, recv_scales=None, recv_topk_idx=None,
+                         recv_topk_weights=None, num_out=0) -> None:
+        """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu), on the
+        inputs of the last _set_dispatch_inputs."""
+        call = self._dispatch_call
+        call.mode, call.op = mode, op_code
+        call.num_send_blocks = self._send_blocks(num_sms, "dispatch_fused" if mode == 0 else "dispatch_split")
         call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
         call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
         call.recv_topk_idx, call.recv_topk_weights = addr(recv_topk_idx), addr(recv_topk_weights)

@@ -54,6 +54,8 @@ constexpr int kInfoErrorOp = 1;      // op code of the call that failed
 constexpr int kInfoErrorRanks = 2;   // [kMaxRanks]: ranks involved (waited for; mismatched op code)
 constexpr int kInfoNumRecv = 16;
 constexpr int kInfoRecvCounts = 17;  // [kMaxRanks]
+constexpr int kInfoMaxRecv = 25;     // most rows any rank receives (the host's one-pass check)
+constexpr int kInfoMaxSend = 26;     // most rows any rank sends
 constexpr int kInfoMatrix = 32;      // [kMaxRanks * kMaxRanks]
 constexpr int kInfoRefusal = 96;     // [kMaxRanks]
 constexpr int kInfoExperts = 128;    // [kMaxExpertsPerRank]
@@ -338,8 +340,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
             max_send = max(max_send, row);
         }
         for (int i = 0; i < R * R; ++i) a.info[kInfoMatrix + i] = s_matrix[i / R][i % R];
-        a.layout[kLayMaxRecv] = max_recv;
-        a.layout[kLayMaxSend] = max_send;
+        a.layout[kLayMaxRecv] = a.info[kInfoMaxRecv] = max_recv;
+        a.layout[kLayMaxSend] = a.info[kInfoMaxSend] = max_send;
         // A timed-out or mismatched barrier leaves stale counts: nothing may move on them.
         const bool broken = ld_volatile(abort_word(mine)) == seq;
         a.layout[kLayAbort] = refused | (broken ? 1 << 30 : 0);
@@ -1163,6 +1165,7 @@ int epcomm_constant(const char* name) {
         {"info_error", kInfoError},         {"info_error_op", kInfoErrorOp},
         {"info_error_ranks", kInfoErrorRanks}, {"info_num_recv", kInfoNumRecv},
         {"info_recv_counts", kInfoRecvCounts}, {"info_matrix", kInfoMatrix},
+        {"info_max_recv", kInfoMaxRecv},    {"info_max_send", kInfoMaxSend},
         {"info_refusal", kInfoRefusal},     {"info_experts", kInfoExperts},
         {"op_dispatch", kOpDispatch},       {"op_cached_dispatch", kOpCachedDispatch},
         {"op_combine", kOpCombine},         {"op_barrier", kOpBarrier},
