@@ -1,8 +1,9 @@
 """Where a normal-mode call's time goes on the GPU machine (CUDA intranode kernels): the device time
-of each kernel of a cached dispatch and of a combine (torch.profiler), and the GPU activities of
-one call in start order with the gaps between them, per token count. The benchmark's time of a
-call is these kernels plus the launch gaps; what is fixed (the notify / barrier kernel, launches)
-shows at small token counts, what scales with the rows at large ones.
+of each kernel of a dispatch (with its count exchange), a cached dispatch and a combine
+(torch.profiler), and the GPU activities of one call in start order with the gaps between them,
+per token count. The benchmark's time of a call is these kernels plus the launch gaps; what is
+fixed (the notify / barrier kernel, launches) shows at small token counts, what scales with the
+rows at large ones.
 
 Usage (on the GPU machine): python scripts/normal_profile.py [--ranks 1] [--tokens 512,4096] [--num-sms 24]
 """
@@ -44,7 +45,9 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-    calls = {"cached dispatch": lambda: buf.dispatch(x, handle=handle),
+    calls = {"dispatch": lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w),
+             "cached dispatch": lambda: buf.dispatch(x, handle=handle),
              "combine": lambda: buf.combine(recv_x, handle)}
     lines = []
     for name, fn in calls.items():

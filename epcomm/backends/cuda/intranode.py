@@ -320,7 +320,9 @@ class CudaIntranode:
                 counted = self._counted
                 counted.record(stream)
                 split = self.overlap
-                if split:
+                # One rank alone has nothing to send (its receivers copy its rows from x); a send
+                # half would still walk every token on its one SM and end after the receivers.
+                if split and num_ranks > 1:
                     self.send_stream.wait_event(counted)
                     with torch.cuda.stream(self.send_stream):
                         self._launch_dispatch(1, c["op_dispatch"], num_sms)
