@@ -27,4 +27,9 @@ if [ -n "$NVSHMEM" ]; then
 else
   echo "compile_kernels: NVSHMEM not found; epcomm/csrc/nvshmem not compiled"
 fi
+# The stand-alone micro-benchmarks share the kernels' headers (row_sum.cuh, tma.cuh): they build too.
+for src in scripts/*.cu; do
+  echo "compile_kernels: $src"
+  "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -c "$src" -o "$out/$(basename "$src").o"
+done
 echo "compile_kernels: all kernels built for sm_90"

@@ -15,6 +15,7 @@
 
 #include "../epcomm/include/epcomm/common.cuh"
 #include "../epcomm/include/epcomm/tma.cuh"
+#include "microbench.cuh"
 
 using namespace epcomm;
 
@@ -70,37 +71,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) copy_by_bulk(const uint8_
         load(k + kStages - 1);
     }
     bulk_wait<0>();
-}
-
-#define CHECK(call)                                                                          \
-    do {                                                                                     \
-        cudaError_t e_ = (call);                                                             \
-        if (e_ != cudaSuccess) {                                                             \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                    \
-        }                                                                                    \
-    } while (0)
-
-// Median kernel time in us of `iters` launches after 3 warm-ups; the copy is checked once.
-template <class Launch>
-static double time_us(Launch launch, int iters) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> ms;
-    for (int i = 0; i < iters; ++i) {
-        CHECK(cudaEventRecord(a));
-        launch();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float t;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2] * 1e3;
 }
 
 // Every row of dst equals its source row (the first and last 16 bytes of each, and a middle word).

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "../epcomm/include/epcomm/common.cuh"
+#include "../epcomm/include/epcomm/row_sum.cuh"
+#include "microbench.cuh"
 
 using namespace epcomm;
 
@@ -24,24 +26,6 @@ constexpr int kStrideInt4 = kRowInt4 + 3;  // a combine slot: row, top-k weights
 constexpr int kTokens = 4096;
 constexpr int kSlots = kTokens * kMaxRanks;
 constexpr int kThreads = 512;
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(h[k]);
-        acc[2 * k] += f.x;
-        acc[2 * k + 1] += f.y;
-    }
-}
-
-__device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
-    int4 o;
-    auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
-    return o;
-}
 
 // Lane d < M: the row of token t's d-th source; every lane gets the mask of sources.
 __device__ __forceinline__ const int4* source_row(const int4* buf, const int* slots, int t, int lane, unsigned& mask) {
@@ -54,8 +38,8 @@ __device__ __forceinline__ const int4* row_of(const int4* row_lane, int d) {
     return reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<uint64_t>(row_lane), d));
 }
 
-// The kernel's loop: kUnroll words per lane, the next source's loads issued before the current
-// source's adds (two sources in flight).
+// The kernel's loop (sum_sources, row_sum.cuh): kUnroll words per lane, the next source's loads
+// issued before the current source's adds (two sources in flight).
 template <int kUnroll>
 __global__ void __launch_bounds__(kThreads, 1) reduce_two_in_flight(const int4* buf, const int* slots, int4* out) {
     const int lane = threadIdx.x % kWarpSize;
@@ -71,27 +55,12 @@ __global__ void __launch_bounds__(kThreads, 1) reduce_two_in_flight(const int4* 
                 if (c0 + u * kWarpSize < kRowInt4) v[u] = p[c0 + u * kWarpSize];
         };
         for (int c0 = lane; c0 < kRowInt4; c0 += kUnroll * kWarpSize) {
-            float acc[kUnroll][8] = {};
-            unsigned m = mask;
-            int4 cur[kUnroll], next[kUnroll];
-            if (m != 0) {
-                load(__ffs(m) - 1, c0, cur);
-                m &= m - 1;
-            }
-            for (; m != 0; m &= m - 1) {
-                load(__ffs(m) - 1, c0, next);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    if (c0 + u * kWarpSize < kRowInt4) add_bf16x8(acc[u], cur[u]);
-                    cur[u] = next[u];
-                }
-            }
+            float acc[kUnroll][8];
+            sum_sources<kUnroll>(acc, mask, c0, kRowInt4, load);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-                if (c0 + u * kWarpSize < kRowInt4) {
-                    if (mask != 0) add_bf16x8(acc[u], cur[u]);
+                if (c0 + u * kWarpSize < kRowInt4)
                     out[static_cast<int64_t>(t) * kRowInt4 + c0 + u * kWarpSize] = round_bf16x8(acc[u]);
-                }
         }
     }
 }
@@ -128,36 +97,6 @@ __global__ void __launch_bounds__(kThreads, 1) reduce_all_in_flight(const int4* 
                     out[static_cast<int64_t>(t) * kRowInt4 + c0 + u * kWarpSize] = round_bf16x8(acc[u]);
         }
     }
-}
-
-#define CHECK(call)                                                                                       \
-    do {                                                                                                  \
-        cudaError_t e_ = (call);                                                                          \
-        if (e_ != cudaSuccess) {                                                                          \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));    \
-            std::exit(1);                                                                                 \
-        }                                                                                                 \
-    } while (0)
-
-template <class Launch>
-static double time_us(Launch launch, int iters) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> ms;
-    for (int i = 0; i < iters; ++i) {
-        CHECK(cudaEventRecord(a));
-        launch();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float t;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2] * 1e3;
 }
 
 __global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed) {

@@ -24,6 +24,7 @@
 // one, so it never overwrites counts the slow one still reads.
 #include "../../include/epcomm/call_record.cuh"
 #include "../../include/epcomm/common.cuh"
+#include "../../include/epcomm/row_sum.cuh"
 #include "../../include/epcomm/tma.cuh"
 
 #include <cuda.h>
@@ -762,16 +763,6 @@ struct CombineArgs {
     uint64_t timeout_ns;
 };
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(h[k]);
-        acc[2 * k] += f.x;
-        acc[2 * k + 1] += f.y;
-    }
-}
-
 // Combine row j of the rows this rank returns (its received rows of other ranks, in receive
 // order): its index i among the received rows and the slot it goes to in its source's buffer.
 __device__ __forceinline__ uint8_t* combine_return_row(const CombineArgs& a, const int* s_layout, int j, int& i) {
@@ -905,8 +896,7 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
                                             : nullptr;
         const int4* b1 = a.bias1 != nullptr ? reinterpret_cast<const int4*>(a.bias1 + static_cast<int64_t>(t) * a.hidden)
                                             : nullptr;
-        // kUnroll words per lane at a time; the next source's loads are issued before the current
-        // source's adds, so two sources' loads are in flight (the adds keep ascending rank order).
+        // kUnroll words per lane at a time, two sources' loads in flight (sum_sources).
         constexpr int kUnroll = 4;
         auto load = [&](int d, int c0, int4 (&v)[kUnroll]) {
             const int4* p = row_of(d);
@@ -918,40 +908,14 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
         };
         for (int c0 = lane; c0 < x_int4; c0 += kUnroll * kWarpSize) {
             float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
-            unsigned m = mask;
-            int4 cur[kUnroll], next[kUnroll];
-            if (m != 0) {
-                load(__ffs(m) - 1, c0, cur);
-                m &= m - 1;
-            }
-            for (; m != 0; m &= m - 1) {
-                load(__ffs(m) - 1, c0, next);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    if (c0 + u * kWarpSize < x_int4) add_bf16x8(acc[u], cur[u]);
-                    cur[u] = next[u];
-                }
-            }
-            if (mask != 0) {
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (c0 + u * kWarpSize < x_int4) add_bf16x8(acc[u], cur[u]);
-            }
+            sum_sources<kUnroll>(acc, mask, c0, x_int4, load);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int c = c0 + u * kWarpSize;
                 if (c >= x_int4) continue;
                 if (b0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b0 + c));
                 if (b1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b1 + c));
-                int4 o;
-                auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-                for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[u][2 * k], acc[u][2 * k + 1]);
-                out[c] = o;
+                out[c] = round_bf16x8(acc[u]);
             }
         }
     }
