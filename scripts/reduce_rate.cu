@@ -54,14 +54,10 @@ __global__ void __launch_bounds__(kThreads, 1) reduce_two_in_flight(const int4* 
             for (int u = 0; u < kUnroll; ++u)
                 if (c0 + u * kWarpSize < kRowInt4) v[u] = p[c0 + u * kWarpSize];
         };
-        for (int c0 = lane; c0 < kRowInt4; c0 += kUnroll * kWarpSize) {
-            float acc[kUnroll][8];
-            sum_sources<kUnroll>(acc, mask, c0, kRowInt4, load);
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (c0 + u * kWarpSize < kRowInt4)
-                    out[static_cast<int64_t>(t) * kRowInt4 + c0 + u * kWarpSize] = round_bf16x8(acc[u]);
-        }
+        for (int c0 = lane; c0 < kRowInt4; c0 += kUnroll * kWarpSize)
+            sum_sources<kUnroll>(mask, c0, kRowInt4, load, [&](int u, float (&acc)[8]) {
+                out[static_cast<int64_t>(t) * kRowInt4 + c0 + u * kWarpSize] = round_bf16x8(acc);
+            });
     }
 }
 

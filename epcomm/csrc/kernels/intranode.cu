@@ -906,18 +906,13 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
                 if (c < x_int4) v[u] = d == me ? ld_nc_int4(p + c) : p[c];
             }
         };
-        for (int c0 = lane; c0 < x_int4; c0 += kUnroll * kWarpSize) {
-            float acc[kUnroll][8];
-            sum_sources<kUnroll>(acc, mask, c0, x_int4, load);
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+        for (int c0 = lane; c0 < x_int4; c0 += kUnroll * kWarpSize)
+            sum_sources<kUnroll>(mask, c0, x_int4, load, [&](int u, float (&acc)[8]) {
                 const int c = c0 + u * kWarpSize;
-                if (c >= x_int4) continue;
-                if (b0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b0 + c));
-                if (b1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(b1 + c));
-                out[c] = round_bf16x8(acc[u]);
-            }
-        }
+                if (b0 != nullptr) add_bf16x8(acc, ld_nc_int4(b0 + c));
+                if (b1 != nullptr) add_bf16x8(acc, ld_nc_int4(b1 + c));
+                out[c] = round_bf16x8(acc);
+            });
     }
 }
 
