@@ -408,46 +408,72 @@ __device__ __forceinline__ void local_topk(const DispatchArgs& a, int64_t e, flo
     local_w = local_e >= 0 ? w : 0.f;
 }
 
+// A token's metadata as a warp holds it: lane k < K its k-th expert and weight, and its FP8 scales
+// c = lane + 32 i (i < kMetaScales: up to 64 scales, H up to 8192; more are read where written).
+// Loaded once, with the token's other loads, and stored from registers to every destination: a
+// load per destination and scale, each waiting behind the stores before it, was a memory round
+// trip per copy.
+constexpr int kMetaScales = 2;
+struct TokenMeta {
+    int64_t e;
+    float w;
+    uint32_t scale[kMetaScales];
+};
+
+__device__ __forceinline__ TokenMeta load_token_meta(const DispatchArgs& a, int t, int lane) {
+    TokenMeta m{-1, 0.f, {}};
+    if (a.has_topk && lane < a.num_topk) {
+        m.e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
+        if (a.has_weights) m.w = a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane];
+    }
+#pragma unroll
+    for (int i = 0; i < kMetaScales; ++i) {
+        const int c = lane + i * kWarpSize;
+        m.scale[i] = c < a.num_scales ? a.scales[t * a.scale_stride_t + c * a.scale_stride_c] : 0;
+    }
+    return m;
+}
+
+// Scale c of token t, for c < a.num_scales, into dst[c * stride].
+__device__ __forceinline__ void write_scales(const DispatchArgs& a, int t, const TokenMeta& m, uint32_t* dst,
+                                             int64_t stride, int lane) {
+#pragma unroll
+    for (int i = 0; i < kMetaScales; ++i) {
+        const int c = lane + i * kWarpSize;
+        if (c < a.num_scales) dst[c * stride] = m.scale[i];
+    }
+    for (int c = lane + kMetaScales * kWarpSize; c < a.num_scales; c += kWarpSize)
+        dst[c * stride] = a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+}
+
 // Metadata of token t into this rank's own output row p (top-k ids, weights, scales).
-__device__ __forceinline__ void write_own_meta(const DispatchArgs& a, int t, int64_t p, int64_t e, float w,
-                                               int lane) {
+__device__ __forceinline__ void write_own_meta(const DispatchArgs& a, int t, int64_t p, const TokenMeta& m, int lane) {
     const int K = a.num_topk;
     if (a.has_topk && lane < K) {
         int64_t local_e;
         float local_w;
-        local_topk(a, e, w, a.rank, local_e, local_w);
+        local_topk(a, m.e, m.w, a.rank, local_e, local_w);
         a.recv_topk_idx[p * K + lane] = local_e;
         if (a.has_weights) a.recv_topk_weights[p * K + lane] = local_w;
     }
-    for (int c = lane; c < a.num_scales; c += kWarpSize)
-        a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
-            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
+    if (a.num_scales > 0)
+        write_scales(a, t, m, a.recv_scales + p * a.recv_scale_stride_t, a.recv_scale_stride_c, lane);
 }
 
 // Metadata of token t into its row slot `dst_row` in destination d's buffer: top-k ids local to d,
 // weights, scales. Plain stores: the caller orders them before the row's flag.
-__device__ __forceinline__ void write_peer_meta(const DispatchArgs& a, uint8_t* dst_row, int d, int t, int64_t e,
-                                                float w, int lane) {
+__device__ __forceinline__ void write_peer_meta(const DispatchArgs& a, uint8_t* dst_row, int d, int t,
+                                                const TokenMeta& m, int lane) {
     const DispatchRow row(a.x_bytes, a.num_topk);
     if (a.has_topk && lane < a.num_topk) {
         int64_t local_e;
         float local_w;
-        local_topk(a, e, w, d, local_e, local_w);
+        local_topk(a, m.e, m.w, d, local_e, local_w);
         reinterpret_cast<int64_t*>(dst_row + row.idx_offset)[lane] = local_e;
         if (a.has_weights) reinterpret_cast<float*>(dst_row + row.weight_offset)[lane] = local_w;
     }
-    for (int c = lane; c < a.num_scales; c += kWarpSize)
-        reinterpret_cast<uint32_t*>(dst_row + row.scale_offset)[c] =
-            a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
-}
-
-__device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane, int64_t& e, float& w) {
-    e = -1;
-    w = 0.f;
-    if (a.has_topk && lane < a.num_topk) {
-        e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
-        if (a.has_weights) w = a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane];
-    }
+    if (a.num_scales > 0)
+        write_scales(a, t, m, reinterpret_cast<uint32_t*>(dst_row + row.scale_offset), 1, lane);
 }
 
 // What a sending warp needs of token t: lane d < R whether the token goes to rank d and is this
@@ -460,12 +486,11 @@ __device__ __forceinline__ void load_topk(const DispatchArgs& a, int t, int lane
 struct TokenRoute {
     bool hit;
     int slot;
-    int64_t e;
-    float w;
+    TokenMeta meta;
 };
 
 __device__ __forceinline__ TokenRoute load_route(const DispatchArgs& a, int t, int lane) {
-    TokenRoute r{false, 0, -1, 0.f};
+    TokenRoute r{false, 0, {-1, 0.f, {}}};
     if (t >= a.num_tokens) return r;
     const int R = a.num_ranks;
     if (lane < R) {
@@ -473,7 +498,7 @@ __device__ __forceinline__ TokenRoute load_route(const DispatchArgs& a, int t, i
         r.hit = a.in_rank[at] && !(lane == a.rank && a.local_by_receiver);
         r.slot = a.slot[at];
     }
-    load_topk(a, t, lane, r.e, r.w);
+    r.meta = load_token_meta(a, t, lane);
     return r;
 }
 
@@ -539,9 +564,9 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
         for (int d = 0; d < kMaxRanks; ++d) {
             if (dst_x[d] == nullptr) continue;
             if (dst_row[d] == nullptr)
-                write_own_meta(a, t, dst_pos[d], route.e, route.w, lane);
+                write_own_meta(a, t, dst_pos[d], route.meta, lane);
             else
-                write_peer_meta(a, dst_row[d], d, t, route.e, route.w, lane);
+                write_peer_meta(a, dst_row[d], d, t, route.meta, lane);
         }
         // Publish: after the warp's stores, lane d releases the flag of destination d's row.
         __syncwarp();
@@ -576,8 +601,6 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
         const TokenRoute route = load_route(a, t, lane);
         const unsigned mask = route_mask(route);
         const int pos_lane = route_row_pos(route, s_layout, lane);
-        const int64_t e = route.e;
-        const float w = route.w;
         int64_t* my_flag = nullptr;  // lane d: the flag of destination d's row
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
@@ -586,12 +609,12 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
             if (d == me) {  // this rank's own output row: no flag
                 if (pos >= a.num_out_rows) continue;
                 if (lane == 0) bulk_store(a.recv_x + static_cast<int64_t>(pos) * a.x_bytes, stage, a.x_bytes);
-                write_own_meta(a, t, pos, e, w, lane);
+                write_own_meta(a, t, pos, route.meta, lane);
                 continue;
             }
             uint8_t* dst = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
             if (lane == 0) bulk_store(dst, stage, a.x_bytes);
-            write_peer_meta(a, dst, d, t, e, w, lane);
+            write_peer_meta(a, dst, d, t, route.meta, lane);
             if (lane == d) my_flag = reinterpret_cast<int64_t*>(dst + a.row_stride - kRowTrailerBytes);
         }
         if (lane < kMaxRanks) flags[lane] = my_flag;
@@ -633,9 +656,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (i >= own_begin && i < own_end) {  // this rank's own token, straight from x
             const int t = a.own_tokens[i - own_begin];
             const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
-            int64_t e;
-            float w;
-            load_topk(a, t, lane, e, w);  // in flight with the row's first loads
+            const TokenMeta meta = load_token_meta(a, t, lane);  // in flight with the row's first loads
             constexpr int kUnroll = kRecvUnroll;
             for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
                 int4 v[kUnroll];
@@ -646,7 +667,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
                 for (int u = 0; u < kUnroll; ++u)
                     if (c + u * kWarpSize < x_int4) out[c + u * kWarpSize] = v[u];
             }
-            write_own_meta(a, t, p, e, w, lane);
+            write_own_meta(a, t, p, meta, lane);
             continue;
         }
         int src = 0;
@@ -655,21 +676,34 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
                            seq, a.timeout_ns, a.info, a.op, src))
             return;
-        // The row's top-k ids and weights are loaded with its first words, stored after them.
+        // The row's top-k ids, weights and first scales are loaded with its first words, stored
+        // after them.
         int64_t e = -1;
         float w = 0.f;
         if (a.has_topk && lane < K) {
             e = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
             if (a.has_weights) w = reinterpret_cast<const float*>(r + row.weight_offset)[lane];
         }
+        const auto* row_scales = reinterpret_cast<const uint32_t*>(r + row.scale_offset);
+        uint32_t scale[kMetaScales];
+#pragma unroll
+        for (int i = 0; i < kMetaScales; ++i) {
+            const int c = lane + i * kWarpSize;
+            scale[i] = c < a.num_scales ? row_scales[c] : 0;
+        }
         warp_copy_int4<kRecvUnroll>(out, reinterpret_cast<const int4*>(r), x_int4, lane);
         if (a.has_topk && lane < K) {
             a.recv_topk_idx[p * K + lane] = e;
             if (a.has_weights) a.recv_topk_weights[p * K + lane] = w;
         }
-        for (int c = lane; c < a.num_scales; c += kWarpSize)
-            a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
-                reinterpret_cast<const uint32_t*>(r + row.scale_offset)[c];
+        uint32_t* out_scales = a.recv_scales + p * a.recv_scale_stride_t;
+#pragma unroll
+        for (int i = 0; i < kMetaScales; ++i) {
+            const int c = lane + i * kWarpSize;
+            if (c < a.num_scales) out_scales[c * a.recv_scale_stride_c] = scale[i];
+        }
+        for (int c = lane + kMetaScales * kWarpSize; c < a.num_scales; c += kWarpSize)
+            out_scales[c * a.recv_scale_stride_c] = row_scales[c];
     }
 }
 
