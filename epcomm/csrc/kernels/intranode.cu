@@ -417,19 +417,25 @@ constexpr int kMetaScales = 2;
 struct TokenMeta {
     int64_t e;
     float w;
+    bool scales_held;  // scale[] holds the first scales (else they are read where written)
     uint32_t scale[kMetaScales];
 };
 
-__device__ __forceinline__ TokenMeta load_token_meta(const DispatchArgs& a, int t, int lane) {
-    TokenMeta m{-1, 0.f, {}};
+// hold_scales = false for a warp that copies a row between this load and the stores: registers
+// kept through the copy cost it its words in flight (a receiver's copy of its own rows from x ran
+// 1.8x slower, one H100).
+__device__ __forceinline__ TokenMeta load_token_meta(const DispatchArgs& a, int t, int lane, bool hold_scales = true) {
+    TokenMeta m{-1, 0.f, hold_scales, {}};
     if (a.has_topk && lane < a.num_topk) {
         m.e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + lane];
         if (a.has_weights) m.w = a.topk_weights[static_cast<int64_t>(t) * a.num_topk + lane];
     }
+    if (hold_scales) {
 #pragma unroll
-    for (int i = 0; i < kMetaScales; ++i) {
-        const int c = lane + i * kWarpSize;
-        m.scale[i] = c < a.num_scales ? a.scales[t * a.scale_stride_t + c * a.scale_stride_c] : 0;
+        for (int i = 0; i < kMetaScales; ++i) {
+            const int c = lane + i * kWarpSize;
+            m.scale[i] = c < a.num_scales ? a.scales[t * a.scale_stride_t + c * a.scale_stride_c] : 0;
+        }
     }
     return m;
 }
@@ -437,12 +443,16 @@ __device__ __forceinline__ TokenMeta load_token_meta(const DispatchArgs& a, int 
 // Scale c of token t, for c < a.num_scales, into dst[c * stride].
 __device__ __forceinline__ void write_scales(const DispatchArgs& a, int t, const TokenMeta& m, uint32_t* dst,
                                              int64_t stride, int lane) {
+    int from = lane;
+    if (m.scales_held) {
 #pragma unroll
-    for (int i = 0; i < kMetaScales; ++i) {
-        const int c = lane + i * kWarpSize;
-        if (c < a.num_scales) dst[c * stride] = m.scale[i];
+        for (int i = 0; i < kMetaScales; ++i) {
+            const int c = lane + i * kWarpSize;
+            if (c < a.num_scales) dst[c * stride] = m.scale[i];
+        }
+        from += kMetaScales * kWarpSize;
     }
-    for (int c = lane + kMetaScales * kWarpSize; c < a.num_scales; c += kWarpSize)
+    for (int c = from; c < a.num_scales; c += kWarpSize)
         dst[c * stride] = a.scales[t * a.scale_stride_t + c * a.scale_stride_c];
 }
 
@@ -656,7 +666,8 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (i >= own_begin && i < own_end) {  // this rank's own token, straight from x
             const int t = a.own_tokens[i - own_begin];
             const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
-            const TokenMeta meta = load_token_meta(a, t, lane);  // in flight with the row's first loads
+            // The top-k ids and weights in flight with the row's first loads; the scales after.
+            const TokenMeta meta = load_token_meta(a, t, lane, false);
             constexpr int kUnroll = kRecvUnroll;
             for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
                 int4 v[kUnroll];
@@ -676,34 +687,22 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
                            seq, a.timeout_ns, a.info, a.op, src))
             return;
-        // The row's top-k ids, weights and first scales are loaded with its first words, stored
-        // after them.
+        // The row's top-k ids and weights are loaded with its first words, stored after them (its
+        // scales too would be registers held through the copy: see load_token_meta).
         int64_t e = -1;
         float w = 0.f;
         if (a.has_topk && lane < K) {
             e = reinterpret_cast<const int64_t*>(r + row.idx_offset)[lane];
             if (a.has_weights) w = reinterpret_cast<const float*>(r + row.weight_offset)[lane];
         }
-        const auto* row_scales = reinterpret_cast<const uint32_t*>(r + row.scale_offset);
-        uint32_t scale[kMetaScales];
-#pragma unroll
-        for (int i = 0; i < kMetaScales; ++i) {
-            const int c = lane + i * kWarpSize;
-            scale[i] = c < a.num_scales ? row_scales[c] : 0;
-        }
         warp_copy_int4<kRecvUnroll>(out, reinterpret_cast<const int4*>(r), x_int4, lane);
         if (a.has_topk && lane < K) {
             a.recv_topk_idx[p * K + lane] = e;
             if (a.has_weights) a.recv_topk_weights[p * K + lane] = w;
         }
-        uint32_t* out_scales = a.recv_scales + p * a.recv_scale_stride_t;
-#pragma unroll
-        for (int i = 0; i < kMetaScales; ++i) {
-            const int c = lane + i * kWarpSize;
-            if (c < a.num_scales) out_scales[c * a.recv_scale_stride_c] = scale[i];
-        }
-        for (int c = lane + kMetaScales * kWarpSize; c < a.num_scales; c += kWarpSize)
-            out_scales[c * a.recv_scale_stride_c] = row_scales[c];
+        for (int c = lane; c < a.num_scales; c += kWarpSize)
+            a.recv_scales[p * a.recv_scale_stride_t + c * a.recv_scale_stride_c] =
+                reinterpret_cast<const uint32_t*>(r + row.scale_offset)[c];
     }
 }
 
