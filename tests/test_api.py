@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +160,21 @@ def test_send_tma_setting():
         assert _env.send_tma() is True
     with env_var("EPCOMM_SEND_TMA", "yes"), pytest.raises(ValueError, match="must be 0 or 1"):
         _env.send_tma()
+
+
+def test_readme_lists_every_environment_variable_with_its_default():
+    """The README's table of environment variables is the code's (epcomm/_env.py): the same names,
+    and each default as the code has it (an empty default is written as a phrase there)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        match = re.match(r"\| `(EPCOMM_[A-Z0-9_]+)` \| ([^|]*) \|", line)
+        if match:
+            rows[match.group(1)] = match.group(2).strip()
+    assert set(rows) == set(_env.ENV_VARS), set(rows) ^ set(_env.ENV_VARS)
+    for name, (default, _) in _env.ENV_VARS.items():
+        if default:
+            assert rows[name] == default, (name, rows[name], default)
 
 
 def test_send_sms_split():
