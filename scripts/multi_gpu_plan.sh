@@ -3,11 +3,13 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|normal|ll|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|normal|split|ll|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show)        #3 #4 #5 #8
 #   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
-#           BF16 and FP8, NCCL beside it; the SM split of before 2026-11-24 (fixed) #3 #8
+#           BF16 and FP8, NCCL beside it                                               #3 #8
+#   split   the SM split at 24 SMs: auto (the default), the fixed 50%/33% of before 2026-11-24,
+#           and one sending SM more and fewer than auto (cached dispatch and combine)  #3 #8
 #   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
 #           messages + partial sums (one kernel, the default, and two: kFusedPartials off), block
 #           receive forced off and on (the defaults of
@@ -18,7 +20,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, normal, ll or hier}
+step=${STEP:?set STEP to tests, normal, split, ll or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -45,9 +47,21 @@ case $step in
   normal)
     bench sms --modes normal --num-sms 8,16,24 || status=1
     bench tokens --modes normal --num-sms 24 --tokens 512,1024,2048,4096,8192,16384 || status=1
-    # the SM split: auto (send_share) against the fixed 50% / 33% of before 2026-11-24
+    ;;
+  split)
+    # the SM split: auto (send_share, the default) against the fixed 50% / 33% of before 2026-11-24,
+    # and one sender more and one fewer than auto gives at this rank count
+    bench split-auto --modes normal --num-sms 24 || status=1
     EPCOMM_DISPATCH_SEND_SMS_PCT=50 EPCOMM_COMBINE_SEND_SMS_PCT=33 bench split-fixed --modes normal --num-sms 24 \
       || status=1
+    read -r more fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_share as s; \
+import torch; r = torch.cuda.device_count(); d, c = s('dispatch_fused', r), s('combine', r); \
+print(f'{(round(24 * d) + 1) / 24 * 100:.1f},{(round(24 * c) + 1) / 24 * 100:.1f}', \
+f'{(round(24 * d) - 1) / 24 * 100:.1f},{(round(24 * c) - 1) / 24 * 100:.1f}')")
+    EPCOMM_DISPATCH_SEND_SMS_PCT=${more%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${more#*,} bench split-more --modes normal \
+      --num-sms 24 || status=1
+    EPCOMM_DISPATCH_SEND_SMS_PCT=${fewer%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${fewer#*,} bench split-fewer --modes normal \
+      --num-sms 24 || status=1
     ;;
   ll)
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \
@@ -72,7 +86,7 @@ case $step in
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, normal, ll, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, normal, split, ll, hier)"
     exit 2
     ;;
 esac
