@@ -56,8 +56,8 @@ case $step in
       || status=1
     read -r more fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_share as s; \
 import torch; r = torch.cuda.device_count(); d, c = s('dispatch_fused', r), s('combine', r); \
-print(f'{(round(24 * d) + 1) / 24 * 100:.1f},{(round(24 * c) + 1) / 24 * 100:.1f}', \
-f'{(round(24 * d) - 1) / 24 * 100:.1f},{(round(24 * c) - 1) / 24 * 100:.1f}')")
+p = lambda share, k: min(23, max(1, round(24 * share) + k)) / 24 * 100; \
+print(f'{p(d, 1):.1f},{p(c, 1):.1f}', f'{p(d, -1):.1f},{p(c, -1):.1f}')")
     EPCOMM_DISPATCH_SEND_SMS_PCT=${more%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${more#*,} bench split-more --modes normal \
       --num-sms 24 || status=1
     EPCOMM_DISPATCH_SEND_SMS_PCT=${fewer%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${fewer#*,} bench split-fewer --modes normal \
