@@ -84,11 +84,11 @@ def send_share(work: str, num_ranks: int) -> float:
 
     At 2 ranks this gives 2/3, 1/3 and 1/3 (2 x H200, 24 SMs: cached dispatch 234 us at 2/3
     against 258 at 1/2; combine 383 us at 1/3 against 510 at 1/2; the split dispatch 400 us at 1/3
-    against 374 at 1/2, inside its host noise; bench/results/2026-11-23_cuda-intranode-v1-variants_
-    nvidia-h200-x2.txt); at 8 ranks 8/15, 7/15
-    and 7/15: a combine at 8 ranks returns 7/8 of its rows over NVLink, and 8 of 24 SMs (the
-    earlier fixed 33%) could not send them at 420 GB/s. At one rank the senders of a combine or a
-    split dispatch have nothing to move, and those of a fused dispatch everything."""
+    against 374 at 1/2, inside its host noise: 2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2
+    in bench/results). At 8 ranks 8/15, 7/15 and 7/15: a combine at 8 ranks returns 7/8 of its
+    rows over NVLink, and 8 of 24 SMs (the earlier fixed 33%) could not send them at 420 GB/s. At
+    one rank the senders of a combine or a split dispatch have nothing to move, and those of a
+    fused dispatch everything."""
     if work == "dispatch_fused":
         return num_ranks / (2 * num_ranks - 1)
     if work in ("dispatch_split", "combine"):
