@@ -10,9 +10,9 @@ bench:
 
 test:
 	bash scripts/setup_env.sh
-	$(PYTHON) -m ruff check epcomm tests
+	$(PYTHON) -m ruff check epcomm tests scripts
 	bash scripts/compile_kernels.sh
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
 lint:
-	$(PYTHON) -m ruff check epcomm tests
+	$(PYTHON) -m ruff check epcomm tests scripts

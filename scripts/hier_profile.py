@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, ".")
+
+from profiling import MarkedLibrary, kernel_lines, mark, profile_calls, timeline_lines  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed  # noqa: E402
@@ -51,81 +52,26 @@ def rank_profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: 
             fn()
         torch.cuda.synchronize()
         dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-        times: dict[str, list[float]] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                times.setdefault(e.name, []).append(e.device_time)
-        total = sum(sum(ts) for ts in times.values()) / 10
-        lines.append(f"rank {rank} {name}: {total:.1f} us of kernels per call")
-        for kname, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-            ts = sorted(ts)
-            lines.append(f"rank {rank} {name}:   {kname.split('(')[0][:60]:60s} n={len(ts):3d} "
-                         f"median {ts[len(ts) // 2]:8.1f} us")
+        lines += kernel_lines(profile_calls(fn, 10), 10, f"rank {rank} {name}")
     lines += _timeline(buf, steps, rank)
     buf.destroy()
     return "\n".join(lines)
 
 
-class _Marked:
-    """Stands in for the kernel library: notes the host time and a CUDA event before each entry point."""
-
-    def __init__(self, lib, marks: list):
-        self._lib, self._marks = lib, marks
-
-    def __getattr__(self, name: str):
-        fn = getattr(self._lib, name)
-
-        def marked(*args):
-            self._marks.append((name.replace("epcomm_hierarchical_", ""), time.perf_counter(), _event()))
-            return fn(*args)
-        return marked
-
-
-def _event() -> torch.cuda.Event:
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
-
-
 def _timeline(buf, steps: dict, rank: int) -> list[str]:
-    """Where the host and the GPU are at each step of a call: the host's time when it reaches the
-    step, and the GPU's (an event recorded there), both from the call's start, medians of 20 calls."""
+    """Where the host and the GPU are at each step of a call (profiling.timeline_lines)."""
     cuda = buf._cuda
     marks: list = []
     lib, check_errors = cuda.nv, cuda.check_errors
 
     def checked(op):  # after the host sync in a dispatch without num_worst_tokens; no sync elsewhere
-        marks.append(("check_errors", time.perf_counter(), _event()))
+        mark(marks, "check_errors")
         return check_errors(op)
-    cuda.nv, cuda.check_errors = _Marked(lib, marks), checked
+    cuda.nv, cuda.check_errors = MarkedLibrary(lib, marks, "epcomm_hierarchical_"), checked
     try:
-        return _timeline_lines(steps, rank, marks)
+        return timeline_lines(steps, marks, f"rank {rank}")
     finally:
         cuda.nv, cuda.check_errors = lib, check_errors
-
-
-def _timeline_lines(steps: dict, rank: int, marks: list) -> list[str]:
-    lines = []
-    for name, fn in steps.items():
-        rows: dict[str, list[tuple[float, float]]] = {}
-        for _ in range(20):
-            marks.clear()
-            marks.append(("start", time.perf_counter(), _event()))
-            fn()
-            marks.append(("end", time.perf_counter(), _event()))
-            torch.cuda.synchronize()
-            t0, e0 = marks[0][1], marks[0][2]
-            for i, (step, t, e) in enumerate(marks):
-                rows.setdefault(f"{i:2d} {step}", []).append(((t - t0) * 1e6, e0.elapsed_time(e) * 1e3))
-        for step, vals in rows.items():
-            host = sorted(v[0] for v in vals)[len(vals) // 2]
-            gpu = sorted(v[1] for v in vals)[len(vals) // 2]
-            lines.append(f"rank {rank} {name} timeline: {step:16s} host {host:8.1f} us  gpu {gpu:8.1f} us")
-    return lines
 
 
 def main() -> None:

@@ -11,11 +11,14 @@ import cProfile
 import io
 import pstats
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, ".")
+
+from profiling import kernel_lines, last_call_lines, profile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
@@ -72,22 +75,10 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     dist.barrier()
     lines += _timeline(buf, step, n)
     dist.barrier()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times.setdefault(e.name, []).append(e.device_time)
-    for name, ts in sorted(times.items()):
-        short = _short(name)
-        ts = sorted(ts)
-        lines.append(f"rank {rank} T={n}: {short:40s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
-                     f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
-    lines += _step_activities(prof, rank, n, 20)
+    prof = profile_calls(graph.replay, 20)
+    lines += kernel_lines(prof, 20, f"rank {rank} T={n}")
+    lines += last_call_lines(prof, 20, f"rank {rank} T={n} replay")
     dist.barrier()
-    import time
 
     for name, fn in (("dispatch", lambda: buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)),
                      ("dispatch+combine", step)):
@@ -113,25 +104,6 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     dist.barrier()
     buf.destroy()
     return "\n".join(lines)
-
-
-def _short(name: str) -> str:
-    return name.split("(")[0].split("::")[-1][:40]
-
-
-def _step_activities(prof, rank: int, n: int, replays: int) -> list[str]:
-    """The GPU activities of the last profiled replay in start order, with their start and end
-    relative to the replay's first (where the gaps between a step's kernels are, and what else runs
-    in it)."""
-    acts = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA)
-    per = len(acts) // replays if replays else 0
-    if per == 0:
-        return []
-    last = acts[-per:]
-    t0 = last[0][0]
-    return [f"rank {rank} T={n}: replay activity {_short(name):40s} {start - t0:7.1f} -> {end - t0:7.1f} us"
-            for start, end, name in last]
 
 
 _POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end")

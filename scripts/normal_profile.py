@@ -3,7 +3,8 @@ of each kernel of a dispatch (with its count exchange), a cached dispatch and a 
 (torch.profiler), and the GPU activities of one call in start order with the gaps between them,
 per token count. The benchmark's time of a call is these kernels plus the launch gaps; what is
 fixed (the notify / barrier kernel, launches) shows at small token counts, what scales with the
-rows at large ones.
+rows at large ones. Then a timeline of each call: where the host and the GPU are at each step (in a
+fresh dispatch: its wait for the counts, and the receive launch after it).
 
 Usage (on the GPU machine): python scripts/normal_profile.py [--ranks 1] [--tokens 512,4096] [--num-sms 24]
 """
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, ".")
 
+from profiling import MarkedLibrary, kernel_lines, last_call_lines, mark, profile_calls, timeline_lines  # noqa: E402
+
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.cuda.intranode import buffer_bytes_needed  # noqa: E402
 from epcomm.bench.workloads import make_rank_inputs  # noqa: E402
@@ -26,10 +29,6 @@ from epcomm.utils.launch import LocalCluster  # noqa: E402
 
 def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, num_sms: int) -> str:
     return "\n".join(_profile(n, hidden, num_experts, num_topk, num_sms) for n in tokens)
-
-
-def _short(name: str) -> str:
-    return name.split("(")[0].split("<")[0].split("::")[-1][:40]
 
 
 def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int) -> str:
@@ -55,28 +54,41 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int)
             fn()
         torch.cuda.synchronize()
         dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-        acts = sorted((e.time_range.start, e.time_range.end, _short(e.name)) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA)
-        times: dict[str, list[float]] = {}
-        for start, end, kernel in acts:
-            times.setdefault(kernel, []).append(end - start)
-        for kernel, ts in sorted(times.items()):
-            ts.sort()
-            lines.append(f"rank {rank} T={n} {name}: {kernel:32s} n={len(ts):3d} median {ts[len(ts) // 2]:8.1f} us "
-                         f"min {ts[0]:8.1f} max {ts[-1]:8.1f}")
-        per = len(acts) // 20
-        if per:
-            last = acts[-per:]
-            t0 = last[0][0]
-            lines += [f"rank {rank} T={n} {name}: activity {kernel:32s} {s - t0:8.1f} -> {e - t0:8.1f} us"
-                      for s, e, kernel in last]
+        prof = profile_calls(fn, 20)
+        lines += kernel_lines(prof, 20, f"rank {rank} T={n} {name}")
+        lines += last_call_lines(prof, 20, f"rank {rank} T={n} {name}")
         dist.barrier()
+    lines += _timeline(buf, calls, f"rank {rank} T={n}")
     buf.destroy()
     return "\n".join(lines)
+
+
+class _MarkedEvent:
+    """Stands in for the event a dispatch's host waits on: marks the wait's start and end."""
+
+    def __init__(self, event: torch.cuda.Event, marks: list):
+        self._event, self._marks = event, marks
+
+    def record(self, stream) -> None:
+        self._event.record(stream)
+
+    def synchronize(self) -> None:
+        mark(self._marks, "host waits")
+        self._event.synchronize()
+        mark(self._marks, "host has counts")
+
+
+def _timeline(buf, calls: dict, prefix: str) -> list[str]:
+    """Where the host and the GPU are at each step of each call (profiling.timeline_lines): in a
+    dispatch, the host's wait for the counts and what it does between them and the receive launch."""
+    cuda = buf._cuda
+    marks: list = []
+    lib, counted = cuda.lib, cuda._counted
+    cuda.lib, cuda._counted = MarkedLibrary(lib, marks), _MarkedEvent(counted, marks)
+    try:
+        return timeline_lines(calls, marks, prefix)
+    finally:
+        cuda.lib, cuda._counted = lib, counted
 
 
 def main() -> None:

@@ -499,15 +499,17 @@ struct TokenRoute {
     TokenMeta meta;
 };
 
+// Lane d < R: whether token t goes to rank d and is this sender's to write.
+__device__ __forceinline__ bool token_hit(const DispatchArgs& a, int t, int lane) {
+    if (t >= a.num_tokens || lane >= a.num_ranks) return false;
+    return a.in_rank[static_cast<int64_t>(t) * a.num_ranks + lane] && !(lane == a.rank && a.local_by_receiver);
+}
+
 __device__ __forceinline__ TokenRoute load_route(const DispatchArgs& a, int t, int lane) {
-    TokenRoute r{false, 0, {-1, 0.f, {}}};
+    TokenRoute r{false, 0, {-1, 0.f, true, {}}};
     if (t >= a.num_tokens) return r;
-    const int R = a.num_ranks;
-    if (lane < R) {
-        const int64_t at = static_cast<int64_t>(t) * R + lane;
-        r.hit = a.in_rank[at] && !(lane == a.rank && a.local_by_receiver);
-        r.slot = a.slot[at];
-    }
+    r.hit = token_hit(a, t, lane);
+    if (lane < a.num_ranks) r.slot = a.slot[static_cast<int64_t>(t) * a.num_ranks + lane];
     r.meta = load_token_meta(a, t, lane);
     return r;
 }
@@ -605,7 +607,8 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
     const int lane = threadIdx.x % kWarpSize;
     const int me = a.rank;
     auto source = [&](int t) -> const void* {
-        return route_mask(load_route(a, t, lane)) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes : nullptr;
+        return __ballot_sync(kFullMask, token_hit(a, t, lane)) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes
+                                                                      : nullptr;
     };
     auto send = [&](int t, const uint8_t* stage, int64_t** flags) {
         const TokenRoute route = load_route(a, t, lane);

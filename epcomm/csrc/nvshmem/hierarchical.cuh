@@ -45,6 +45,7 @@
 #include <nvshmemx.h>
 
 #include "../../include/epcomm/common.cuh"
+#include "../../include/epcomm/row_sum.cuh"
 
 namespace epcomm {
 namespace hierarchical {

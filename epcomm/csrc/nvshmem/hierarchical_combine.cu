@@ -74,14 +74,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
 #pragma unroll
             for (int i = 0; i < kMaxLocal; ++i) {
                 if (rows[i] == nullptr) continue;
-                const int4 v = rows[i][k];
-                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const float2 f = __bfloat1622float2(h[u]);
-                    acc[2 * u] += f.x;
-                    acc[2 * u + 1] += f.y;
-                }
+                add_bf16x8(acc, rows[i][k]);
             }
             partial[2 * k] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             partial[2 * k + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -169,18 +162,9 @@ __global__ void __launch_bounds__(256) reduce_kernel(ReduceArgs a) {
             }
             for (const __nv_bfloat16* bias : {a.bias0, a.bias1}) {
                 if (bias == nullptr) continue;
-                const int4 v = *reinterpret_cast<const int4*>(bias + static_cast<int64_t>(t) * a.hidden + 8 * c);
-                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-                for (int k = 0; k < 4; ++k) {
-                    const float2 f = __bfloat1622float2(h[k]);
-                    acc[2 * k] += f.x;
-                    acc[2 * k + 1] += f.y;
-                }
+                add_bf16x8(acc, *reinterpret_cast<const int4*>(bias + static_cast<int64_t>(t) * a.hidden + 8 * c));
             }
-            int4 o;
-            auto* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-            for (int k = 0; k < 4; ++k) oh[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
-            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden)[c] = o;
+            reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * a.hidden)[c] = round_bf16x8(acc);
         }
         if (a.out_weights != nullptr && lane < K) {
             float acc = 0.f;
