@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, ".")
 
-from profiling import MarkedLibrary, kernel_lines, mark, profile_calls, timeline_lines  # noqa: E402
+from profiling import MarkedLibrary, Marks, kernel_lines, profile_calls, timeline_lines  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed  # noqa: E402
@@ -61,11 +61,11 @@ def rank_profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: 
 def _timeline(buf, steps: dict, rank: int) -> list[str]:
     """Where the host and the GPU are at each step of a call (profiling.timeline_lines)."""
     cuda = buf._cuda
-    marks: list = []
+    marks = Marks()
     lib, check_errors = cuda.nv, cuda.check_errors
 
     def checked(op):  # after the host sync in a dispatch without num_worst_tokens; no sync elsewhere
-        mark(marks, "check_errors")
+        marks("check_errors")
         return check_errors(op)
     cuda.nv, cuda.check_errors = MarkedLibrary(lib, marks, "epcomm_hierarchical_"), checked
     try:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, ".")
 
-from profiling import MarkedLibrary, kernel_lines, last_call_lines, mark, profile_calls, timeline_lines  # noqa: E402
+from profiling import MarkedLibrary, Marks, kernel_lines, last_call_lines, profile_calls, timeline_lines  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.cuda.intranode import buffer_bytes_needed  # noqa: E402
@@ -66,29 +66,55 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int)
 class _MarkedEvent:
     """Stands in for the event a dispatch's host waits on: marks the wait's start and end."""
 
-    def __init__(self, event: torch.cuda.Event, marks: list):
+    def __init__(self, event: torch.cuda.Event, marks: Marks):
         self._event, self._marks = event, marks
 
     def record(self, stream) -> None:
         self._event.record(stream)
 
     def synchronize(self) -> None:
-        mark(self._marks, "host waits")
+        self._marks("host waits")
         self._event.synchronize()
-        mark(self._marks, "host has counts")
+        self._marks("host has counts", gpu=False)
 
 
 def _timeline(buf, calls: dict, prefix: str) -> list[str]:
     """Where the host and the GPU are at each step of each call (profiling.timeline_lines): in a
-    dispatch, the host's wait for the counts and what it does between them and the receive launch."""
+    dispatch, the host's wait for the counts, its error check, each output allocation, and the
+    receive launch after them (host-only marks, but for the kernel launches and the wait)."""
     cuda = buf._cuda
-    marks: list = []
-    lib, counted = cuda.lib, cuda._counted
-    cuda.lib, cuda._counted = MarkedLibrary(lib, marks), _MarkedEvent(counted, marks)
+    marks = Marks()
+    lib, counted, check_errors, empty = cuda.lib, cuda._counted, cuda.check_errors, torch.empty
+
+    def checked(op):
+        marks("check_errors", gpu=False)
+        return check_errors(op)
+
+    def allocated(*args, **kwargs):
+        marks("torch.empty", gpu=False)
+        return empty(*args, **kwargs)
+
+    def around(name: str):  # marks a backend method's entry and return (host only)
+        method = getattr(cuda, name)
+
+        def marked(*args, **kwargs):
+            marks(f"{name} in", gpu=False)
+            out = method(*args, **kwargs)
+            marks(f"{name} out", gpu=False)
+            return out
+        setattr(cuda, name, marked)
+
+    cuda.lib, cuda._counted, cuda.check_errors = MarkedLibrary(lib, marks), _MarkedEvent(counted, marks), checked
+    torch.empty = allocated
+    for name in ("dispatch", "combine", "_launch_dispatch"):
+        around(name)
     try:
         return timeline_lines(calls, marks, prefix)
     finally:
-        cuda.lib, cuda._counted = lib, counted
+        cuda.lib, cuda._counted, cuda.check_errors = lib, counted, check_errors
+        torch.empty = empty
+        for name in ("dispatch", "combine", "_launch_dispatch"):
+            delattr(cuda, name)  # the instance attribute goes; the class's method shows again
 
 
 def main() -> None:

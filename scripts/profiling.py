@@ -56,47 +56,64 @@ def last_call_lines(prof: torch.profiler.profile, calls: int, prefix: str) -> li
     return [f"{prefix}: activity {name:40s} {start - t0:8.1f} -> {end - t0:8.1f} us" for start, end, name in last]
 
 
-class MarkedLibrary:
-    """Stands in for a kernel library: notes the host time and a CUDA event before each entry point
-    (named without `strip`)."""
+class Marks:
+    """A call's marked steps: the host's time at each, and for steps marked with `gpu` a CUDA event
+    recorded there on the current stream. Events come from a pool made up front: creating one
+    costs the host microseconds, which would show in the timeline."""
 
-    def __init__(self, lib, marks: list, strip: str = "epcomm_"):
+    def __init__(self, pool: int = 64):
+        self.steps: list[tuple[str, float, torch.cuda.Event | None]] = []
+        self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(pool)]
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def __call__(self, step: str, gpu: bool = True) -> None:
+        event = None
+        if gpu:
+            used = sum(e is not None for _, _, e in self.steps)
+            event = self._pool[used]
+            event.record()
+        self.steps.append((step, time.perf_counter(), event))
+
+
+class MarkedLibrary:
+    """Stands in for a kernel library: marks each entry point (named without `strip`) before the call."""
+
+    def __init__(self, lib, marks: Marks, strip: str = "epcomm_"):
         self._lib, self._marks, self._strip = lib, marks, strip
 
     def __getattr__(self, name: str):
         fn = getattr(self._lib, name)
 
         def marked(*args):
-            mark(self._marks, name.replace(self._strip, ""))
+            self._marks(name.replace(self._strip, ""))
             return fn(*args)
         return marked
 
 
-def mark(marks: list, step: str) -> None:
-    """Notes the host's time and records a CUDA event on the current stream, as step `step`."""
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    marks.append((step, time.perf_counter(), e))
-
-
-def timeline_lines(steps: dict[str, Callable[[], object]], marks: list, prefix: str, calls: int = 20) -> list[str]:
+def timeline_lines(steps: dict[str, Callable[[], object]], marks: Marks, prefix: str, calls: int = 20) -> list[str]:
     """Where the host and the GPU are at each marked step of each call in `steps`: the host's time
-    when it reaches the step and the GPU's (the step's event), both from the call's start, medians of
-    `calls` calls. Something that wraps the library's entry points (MarkedLibrary) fills `marks`."""
+    when it reaches the step and the GPU's (the step's event, where it has one), both from the call's
+    start, medians of `calls` calls. Something that wraps the library's entry points (MarkedLibrary)
+    and the host's other steps fills `marks`."""
     lines = []
     for name, fn in steps.items():
-        rows: dict[str, list[tuple[float, float]]] = {}
+        rows: dict[str, list[tuple[float, float | None]]] = {}
         for _ in range(calls):
             marks.clear()
-            mark(marks, "start")
+            marks("start")
             fn()
-            mark(marks, "end")
+            marks("end")
             torch.cuda.synchronize()
-            t0, e0 = marks[0][1], marks[0][2]
-            for i, (step, t, e) in enumerate(marks):
-                rows.setdefault(f"{i:2d} {step}", []).append(((t - t0) * 1e6, e0.elapsed_time(e) * 1e3))
+            _, t0, e0 = marks.steps[0]
+            for i, (step, t, e) in enumerate(marks.steps):
+                gpu = e0.elapsed_time(e) * 1e3 if e is not None else None
+                rows.setdefault(f"{i:2d} {step}", []).append(((t - t0) * 1e6, gpu))
         for step, vals in rows.items():
             host = sorted(v[0] for v in vals)[len(vals) // 2]
-            gpu = sorted(v[1] for v in vals)[len(vals) // 2]
-            lines.append(f"{prefix} {name} timeline: {step:20s} host {host:8.1f} us  gpu {gpu:8.1f} us")
+            line = f"{prefix} {name} timeline: {step:20s} host {host:8.1f} us"
+            if vals[0][1] is not None:
+                line += f"  gpu {sorted(v[1] for v in vals)[len(vals) // 2]:8.1f} us"
+            lines.append(line)
     return lines
