@@ -193,6 +193,7 @@ class CudaIntranode:
         self._counted = torch.cuda.Event()
         # Percent of a call's SMs that send, per op, as set (None: auto, see send_share).
         self.send_pct = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") for op in ("dispatch", "combine")}
+        self._send_blocks_memo: dict[tuple[int, str], int] = {}
         # Senders move rows by register copies, or by bulk copies through shared memory (slower as
         # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
         self.send_tma = int(_env.send_tma())
@@ -216,10 +217,16 @@ class CudaIntranode:
 
     def _send_blocks(self, num_sms: int, work: str) -> int:
         """SMs given to sending (the rest receive or reduce), at least one for each role: the share
-        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_share's for `work`."""
-        pct = self.send_pct["combine" if work == "combine" else "dispatch"]
-        share = pct / 100 if pct is not None else send_share(work, self.num_ranks)
-        return min(max(1, round(num_sms * share)), max(1, num_sms - 1))
+        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_share's for `work`. Memoised: it sits
+        between a dispatch's count read and its receive launch, where every host microsecond is the
+        GPU's too (3.5 us a call on the H100 host)."""
+        key = (num_sms, work)
+        blocks = self._send_blocks_memo.get(key)
+        if blocks is None:
+            pct = self.send_pct["combine" if work == "combine" else "dispatch"]
+            share = pct / 100 if pct is not None else send_share(work, self.num_ranks)
+            blocks = self._send_blocks_memo[key] = min(max(1, round(num_sms * share)), max(1, num_sms - 1))
+        return blocks
 
     def cap_rows(self, row_bytes: int) -> int:
         return (self.num_bytes - ROWS_OFFSET) // row_bytes
@@ -325,8 +332,7 @@ class CudaIntranode:
                 # half would still walk every token on its one SM and end after the receivers.
                 if split and num_ranks > 1:
                     self.send_stream.wait_event(counted)
-                    with torch.cuda.stream(self.send_stream):
-                        self._launch_dispatch(1, c["op_dispatch"], num_sms)
+                    self._launch_dispatch(1, c["op_dispatch"], num_sms, stream=self.send_stream.cuda_stream)
                 try:
                     counted.synchronize()
                     self.check_errors("dispatch")
@@ -402,16 +408,17 @@ class CudaIntranode:
         call.own_tokens, call.layout = addr(own_tokens), addr(layout)
 
     def _launch_dispatch(self, mode, op_code, num_sms, recv_x=None, recv_scales=None, recv_topk_idx=None,
-                         recv_topk_weights=None, num_out=0) -> None:
+                         recv_topk_weights=None, num_out=0, stream: int | None = None) -> None:
         """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu), on the
-        inputs of the last _set_dispatch_inputs."""
+        inputs of the last _set_dispatch_inputs, on `stream` (a cudaStream_t; default: the current one)."""
         call = self._dispatch_call
         call.mode, call.op = mode, op_code
         call.num_send_blocks = self._send_blocks(num_sms, "dispatch_fused" if mode == 0 else "dispatch_split")
         call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
         call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
         call.recv_topk_idx, call.recv_topk_weights = addr(recv_topk_idx), addr(recv_topk_weights)
-        check(self.lib.epcomm_dispatch(call, stream_ptr(self.device)), "dispatch")
+        check(self.lib.epcomm_dispatch(call, stream_ptr(self.device) if stream is None else ctypes.c_void_p(stream)),
+              "dispatch")
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
         st = handle.backend_state
