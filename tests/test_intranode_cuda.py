@@ -100,6 +100,7 @@ CASES = [
     ([1, 1], 256, 8, 4, "random"),
     ([0, 0], 256, 8, 4, "random"),
     ([24, 17], 10240, 16, 4, "random"),  # 80 FP8 scales a token: more than a warp holds (kMetaScales)
+    ([2500, 1100], 256, 16, 4, "random"),  # the count exchange's scan spread over 3 and 2 blocks
 ]
 
 
@@ -188,16 +189,16 @@ def test_cuda_graph_replay_with_new_inputs(ranks):
 
 def rank_refusal(hidden, num_experts):
     """A rank passing out-of-range top-k ids makes every rank raise ValueError naming it; the Buffer
-    stays usable."""
+    stays usable. The bad id is in the third of the count exchange's blocks (1024 tokens each)."""
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
-    x, topk_idx, w = (t.to(dev) for t in make_inputs(5, rank, 32, hidden, num_experts, 4, dist.get_world_size(),
+    x, topk_idx, w = (t.to(dev) for t in make_inputs(5, rank, 2100, hidden, num_experts, 4, dist.get_world_size(),
                                                      "random"))
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
     bad = topk_idx.clone()
     if rank == 1:
-        bad[3, 2] = num_experts + 5
+        bad[2050, 2] = num_experts + 5
     with pytest.raises(ValueError, match="rank 1: topk_idx values outside"):
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                      topk_idx=bad, topk_weights=w)

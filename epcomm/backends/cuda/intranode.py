@@ -34,7 +34,7 @@ from .capi import addr, check, check_aligned, check_struct_layout, fields, ptr, 
 from .ipc import SharedBuffer
 
 _ROW_ALIGN = 16
-ROWS_OFFSET = 66560  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
+ROWS_OFFSET = 67584  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
 ROW_TRAILER_BYTES = 16
 LAYOUT_INTS = 48
 _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",

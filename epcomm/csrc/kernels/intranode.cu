@@ -19,6 +19,7 @@
 //   [128, 640)     row-count matrix int32 [2 parities][src][dst]
 //   [640, 896)     header of each source int32 [2][src][4]: refusal bits, num_worst_tokens, row bytes
 //   [1024, ...)    per-expert counts int32 [2][src][kMaxExpertsPerRank]
+//   [66560, +1024) the notify kernel's scratch (this rank's only): its blocks' row counts
 //   [kRowsOffset,) row slots: dispatch rows in output order; combine rows per (dst, slot)
 // Count regions alternate by call parity: a fast rank can be at most one barrier ahead of a slow
 // one, so it never overwrites counts the slow one still reads.
@@ -27,6 +28,8 @@
 #include "../../include/epcomm/row_sum.cuh"
 #include "../../include/epcomm/tma.cuh"
 
+#include <algorithm>
+#include <cooperative_groups.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -42,7 +45,11 @@ constexpr int kHeaderOffset = 640;
 constexpr int kHeaderInts = 4;  // refusal bits, num_worst_tokens, dispatch row bytes, unused
 constexpr int kExpertCountOffset = 1024;
 constexpr int kMaxExpertsPerRank = 1024;
-constexpr int kRowsOffset = kExpertCountOffset + 2 * kMaxRanks * kMaxExpertsPerRank * 4;  // 66560
+// This rank's alone: the notify kernel's blocks' totals (int32 [kMaxNotifyBlocks][kMaxRanks + 1]).
+constexpr int kNotifyScratchOffset = kExpertCountOffset + 2 * kMaxRanks * kMaxExpertsPerRank * 4;  // 66560
+constexpr int kMaxNotifyBlocks = 16, kNotifyScratchStride = kMaxRanks + 1;
+constexpr int kRowsOffset = kNotifyScratchOffset + 1024;  // 67584
+static_assert(kMaxNotifyBlocks * kNotifyScratchStride * 4 <= 1024, "the notify scratch outgrew its area");
 constexpr int kRowTrailerBytes = 16;  // flag (int64) + padding, at the end of every row slot
 constexpr int64_t kFlagMagic = 0x5e9c0a11f1a90000LL;
 
@@ -200,8 +207,110 @@ __device__ __forceinline__ unsigned step_hits(unsigned bits, int i, int r) {
     return __ballot_sync(kFullMask, bits >> (i * kMaxRanks + r) & 1u);
 }
 
-__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
+// Slots: an exclusive scan of is_token_in_rank over tokens, per destination, and the check of the
+// top-k ids, spread over the grid (a cooperative launch): block b takes the b-th of gridDim.x
+// contiguous token ranges, and each of its warps a contiguous part of that, 32 tokens at a time (a
+// lane per token: the loads of a step are coalesced) and kScanSteps steps in flight; ballots count
+// the hits. A pass counts; the block totals meet in `scratch` across a grid barrier, the warp
+// totals in shared memory, which gives each warp its start; a second pass writes the slots. Block 0
+// gets this rank's row of the count matrix (`totals`) and the refusal bits (`refuse`).
+// One block alone (a thread per contiguous chunk of tokens, one token after another) took 16 us at
+// 4096 tokens and 47 at 16384 (one H100): a block streams only some 45 GB/s, and the top-k ids are
+// 64 bytes a token.
+__device__ void scan_slots(const NotifyArgs& a, int* scratch, int (&s_warp_sums)[kNotifyWarps][kMaxRanks],
+                           int* totals, int* refuse) {
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, b = blockIdx.x, nb = gridDim.x;
+    __shared__ int s_block_base[kMaxRanks];
+    const int bt0 = static_cast<int>(static_cast<int64_t>(a.num_tokens) * b / nb);
+    const int bt1 = static_cast<int>(static_cast<int64_t>(a.num_tokens) * (b + 1) / nb);
+    const int per_warp = (bt1 - bt0 + kNotifyWarps - 1) / kNotifyWarps;
+    const int t0 = min(bt1, bt0 + warp * per_warp), t1 = min(bt1, t0 + per_warp);
+    int count[kMaxRanks];  // warp-uniform: this warp's tokens to each rank so far
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) count[r] = 0;
+    for (int base = t0; base < t1; base += kScanSteps * kWarpSize) {
+        const unsigned bits = load_in_rank(a, base, t1, lane);
+#pragma unroll
+        for (int i = 0; i < kScanSteps; ++i)
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r) count[r] += __popc(step_hits(bits, i, r));
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) s_warp_sums[warp][r] = count[r];
+    // The block's top-k ids, kIdsInFlight loads per thread at once, each coalesced across the block.
+    bool bad = false;
+    if (a.topk_idx != nullptr) {
+        constexpr int kIdsInFlight = 8;
+        const int64_t num_experts = static_cast<int64_t>(a.experts_per_rank) * R;
+        const int64_t n = static_cast<int64_t>(bt1) * a.num_topk;
+        for (int64_t i0 = static_cast<int64_t>(bt0) * a.num_topk + tid; i0 < n;
+             i0 += static_cast<int64_t>(kNotifyThreads) * kIdsInFlight) {
+            int64_t e[kIdsInFlight];
+#pragma unroll
+            for (int u = 0; u < kIdsInFlight; ++u) {
+                const int64_t i = i0 + static_cast<int64_t>(u) * kNotifyThreads;
+                e[u] = i < n ? a.topk_idx[i] : -1;
+            }
+#pragma unroll
+            for (int u = 0; u < kIdsInFlight; ++u) bad |= e[u] < -1 || e[u] >= num_experts;
+        }
+    }
+    bad = __syncthreads_or(bad);
+    if (tid < kMaxRanks) {  // scan of the warp sums, one thread per destination
+        int run = 0;
+        for (int w = 0; w < kNotifyWarps; ++w) {
+            const int v = s_warp_sums[w][tid];
+            s_warp_sums[w][tid] = run;
+            run += v;
+        }
+        scratch[b * kNotifyScratchStride + tid] = run;
+    }
+    if (tid == 0) scratch[b * kNotifyScratchStride + kMaxRanks] = bad;
+    if (nb > 1) cooperative_groups::this_grid().sync();
+    else __syncthreads();
+    if (tid < kMaxRanks) {  // this block's start, and (block 0) the rank's totals
+        int before = 0, total = 0;
+        for (int i = 0; i < nb; ++i) {
+            const int v = ld_volatile_int(scratch + i * kNotifyScratchStride + tid);
+            before += i < b ? v : 0;
+            total += v;
+        }
+        s_block_base[tid] = before;
+        if (b == 0) totals[tid] = total;
+    }
+    if (b == 0 && tid == kMaxRanks) {
+        int any_bad = 0;
+        for (int i = 0; i < nb; ++i) any_bad |= ld_volatile_int(scratch + i * kNotifyScratchStride + kMaxRanks);
+        if (any_bad) atomicOr(refuse, kRefuseTopkRange);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) count[r] = s_block_base[r] + s_warp_sums[warp][r];
+    const unsigned below = (1u << lane) - 1;  // lanes before this one: tokens before its token
+    for (int base = t0; base < t1; base += kScanSteps * kWarpSize) {
+        const unsigned bits = load_in_rank(a, base, t1, lane);
+#pragma unroll
+        for (int i = 0; i < kScanSteps; ++i) {
+            const int t = base + i * kWarpSize + lane;
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r) {
+                if (r >= R) continue;
+                const unsigned hits = step_hits(bits, i, r);
+                const int slot = count[r] + __popc(hits & below);
+                if (t < t1) {
+                    a.slot[static_cast<int64_t>(t) * R + r] = slot;
+                    if (r == a.rank && (hits >> lane & 1u)) a.own_tokens[slot] = t;
+                }
+                count[r] += __popc(hits);
+            }
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a) {
+    const int tid = threadIdx.x;
     const int R = a.num_ranks;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int64_t s_seq;
@@ -209,90 +318,24 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     __shared__ int s_refuse;
     __shared__ int s_matrix[kMaxRanks][kMaxRanks];
     __shared__ int s_headers[kMaxRanks][kHeaderInts];
+    const bool exchange = a.op == kOpDispatch;  // a rank with no tokens still exchanges its (zero) counts
+    if (tid == 0) s_refuse = 0;
+    __syncthreads();
+    if (exchange) {
+        scan_slots(a, reinterpret_cast<int*>(mine + kNotifyScratchOffset), s_warp_sums, s_matrix[a.rank], &s_refuse);
+        if (blockIdx.x != 0) return;  // the other blocks only scan
+    }
     if (tid == 0) {
         s_seq = *seq_word(mine) + 1;  // every rank makes the same calls, so counters agree
         *seq_word(mine) = s_seq;
-        s_refuse = 0;
     }
     __syncthreads();
     const int64_t seq = s_seq;
     const int parity = static_cast<int>(seq & 1);
-    const bool exchange = a.op == kOpDispatch;  // a rank with no tokens still exchanges its (zero) counts
 
     if (exchange) {
-        // Slots: an exclusive scan of is_token_in_rank over tokens, per destination. Warp w takes a
-        // contiguous range of tokens, 32 at a time (a lane per token: the loads of a step are
-        // coalesced) and kScanSteps steps in flight; ballots count the hits. A pass counts, a block
-        // scan of the warp totals gives each warp its start, a second pass writes the slots. (A
-        // thread per contiguous chunk, one token after another, waited a memory round trip per
-        // token: the kernel took 16 us at 4096 tokens, 47 at 16384, one H100.)
-        const int per_warp = (a.num_tokens + kNotifyWarps - 1) / kNotifyWarps;
-        const int t0 = min(a.num_tokens, warp * per_warp), t1 = min(a.num_tokens, t0 + per_warp);
-        int count[kMaxRanks];  // warp-uniform: this warp's tokens to each rank so far
-#pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) count[r] = 0;
-        for (int base = t0; base < t1; base += kScanSteps * kWarpSize) {
-            const unsigned bits = load_in_rank(a, base, t1, lane);
-#pragma unroll
-            for (int i = 0; i < kScanSteps; ++i)
-#pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) count[r] += __popc(step_hits(bits, i, r));
-        }
-        if (lane == 0)
-#pragma unroll
-            for (int r = 0; r < kMaxRanks; ++r) s_warp_sums[warp][r] = count[r];
-        __syncthreads();
-        if (tid < kMaxRanks) {  // scan of the warp sums, one thread per destination
-            int run = 0;
-            for (int w = 0; w < kNotifyWarps; ++w) {
-                const int v = s_warp_sums[w][tid];
-                s_warp_sums[w][tid] = run;
-                run += v;
-            }
-            s_matrix[a.rank][tid] = run;  // rows this rank sends to `tid` (its own row of the matrix)
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) count[r] = s_warp_sums[warp][r];
-        const unsigned below = (1u << lane) - 1;  // lanes before this one: tokens before its token
-        for (int base = t0; base < t1; base += kScanSteps * kWarpSize) {
-            const unsigned bits = load_in_rank(a, base, t1, lane);
-#pragma unroll
-            for (int i = 0; i < kScanSteps; ++i) {
-                const int t = base + i * kWarpSize + lane;
-#pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) {
-                    if (r >= R) continue;
-                    const unsigned hits = step_hits(bits, i, r);
-                    const int slot = count[r] + __popc(hits & below);
-                    if (t < t1) {
-                        a.slot[static_cast<int64_t>(t) * R + r] = slot;
-                        if (r == a.rank && (hits >> lane & 1u)) a.own_tokens[slot] = t;
-                    }
-                    count[r] += __popc(hits);
-                }
-            }
-        }
         // Validation, on the device so that no host sync is needed for it.
         if (tid < R && a.send_counts[tid] != s_matrix[a.rank][tid]) atomicOr(&s_refuse, kRefuseRankCounts);
-        if (a.topk_idx != nullptr) {
-            // kIdsInFlight loads per thread at once, each coalesced across the block.
-            constexpr int kIdsInFlight = 8;
-            const int64_t num_experts = static_cast<int64_t>(a.experts_per_rank) * R;
-            const int64_t n = static_cast<int64_t>(a.num_tokens) * a.num_topk;
-            bool bad = false;
-            for (int64_t base = tid; base < n; base += static_cast<int64_t>(kNotifyThreads) * kIdsInFlight) {
-                int64_t e[kIdsInFlight];
-#pragma unroll
-                for (int u = 0; u < kIdsInFlight; ++u) {
-                    const int64_t i = base + static_cast<int64_t>(u) * kNotifyThreads;
-                    e[u] = i < n ? a.topk_idx[i] : -1;
-                }
-#pragma unroll
-                for (int u = 0; u < kIdsInFlight; ++u) bad |= e[u] < -1 || e[u] >= num_experts;
-            }
-            if (bad) atomicOr(&s_refuse, kRefuseTopkRange);
-        }
         __syncthreads();
         // Publish this rank's counts into every peer (its row of the matrix, its refusal code and
         // its per-expert counts for the peer's experts).
@@ -1248,8 +1291,30 @@ int epcomm_notify(const NotifyCall* call, cudaStream_t stream) {
     set_ptr(a.slot, c.slot);
     set_ptr(a.own_tokens, c.own_tokens);
     set_ptr(a.layout, c.layout);
-    notify_kernel<<<1, kNotifyThreads, 0, stream>>>(a);
-    return static_cast<int>(cudaGetLastError());
+    if (a.op != kOpDispatch) {  // a barrier only: one block
+        notify_kernel<<<1, kNotifyThreads, 0, stream>>>(a);
+        return static_cast<int>(cudaGetLastError());
+    }
+    // The count exchange: a block per kTokensPerNotifyBlock tokens scans them (scan_slots), all at
+    // once (they meet at a grid barrier).
+    // No more blocks than SMs (one fits an SM): a cooperative launch of more is refused (a MIG slice).
+    constexpr int kTokensPerNotifyBlock = 1024;
+    int device = 0, sms = 1;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return static_cast<int>(cudaGetLastError());
+    const int blocks = std::min({kMaxNotifyBlocks, sms, std::max(1, (c.num_tokens + kTokensPerNotifyBlock - 1) /
+                                                                        kTokensPerNotifyBlock)});
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(kNotifyThreads);
+    config.stream = stream;
+    cudaLaunchAttribute cooperative = {};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    return static_cast<int>(cudaLaunchKernelEx(&config, notify_kernel, a));
 }
 
 // mode 0: the fused kernel (its senders write this rank's own rows); 1: send half only; 2: receive
