@@ -387,7 +387,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
 
     // Every rank's counts are here now: derive the layout (identical arithmetic on every rank).
     const int* matrix = reinterpret_cast<const int*>(mine + kMatrixOffset) + parity * kMaxRanks * kMaxRanks;
-    if (tid < R * R) s_matrix[tid / R][tid % R] = ld_volatile_int(matrix + (tid / R) * kMaxRanks + tid % R);
+    if (tid < R * R) {  // the host's copy written by R * R threads at once: one thread's 64 writes
+        const int v = ld_volatile_int(matrix + (tid / R) * kMaxRanks + tid % R);  // over PCIe queue up
+        s_matrix[tid / R][tid % R] = v;
+        a.info[kInfoMatrix + tid] = v;
+    }
     if (tid < R * kHeaderInts)
         s_headers[tid / kHeaderInts][tid % kHeaderInts] =
             ld_volatile_int(reinterpret_cast<const int*>(mine + kHeaderOffset) + parity * kMaxRanks * kHeaderInts + tid);
@@ -425,7 +429,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
             max_recv = max(max_recv, col);
             max_send = max(max_send, row);
         }
-        for (int i = 0; i < R * R; ++i) a.info[kInfoMatrix + i] = s_matrix[i / R][i % R];
         a.layout[kLayMaxRecv] = a.info[kInfoMaxRecv] = max_recv;
         a.layout[kLayMaxSend] = a.info[kInfoMaxSend] = max_send;
         // A timed-out or mismatched barrier leaves stale counts: nothing may move on them.
@@ -1305,16 +1308,7 @@ int epcomm_notify(const NotifyCall* call, cudaStream_t stream) {
         return static_cast<int>(cudaGetLastError());
     const int blocks = std::min({kMaxNotifyBlocks, sms, std::max(1, (c.num_tokens + kTokensPerNotifyBlock - 1) /
                                                                         kTokensPerNotifyBlock)});
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(blocks);
-    config.blockDim = dim3(kNotifyThreads);
-    config.stream = stream;
-    cudaLaunchAttribute cooperative = {};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    return static_cast<int>(cudaLaunchKernelEx(&config, notify_kernel, a));
+    return static_cast<int>(launch_cooperative(notify_kernel, blocks, kNotifyThreads, 0, stream, a));
 }
 
 // mode 0: the fused kernel (its senders write this rank's own rows); 1: send half only; 2: receive

@@ -1573,19 +1573,10 @@ bool fits_at_once(int blocks, size_t most_shared, int num_sms) {
     return blocks <= per_sm * num_sms;
 }
 
+// The low-latency kernels' cooperative launches: kThreads a block.
 template <class Args>
 cudaError_t launch_cooperative(void (*kernel)(Args), int blocks, size_t shared, cudaStream_t stream, const Args& a) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(blocks);
-    config.blockDim = dim3(ll::kThreads);
-    config.dynamicSmemBytes = shared;
-    config.stream = stream;
-    cudaLaunchAttribute cooperative = {};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    config.attrs = &cooperative;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, a);
+    return epcomm::launch_cooperative(kernel, blocks, ll::kThreads, shared, stream, a);
 }
 
 // The kernel arguments both records give alike: the slot's context, the inputs' shapes and the

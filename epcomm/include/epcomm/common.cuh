@@ -87,4 +87,22 @@ __device__ __forceinline__ void warp_copy_int4(int4* dst, const int4* src, int n
     }
 }
 
+// A launch whose blocks all run at once (or is refused): blocks that wait for one another, through
+// a grid barrier or each other's signals, would otherwise wait for blocks not yet scheduled.
+template <class Args>
+cudaError_t launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t shared, cudaStream_t stream,
+                               const Args& a) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = shared;
+    config.stream = stream;
+    cudaLaunchAttribute cooperative = {};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, a);
+}
+
 }  // namespace epcomm
