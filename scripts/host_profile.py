@@ -5,7 +5,7 @@ decode steps, the time of each piece of the Python path (monkeypatched timers ar
 backend's methods), the cost of the torch calls it makes (empty, clone, event record), and a
 cProfile by cumulative time. Normal mode (--mode normal, CUDA intranode kernels): the host time
 per call of eager dispatches (with the layout), cached dispatches and combines, against the time
-with the GPU, and a cProfile of the dispatch.
+with the GPU, and a cProfile of each.
 
 Usage (on the GPU machine): python scripts/host_profile.py [--mode low_latency|normal] [--ranks 1]
 [--tokens 1,128]
@@ -204,13 +204,10 @@ def _normal_profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str
         dist.barrier()
         host, whole = _per_call_us(fn, 50)
         say(f"eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
-    def pair():
-        dispatch()
-        combine()
-
-    text = _cprofile(pair, 20, "tottime", 25)
-    if rank == 0:
-        say("cProfile of 20 eager dispatch + combine, by own time\n" + text)
+    for name, fn in (("dispatch", dispatch), ("cached dispatch", cached), ("combine", combine)):
+        text = _cprofile(fn, 100, "tottime", 25)
+        if rank == 0:
+            say(f"cProfile of 100 eager calls of {name}, by own time\n" + text)
     dist.barrier()
     buf.destroy()
     return "\n".join(lines)
