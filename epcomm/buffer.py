@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from . import _env
 from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
+from .backends.cuda.capi import current_stream
 from .backends.reference import ReferenceBackend
 from .backends.reference import allgather as ref_allgather
 from .backends.reference import hierarchical as ref_hierarchical
@@ -123,6 +124,7 @@ class Buffer:
         self._local_nvl: torch.Tensor | None = None
         self._local_rdma: torch.Tensor | None = None
         self._destroyed = False
+        self._nvl_bytes_ok: set[tuple[int, Config]] = set()  # (hidden bytes, config) pairs that fit (checked once)
         # Low-latency double buffering: each call takes the next of two slots.
         self._ll_counter = 0
         self._ll_cleanings = 0
@@ -330,7 +332,7 @@ class Buffer:
         comm = self._comm_stream
         if comm is None:
             return fn(), EventOverlap(None)
-        compute = torch.cuda.current_stream(self.device)
+        compute = current_stream(self.device)
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
@@ -347,7 +349,7 @@ class Buffer:
                 result = fn()
         event = torch.cuda.Event() if async_finish else self._comm_done
         event.record(comm)
-        outputs = list(_tensors(result))
+        outputs = _tensors(result)
         if not allocate_on_comm_stream:
             for t in outputs:
                 t.record_stream(compute)
@@ -521,10 +523,14 @@ class Buffer:
         return data, scales, num_experts
 
     def _check_nvl_bytes(self, hidden_bytes: int, config: Config) -> None:
+        key = (hidden_bytes, config)  # Config is frozen: equal configs need equal bytes
+        if key in self._nvl_bytes_ok:
+            return
         need = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes < need:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for hidden_bytes={hidden_bytes}: "
                              f"Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) = {need}")
+        self._nvl_bytes_ok.add(key)
 
     def _note_normal_use(self) -> None:
         if self.low_latency_mode:
@@ -936,14 +942,18 @@ def _tensor_keys(*tensors: torch.Tensor | None) -> tuple | None:
     return key
 
 
-def _tensors(obj: Any):
+def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
     """The tensors in a call's result: the tensors among its items, and in (data, scales) pairs. A list
-    is walked only if it starts with a tensor (num_recv_tokens_per_expert_list is E_local ints)."""
+    is walked only if it starts with a tensor (num_recv_tokens_per_expert_list is E_local ints). A
+    list filled in place, not a generator: this runs in every call's host path."""
+    if out is None:
+        out = []
     if isinstance(obj, torch.Tensor):
-        yield obj
+        out.append(obj)
     elif isinstance(obj, tuple) or (isinstance(obj, list) and obj and isinstance(obj[0], torch.Tensor)):
         for item in obj:
-            yield from _tensors(item)
+            _tensors(item, out)
+    return out
 
 
 __all__ = ["Buffer", "same_device"]

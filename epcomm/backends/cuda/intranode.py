@@ -30,7 +30,7 @@ from ... import _env
 from ...handle import DispatchHandle
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
 from .build import load_library
-from .capi import addr, check, check_aligned, check_struct_layout, fields, ptr, stream_ptr
+from .capi import addr, check, check_aligned, check_struct_layout, current_stream, fields, ptr, stream_ptr
 from .ipc import SharedBuffer
 
 _ROW_ALIGN = 16
@@ -305,19 +305,22 @@ class CudaIntranode:
                                  f"{experts_per_rank}")
             if num_worst_tokens > cap_rows:
                 self._raise_capacity("dispatch", num_worst_tokens, row_bytes, cap_rows)
-            stream = torch.cuda.current_stream(self.device)
+            stream = current_stream(self.device)
             in_rank = is_token_in_rank.contiguous()
-            slot = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=self.device)
-            own_tokens = torch.empty(num_tokens, dtype=torch.int32, device=self.device)
-            layout = torch.empty(LAYOUT_INTS, dtype=torch.int32, device=self.device)
+            # The kernels' tables of this routing in one allocation (each torch.empty costs the
+            # host ~4 us): slot [T, R], own_tokens [T], layout [LAYOUT_INTS] int32, by address.
+            tables = torch.empty(num_tokens * (num_ranks + 1) + LAYOUT_INTS, dtype=torch.int32, device=self.device)
+            slot = tables.data_ptr()
+            own_tokens = slot + 4 * num_tokens * num_ranks
+            layout = own_tokens + 4 * num_tokens
             # Held until the launch: a temporary copy freed earlier could be reused by the next one.
             send_counts, expert_counts = num_tokens_per_rank.contiguous(), num_tokens_per_expert.contiguous()
             call = self._notify_call
             call.num_tokens, call.num_topk, call.experts_per_rank = num_tokens, num_topk, experts_per_rank
             call.expert_alignment, call.num_worst_tokens, call.row_bytes = expert_alignment, num_worst_tokens, row_bytes
             call.in_rank, call.send_counts, call.expert_counts = addr(in_rank), addr(send_counts), addr(expert_counts)
-            call.topk_idx, call.slot = addr(topk_idx), addr(slot)
-            call.own_tokens, call.layout = addr(own_tokens), addr(layout)
+            call.topk_idx, call.slot = addr(topk_idx), slot
+            call.own_tokens, call.layout = own_tokens, layout
             check(self.lib.epcomm_notify(call, stream.cuda_stream), "dispatch")
             # Everything of the kernels' record but the outputs is set now: after the host read of
             # the counts only the outputs are (the GPU waits for that part of the host's work).
@@ -384,8 +387,9 @@ class CudaIntranode:
             buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
             recv_counts=recv_counts,
-            backend_state={"in_rank": in_rank, "slot": slot, "own_tokens": own_tokens, "layout": layout,
-                           "experts_per_rank": experts_per_rank, "max_recv": max_recv, "max_send": max_send})
+            backend_state={"in_rank": in_rank, "tables": tables, "slot": slot, "own_tokens": own_tokens,
+                           "layout": layout, "experts_per_rank": experts_per_rank, "max_recv": max_recv,
+                           "max_send": max_send})
         return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 
     def _count_matrix(self):
@@ -395,7 +399,8 @@ class CudaIntranode:
 
     def _set_dispatch_inputs(self, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
                              own_tokens, layout, row_bytes, cap_rows, num_sms) -> None:
-        """The fields of the dispatch kernels' record that do not depend on the outputs."""
+        """The fields of the dispatch kernels' record that do not depend on the outputs (slot,
+        own_tokens and layout: device addresses in the routing's tables)."""
         call = self._dispatch_call
         call.num_sms = num_sms
         call.num_tokens, call.x_bytes, call.x = x.shape[0], x.shape[1] * x.element_size(), addr(x)
@@ -404,8 +409,8 @@ class CudaIntranode:
         call.topk_idx, call.topk_weights, call.num_topk = addr(topk_idx), addr(topk_weights), num_topk
         call.has_topk, call.has_weights = topk_idx is not None, topk_weights is not None
         call.experts_per_rank, call.row_stride, call.cap_rows = experts_per_rank, row_bytes, cap_rows
-        call.in_rank, call.slot = addr(in_rank), addr(slot)
-        call.own_tokens, call.layout = addr(own_tokens), addr(layout)
+        call.in_rank, call.slot = addr(in_rank), slot
+        call.own_tokens, call.layout = own_tokens, layout
 
     def _launch_dispatch(self, mode, op_code, num_sms, recv_x=None, recv_scales=None, recv_topk_idx=None,
                          recv_topk_weights=None, num_out=0, stream: int | None = None) -> None:
@@ -445,7 +450,7 @@ class CudaIntranode:
         call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
         call.row_stride, call.cap_rows = row_bytes, cap_rows
         call.x, call.weights, call.out, call.out_weights = addr(x), addr(topk_weights), addr(out), addr(out_w)
-        call.in_rank, call.slot, call.layout = addr(st["in_rank"]), addr(st["slot"]), addr(st["layout"])
+        call.in_rank, call.slot, call.layout = addr(st["in_rank"]), st["slot"], st["layout"]
         call.bias0, call.bias1 = addr(bias0), addr(bias1)
         check(self.lib.epcomm_combine(call, stream_ptr(self.device)), "combine")
         return out, out_w
