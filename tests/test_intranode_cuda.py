@@ -138,6 +138,14 @@ def test_cuda_num_worst_tokens_and_sm_counts(ranks, num_sms):
                        col_major=False, num_worst_tokens=ranks * 128, use_bias=num_sms != 2, num_sms=num_sms)
 
 
+@pytest.mark.parametrize("ranks", [2])
+def test_cuda_count_exchange_within_the_sm_budget(ranks):
+    """2500 tokens would take 3 notify blocks (a block per 1024 tokens); at 2 SMs the count
+    exchange's cooperative launch keeps to 2, each scanning a longer range."""
+    cluster(ranks).run(rank_cuda_vs_reference, [2500, 1100], 256, 16, 4, "random", seed=11, fp8=False,
+                       col_major=False, num_worst_tokens=0, use_bias=False, num_sms=2)
+
+
 def rank_graph_replay(num_tokens, hidden, num_experts, num_topk, num_worst_tokens):
     """Capture layout + dispatch + combine (num_worst_tokens: no CPU sync) once, replay with new data."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()

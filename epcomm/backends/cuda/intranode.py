@@ -106,7 +106,7 @@ class NotifyCall(ctypes.Structure):
     _fields_ = [("context", CallContext),
                 *fields(ctypes.c_uint64, "in_rank send_counts expert_counts topk_idx slot own_tokens layout"),
                 *fields(ctypes.c_int32, "op num_tokens experts_per_rank num_topk expert_alignment num_worst_tokens "
-                                        "row_bytes pad0")]
+                                        "row_bytes num_sms")]
 
 
 class DispatchCall(ctypes.Structure):
@@ -318,6 +318,7 @@ class CudaIntranode:
             call = self._notify_call
             call.num_tokens, call.num_topk, call.experts_per_rank = num_tokens, num_topk, experts_per_rank
             call.expert_alignment, call.num_worst_tokens, call.row_bytes = expert_alignment, num_worst_tokens, row_bytes
+            call.num_sms = num_sms
             call.in_rank, call.send_counts, call.expert_counts = addr(in_rank), addr(send_counts), addr(expert_counts)
             call.topk_idx, call.slot = addr(topk_idx), slot
             call.own_tokens, call.layout = own_tokens, layout

@@ -1110,7 +1110,8 @@ struct CallContext {
 struct NotifyCall {
     CallContext context;
     uint64_t in_rank, send_counts, expert_counts, topk_idx, slot, own_tokens, layout;
-    int32_t op, num_tokens, experts_per_rank, num_topk, expert_alignment, num_worst_tokens, row_bytes, pad0;
+    int32_t op, num_tokens, experts_per_rank, num_topk, expert_alignment, num_worst_tokens, row_bytes;
+    int32_t num_sms;  // the call's SM budget: the count exchange's blocks stay within it
 };
 
 struct DispatchCall {
@@ -1143,7 +1144,7 @@ constexpr auto fields_of<NotifyCall>() {
                       EPCOMM_FIELD(expert_counts), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(slot),
                       EPCOMM_FIELD(own_tokens), EPCOMM_FIELD(layout), EPCOMM_FIELD(op), EPCOMM_FIELD(num_tokens),
                       EPCOMM_FIELD(experts_per_rank), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(expert_alignment),
-                      EPCOMM_FIELD(num_worst_tokens), EPCOMM_FIELD(row_bytes), EPCOMM_FIELD(pad0)};
+                      EPCOMM_FIELD(num_worst_tokens), EPCOMM_FIELD(row_bytes), EPCOMM_FIELD(num_sms)};
 }
 template <>
 constexpr auto fields_of<DispatchCall>() {
@@ -1300,14 +1301,16 @@ int epcomm_notify(const NotifyCall* call, cudaStream_t stream) {
     }
     // The count exchange: a block per kTokensPerNotifyBlock tokens scans them (scan_slots), all at
     // once (they meet at a grid barrier).
-    // No more blocks than SMs (one fits an SM): a cooperative launch of more is refused (a MIG slice).
+    // No more blocks than the call's SM budget (a cooperative launch waits for all of its SMs to be
+    // free: work overlapping on other streams keeps the rest), nor than the device's SMs (one block
+    // fills an SM; a cooperative launch of more is refused: a MIG slice).
     constexpr int kTokensPerNotifyBlock = 1024;
     int device = 0, sms = 1;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return static_cast<int>(cudaGetLastError());
-    const int blocks = std::min({kMaxNotifyBlocks, sms, std::max(1, (c.num_tokens + kTokensPerNotifyBlock - 1) /
-                                                                        kTokensPerNotifyBlock)});
+    const int blocks = std::max(1, std::min({kMaxNotifyBlocks, sms, c.num_sms,
+                                             (c.num_tokens + kTokensPerNotifyBlock - 1) / kTokensPerNotifyBlock}));
     return static_cast<int>(launch_cooperative(notify_kernel, blocks, kNotifyThreads, 0, stream, a));
 }
 
