@@ -72,6 +72,9 @@ class _MarkedEvent:
     def record(self, stream) -> None:
         self._event.record(stream)
 
+    def wait(self, stream=None) -> None:  # the send half's stream waits on it (more than one rank)
+        self._event.wait(stream)
+
     def synchronize(self) -> None:
         self._marks("host waits")
         self._event.synchronize()

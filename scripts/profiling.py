@@ -12,8 +12,10 @@ import torch
 
 
 def short_name(name: str) -> str:
-    """A kernel's name without its namespace, template and argument lists."""
-    return name.split("(")[0].split("<")[0].split("::")[-1][:40]
+    """A kernel's name without its return type, namespaces and arguments; template arguments kept
+    (instantiations of one kernel stay apart)."""
+    head, bracket, template = name.split("(")[0].removeprefix("void ").partition("<")
+    return (head.split("::")[-1].strip() + bracket + template)[:40]
 
 
 def profile_calls(fn: Callable[[], object], calls: int) -> torch.profiler.profile:
@@ -68,7 +70,7 @@ class Marks:
     def clear(self) -> None:
         self.steps.clear()
 
-    def __call__(self, step: str, gpu: bool = True) -> None:
+    def __call__(self, step: str, gpu: bool = True) -> None:  # the event goes on the current stream
         event = None
         if gpu:
             used = sum(e is not None for _, _, e in self.steps)

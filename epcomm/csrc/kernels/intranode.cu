@@ -1311,7 +1311,14 @@ int epcomm_notify(const NotifyCall* call, cudaStream_t stream) {
         return static_cast<int>(cudaGetLastError());
     const int blocks = std::max(1, std::min({kMaxNotifyBlocks, sms, c.num_sms,
                                              (c.num_tokens + kTokensPerNotifyBlock - 1) / kTokensPerNotifyBlock}));
-    return static_cast<int>(launch_cooperative(notify_kernel, blocks, kNotifyThreads, 0, stream, a));
+    if (blocks > 1) {
+        if (launch_cooperative(notify_kernel, blocks, kNotifyThreads, 0, stream, a) == cudaSuccess) return 0;
+        // Refused (fewer SMs are this process's than the device has: MPS, green contexts): one block
+        // scans every token, as before the grid. The refusal is not left for a later call to report.
+        (void)cudaGetLastError();
+    }
+    notify_kernel<<<1, kNotifyThreads, 0, stream>>>(a);  // one block meets no grid barrier
+    return static_cast<int>(cudaGetLastError());
 }
 
 // mode 0: the fused kernel (its senders write this rank's own rows); 1: send half only; 2: receive
