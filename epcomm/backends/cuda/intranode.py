@@ -191,6 +191,7 @@ class CudaIntranode:
         # Marks the count exchange of a dispatch on its stream; the host waits on it right away, so
         # one event serves every call (a new one per call costs host time the GPU may wait on).
         self._counted = torch.cuda.Event()
+        self._sent = torch.cuda.Event()  # the send half's end, for the caller's stream to wait on
         # Percent of a call's SMs that send, per op, as set (None: auto, see send_share).
         self.send_pct = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") for op in ("dispatch", "combine")}
         self._send_blocks_memo: dict[tuple[int, str], int] = {}
@@ -285,6 +286,7 @@ class CudaIntranode:
         row_bytes = dispatch_row_bytes(hidden, x.element_size(), num_topk, num_scales)
         cap_rows = self.cap_rows(row_bytes)
         split = False  # send half launched before the host reads the counts, receive half after
+        sending = False  # a send half runs on send_stream (split, more than one rank)
         if cached and "rounds" in handle.backend_state:
             return cached_dispatch_in_rounds(self, x, scales, handle, num_sms), None, None, None, handle
         if cached:
@@ -334,7 +336,8 @@ class CudaIntranode:
                 split = self.overlap
                 # One rank alone has nothing to send (its receivers copy its rows from x); a send
                 # half would still walk every token on its one SM and end after the receivers.
-                if split and num_ranks > 1:
+                sending = split and num_ranks > 1
+                if sending:
                     self.send_stream.wait_event(counted)
                     self._launch_dispatch(1, c["op_dispatch"], num_sms, stream=self.send_stream.cuda_stream)
                 try:
@@ -344,16 +347,16 @@ class CudaIntranode:
                     num_recv = int(info[c["info_num_recv"]])
                     max_recv, max_send = int(info[c["info_max_recv"]]), int(info[c["info_max_send"]])
                 except BaseException:
-                    if split:  # the send half may still read the inputs
-                        stream.wait_stream(self.send_stream)
+                    if sending:  # the send half may still read the inputs
+                        self._join_send_half(stream)
                     raise
                 # One pass only if its combine fits too (a rank may send more rows than any receives, and
                 # a BF16 combine row outgrows an FP8 dispatch row). Every rank sees the same matrix, so
                 # all go to rounds alike.
                 need = max(max_recv, max_send)
                 if need > self.cap_rows(max(row_bytes, combine_row_bytes(hidden, num_topk))):
-                    if split:  # its send half moved rows nobody will read: let it finish first
-                        stream.wait_stream(self.send_stream)
+                    if sending:  # its send half moved rows nobody will read: let it finish first
+                        self._join_send_half(stream)
                     expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
                     return self._dispatch_in_rounds(
                         x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, self._count_matrix(),
@@ -372,8 +375,8 @@ class CudaIntranode:
                 recv_topk_weights = torch.empty((num_out, num_topk), dtype=torch.float32, device=self.device)
         self._launch_dispatch(2 if split else 0, c["op_cached_dispatch"] if cached else c["op_dispatch"], num_sms,
                               recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_out)
-        if split:
-            stream.wait_stream(self.send_stream)
+        if sending:
+            self._join_send_half(stream)
         recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
             return recv_x_out, None, None, None, handle
@@ -392,6 +395,12 @@ class CudaIntranode:
                            "layout": layout, "experts_per_rank": experts_per_rank, "max_recv": max_recv,
                            "max_send": max_send})
         return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+
+    def _join_send_half(self, stream: torch.cuda.Stream) -> None:
+        """`stream` waits for the send half's kernel on send_stream. One event, reused (a wait takes
+        the event's state when it is issued): Stream.wait_stream makes a new event each call."""
+        self._sent.record(self.send_stream)
+        stream.wait_event(self._sent)
 
     def _count_matrix(self):
         """[R, R] rows rank s sends to rank d, as the last count exchange left them (a copy)."""
