@@ -48,11 +48,7 @@ def rank_profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: 
              "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
     lines = []
     for name, fn in steps.items():
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        lines += kernel_lines(profile_calls(fn, 10), 10, f"rank {rank} {name}")
+        lines += kernel_lines(profile_calls(fn, 10, warmup=5), 10, f"rank {rank} {name}")
     lines += _timeline(buf, steps, rank)
     buf.destroy()
     return "\n".join(lines)

@@ -50,11 +50,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int)
              "combine": lambda: buf.combine(recv_x, handle)}
     lines = []
     for name, fn in calls.items():
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        prof = profile_calls(fn, 20)
+        prof = profile_calls(fn, 20, warmup=5)
         lines += kernel_lines(prof, 20, f"rank {rank} T={n} {name}")
         lines += last_call_lines(prof, 20, f"rank {rank} T={n} {name}")
         dist.barrier()

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 
 def short_name(name: str) -> str:
@@ -18,8 +19,14 @@ def short_name(name: str) -> str:
     return (head.split("::")[-1].strip() + bracket + template)[:40]
 
 
-def profile_calls(fn: Callable[[], object], calls: int) -> torch.profiler.profile:
-    """Profiles `calls` back-to-back calls of fn (CUDA activities only), synchronised at the end."""
+def profile_calls(fn: Callable[[], object], calls: int, warmup: int = 0) -> torch.profiler.profile:
+    """Profiles `calls` back-to-back calls of fn (CUDA activities only), synchronised at the end;
+    first `warmup` unprofiled calls, after which every rank meets (fn is collective)."""
+    if warmup:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
