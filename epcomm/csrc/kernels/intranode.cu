@@ -387,8 +387,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
 
     // Every rank's counts are here now: derive the layout (identical arithmetic on every rank).
     const int* matrix = reinterpret_cast<const int*>(mine + kMatrixOffset) + parity * kMaxRanks * kMaxRanks;
-    if (tid < R * R) {  // the host's copy written by R * R threads at once: one thread's 64 writes
-        const int v = ld_volatile_int(matrix + (tid / R) * kMaxRanks + tid % R);  // over PCIe queue up
+    // The host's copy is written by R * R threads at once, not by one thread's 64 writes over PCIe.
+    if (tid < R * R) {
+        const int v = ld_volatile_int(matrix + (tid / R) * kMaxRanks + tid % R);
         s_matrix[tid / R][tid % R] = v;
         a.info[kInfoMatrix + tid] = v;
     }
