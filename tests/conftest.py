@@ -80,6 +80,21 @@ def poison_allocator(dev: torch.device) -> None:
     del junk
 
 
+def busy_side_stream(dev: torch.device, matmuls: int = 4, size: int = 8192) -> tuple[torch.cuda.Stream, list]:
+    """GEMMs queued on a stream of their own (~1.5 ms each on an H100), filling the SMs while the calls
+    that follow run, as overlapped expert compute does. The kernels' cooperative launches wait for SMs
+    to free up and their bounded waits must not fire: same results, no timeout. Returns the stream and
+    what must live until it is done (the caller synchronizes)."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    a = torch.randn((size, size), device=dev).to(torch.bfloat16)
+    out = torch.empty_like(a)
+    with torch.cuda.stream(side):
+        for _ in range(matmuls):
+            torch.mm(a, a, out=out)
+    return side, [a, out]
+
+
 @contextlib.contextmanager
 def env_var(name: str, value: object):
     """An environment variable set inside the block (Buffers read theirs when they are constructed)."""

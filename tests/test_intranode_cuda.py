@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, capture_graph, cluster, env_var, peer_timeout, poison_allocator
+from conftest import BACKEND, busy_side_stream, capture_graph, cluster, env_var, peer_timeout, poison_allocator
 from routing import make_inputs
 
 import epcomm
@@ -45,10 +45,11 @@ def _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_top
 
 
 def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routing, seed, fp8, col_major,
-                           num_worst_tokens, use_bias, num_sms, nvl_bytes=NVL_BYTES):
+                           num_worst_tokens, use_bias, num_sms, nvl_bytes=NVL_BYTES, beside_compute=False):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} H={hidden} E={num_experts} K={num_topk} {routing} "
-           f"fp8={fp8} col_major={col_major} worst={num_worst_tokens} bias={use_bias} sms={num_sms}")
+           f"fp8={fp8} col_major={col_major} worst={num_worst_tokens} bias={use_bias} sms={num_sms} "
+           f"beside_compute={beside_compute}")
     dev = torch.device("cuda", torch.cuda.current_device())
     x, x_in, topk_idx, topk_weights = _inputs(seed, rank, num_ranks, tokens_per_rank, hidden, num_experts, num_topk,
                                               routing, fp8, col_major, dev)
@@ -56,9 +57,12 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
     if nvl_bytes == "hint":  # DeepEP's sizing: a buffer this call does not fit in (it runs in rounds)
         nvl_bytes = config.get_nvl_buffer_size_hint(hidden * 2, num_ranks)
     outs = {}
+    busy = []  # GEMM streams kept busy beside the CUDA backend's calls, and their tensors
     for backend in ("reference", "cuda"):
         buf = Buffer(dist.group.WORLD, nvl_bytes, backend=backend)
         poison_allocator(dev)
+        if beside_compute and backend == "cuda":
+            busy.append(busy_side_stream(dev))
         layout = buf.get_dispatch_layout(topk_idx, num_experts)[:4]
         per_rank, _, per_expert, in_rank = layout
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
@@ -72,6 +76,8 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
         biases = tuple(torch.randn((x.shape[0], hidden), generator=gen).to(torch.bfloat16).to(dev)
                        for _ in range(2)) if use_bias else None
         poison_allocator(dev)
+        if busy:
+            busy.append(busy_side_stream(dev))
         combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=biases, config=config)
         torch.cuda.synchronize()
         if backend == "cuda" and nvl_bytes != NVL_BYTES:
@@ -144,6 +150,16 @@ def test_cuda_count_exchange_within_the_sm_budget(ranks):
     exchange's cooperative launch keeps to 2, each scanning a longer range."""
     cluster(ranks).run(rank_cuda_vs_reference, [2500, 1100], 256, 16, 4, "random", seed=11, fp8=False,
                        col_major=False, num_worst_tokens=0, use_bias=False, num_sms=2)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("num_worst", [False, True], ids=["synced", "worst"])
+def test_cuda_calls_beside_busy_compute(ranks, num_worst):
+    """Dispatch (fresh and cached) and combine while GEMMs on another stream hold the SMs: the count
+    exchange's and the kernels' launches wait for SMs, nothing times out, results as without."""
+    cluster(ranks).run(rank_cuda_vs_reference, [1500, 700], 4096, 32, 8, "random", seed=13, fp8=num_worst,
+                       col_major=False, num_worst_tokens=ranks * 1500 if num_worst else 0, use_bias=True,
+                       num_sms=24, beside_compute=True)
 
 
 def rank_graph_replay(num_tokens, hidden, num_experts, num_topk, num_worst_tokens):

@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, capture_graph, cluster, env_var, fresh_cluster, nvshmem_found, poison_allocator
+from conftest import (
+    BACKEND,
+    busy_side_stream,
+    capture_graph,
+    cluster,
+    env_var,
+    fresh_cluster,
+    nvshmem_found,
+    poison_allocator,
+)
 from routing import make_inputs
 
 from epcomm import Buffer
@@ -62,10 +71,12 @@ def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
-                         use_ue8m0, use_hook, shrink_last, partials=False, hook_stream=False, num_sms=None):
+                         use_ue8m0, use_hook, shrink_last, partials=False, hook_stream=False, num_sms=None,
+                         beside_compute=False):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} N={n} H={hidden} E={num_experts} K={num_topk} {routing} "
-           f"fp8={use_fp8} round={round_scale} ue8m0={use_ue8m0} hook={use_hook} shrink={shrink_last}")
+           f"fp8={use_fp8} round={round_scale} ue8m0={use_ue8m0} hook={use_hook} shrink={shrink_last} "
+           f"beside_compute={beside_compute}")
     dev = torch.device("cuda", torch.cuda.current_device())
     num_tokens = tokens_per_rank[rank % len(tokens_per_rank)]
     x, topk_idx, weights = (t.to(dev) for t in make_inputs(seed, rank, num_tokens, hidden, num_experts, num_topk,
@@ -78,6 +89,7 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
     outs = {}
     # The hooks on a stream of their own (hook_stream): the receive waits for the send there.
     side = torch.cuda.Stream(dev) if hook_stream else torch.cuda.current_stream(dev)
+    busy = []  # GEMM streams kept busy beside the CUDA backend's calls, and their tensors
     for backend in ("reference", "cuda"):
         buf = _buffer(backend, n, hidden, num_experts, enable_shrink=shrink_last)
         if backend == "cuda" and partials:  # the mode is available (else the test would prove nothing)
@@ -90,6 +102,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         recv_stats = torch.zeros(e_local, dtype=torch.int32, device=dev)
         wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
         poison_allocator(dev)
+        if beside_compute and backend == "cuda":
+            busy.append(busy_side_stream(dev))
         recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
             x, topk_idx, n, num_experts, cumulative_local_expert_recv_stats=recv_stats,
             dispatch_wait_recv_cost_stats=wait_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
@@ -105,6 +119,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         y = data.nan_to_num_().mul_(scale).to(torch.bfloat16)
         del data
         poison_allocator(dev)
+        if busy:
+            busy.append(busy_side_stream(dev))
         combined, _, hook = buf.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=use_hook)
         if use_hook:
             with torch.cuda.stream(side):
@@ -183,6 +199,15 @@ def test_ll_cuda_matches_reference(ranks, case, mode):
         pytest.skip("UE8M0 packs 4 scales per int32: hidden must be a multiple of 512")
     cluster(ranks).run(rank_ll_vs_reference, tokens, n, hidden, per_rank * ranks, topk, routing,
                        seed=LL_CASES.index(case) + 7, use_hook=False, shrink_last=False, **mode_flags(mode))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("hook", [False, True], ids=["fused", "hook"])
+def test_ll_cuda_calls_beside_busy_compute(ranks, hook):
+    """Dispatch and combine while GEMMs on another stream hold the SMs (the overlap of a decode step's
+    two micro-batches): the kernels' cooperative launches wait for SMs, nothing times out."""
+    cluster(ranks).run(rank_ll_vs_reference, [128, 77], 128, 7168, 36 * ranks, 8, "random", seed=37, use_fp8=True,
+                       round_scale=False, use_ue8m0=False, use_hook=hook, shrink_last=False, beside_compute=True)
 
 
 @pytest.mark.parametrize("ranks", RANKS)
