@@ -10,7 +10,12 @@ import os
 # name -> (default, meaning)
 ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_TIMEOUT_S": ("100", "seconds a call waits for its peers before raising RuntimeError"),
-    "EPCOMM_BACKEND": ("auto", "backend used when Buffer(backend=...) is not given: auto, cuda or reference"),
+    "EPCOMM_BACKEND": ("auto", "backend used when Buffer(backend=...) is not given: auto (the CUDA kernels for "
+                               "each mode every rank can run them for, else the reference backend), cuda or "
+                               "reference"),
+    "EPCOMM_DEVICE": ("", "where a Buffer's tensors live when Buffer(device=...) is not given: cpu or cuda "
+                          "(the current GPU); default: the current GPU if the group's backend holds CUDA "
+                          "tensors (NCCL, gloo) and CUDA is available, else the CPU"),
     "EPCOMM_RANKS_PER_DOMAIN": ("", "ranks per scale-up domain (default: the ranks of one host)"),
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
@@ -106,6 +111,13 @@ def ll_block_receive() -> str:
 
 def ll_combine_partials() -> bool:
     return _switch("EPCOMM_LL_COMBINE_PARTIALS")
+
+
+def device_choice() -> str:
+    value = env_str("EPCOMM_DEVICE")
+    if value not in ("", "cpu", "cuda"):
+        raise ValueError(f"EPCOMM_DEVICE must be cpu or cuda, got {value!r}")
+    return value
 
 
 def ll_transport() -> str:

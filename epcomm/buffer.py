@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import socket
 import time
 import warnings
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from . import _env
 from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
+from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers
 from .backends.cuda.capi import current_stream
 from .backends.reference import ReferenceBackend
 from .backends.reference import allgather as ref_allgather
@@ -30,9 +32,12 @@ from .backends.reference.backend import Op
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_size_hint
 from .event import EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
-from .utils.launch import group_device
+from .utils.launch import backend_on_cuda, group_device
 
+_log = logging.getLogger("epcomm")
 _buffer_counter = itertools.count()
+_MODES = (NORMAL, LOW_LATENCY)
+_KERNEL_BUILD_S = 900.0  # how long the backend vote waits for a rank that builds the kernels
 _BACKENDS = ("auto", "cuda", "reference")
 _STRATEGIES = ("alltoall", "allgather", "hierarchical")  # [ext] normal-mode algorithm of the reference backend
 # Errors of argument checking: the refusing rank tells its peers before raising.
@@ -53,28 +58,37 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Any = None, *, backend: str | None = None, strategy: str = "alltoall") -> None:
+                 comm: Any = None, *, backend: str | None = None, strategy: str = "alltoall",
+                 device: torch.device | str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("epcomm.Buffer needs torch.distributed initialized (dist.init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
-        pg_backend = dist.get_backend(self.group)
-        self.device = group_device(self.group)
-        self.uid = f"{next(_buffer_counter)}"
-        self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
         error: Exception | None = None
         try:
+            self.device = _buffer_device(self.group, device)
+        except ValueError as e:  # refused below, with the peers told; the exchange needs a device the group holds
+            error = e
+            self.device = torch.device("cuda", torch.cuda.current_device()) if backend_on_cuda(
+                dist.get_backend(self.group)) else torch.device("cpu")
+        self.uid = f"{next(_buffer_counter)}"
+        self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
+        backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
+        ll_nvshmem = False
+        try:
+            if error is not None:
+                raise error
             self.num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
             self.num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
             self.num_qps_per_rank = check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-            backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
             if backend not in _BACKENDS:
                 raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
             if backend == "cuda" and self.device.type != "cuda":
-                raise ValueError("backend='cuda' needs a process group on CUDA devices (NCCL, or gloo with a "
-                                 "cuda backend for ranks sharing GPUs), got "
-                                 f"{pg_backend}")
+                raise ValueError("backend='cuda' needs the Buffer on a GPU: a process group that holds CUDA "
+                                 "tensors (NCCL or gloo) on a machine with CUDA, or device='cuda' / "
+                                 f"EPCOMM_DEVICE=cuda (group backend {dist.get_backend(self.group)}, device "
+                                 f"{self.device})")
             if strategy not in _STRATEGIES:
                 raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
             if strategy == "allgather" and backend == "cuda":
@@ -88,10 +102,14 @@ class Buffer:
                                  "inter-domain (NVSHMEM) buffer: see epcomm.backends.cuda.hierarchical."
                                  "rdma_bytes_needed")
             ranks_per_domain_env = self._ranks_per_domain_from_env()
+            if backend == "auto" and low_latency_mode:  # the environment's low-latency transport
+                ll_nvshmem = _env.ll_transport() == "nvshmem" or bool(_env.ll_remote_ranks(self.group_size))
         except _REFUSALS as e:
             error = e
-        # Every rank learns whether a peer refused its arguments (and each rank's host), within the timeout.
-        self.ranks_per_domain = self._agree_on_construction(error, ranks_per_domain_env if error is None else 0)
+        # Every rank learns whether a peer refused its arguments (and each rank's host and GPU), within
+        # the timeout.
+        self.ranks_per_domain, hosts, gpus = self._agree_on_construction(
+            error, ranks_per_domain_env if error is None else 0, _BACKENDS.index(backend) if error is None else -1)
         self._backend.ranks_per_domain = self.ranks_per_domain
         self.low_latency_mode = bool(low_latency_mode)
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
@@ -102,29 +120,35 @@ class Buffer:
         self.comm = comm
         self.strategy = strategy
         self._normal = {"allgather": ref_allgather, "hierarchical": ref_hierarchical}.get(strategy, ref_normal)
-        # 'auto' stays on the reference backend until the CUDA kernels are complete (README "Status").
-        self.backend_name = "cuda" if backend == "cuda" else "reference"
+        # [ext] The backend of each mode: 'auto' runs a mode on the kernels where every rank can.
+        if backend == "auto":
+            on_kernels = self._vote_on_kernels(hosts, gpus, ll_nvshmem)
+        else:
+            on_kernels = dict.fromkeys(_MODES, backend == "cuda")
+        self.backends = {mode: "cuda" if on_kernels[mode] else "reference" for mode in _MODES}
+        self.backend_name = "cuda" if "cuda" in self.backends.values() else "reference"
         self._cuda = self._cuda_ll = None
-        if self.backend_name == "cuda":  # normal mode needs num_nvl_bytes, low-latency mode num_rdma_bytes
-            from .backends.cuda.intranode import CudaIntranode
-            from .backends.cuda.low_latency import CudaLowLatency
-
-            if self.num_nvl_bytes > 0 and strategy == "hierarchical":
+        if on_kernels[NORMAL] and self.num_nvl_bytes > 0:  # normal mode needs num_nvl_bytes
+            if strategy == "hierarchical":
                 from .backends.cuda.hierarchical import CudaHierarchical
 
                 self._cuda = CudaHierarchical(self.group, self.device, self.num_nvl_bytes, self.num_rdma_bytes,
                                               self.ranks_per_domain, _env.timeout_s())
-            elif self.num_nvl_bytes > 0:
+            else:
+                from .backends.cuda.intranode import CudaIntranode
+
                 self._cuda = CudaIntranode(self.group, self.device, self.num_nvl_bytes, _env.timeout_s())
-            if low_latency_mode and self.num_rdma_bytes > 0:
-                self._cuda_ll = CudaLowLatency(self.group, self.device, self.num_rdma_bytes, _env.timeout_s())
+        if on_kernels[LOW_LATENCY] and low_latency_mode and self.num_rdma_bytes > 0:  # low latency: num_rdma_bytes
+            from .backends.cuda.low_latency import CudaLowLatency
+
+            self._cuda_ll = CudaLowLatency(self.group, self.device, self.num_rdma_bytes, _env.timeout_s())
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self._comm_stream is not None:  # _run's events: the compute stream's work, then the call's
             self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
         self._local_nvl: torch.Tensor | None = None
         self._local_rdma: torch.Tensor | None = None
         self._destroyed = False
-        self._nvl_bytes_ok: set[tuple[int, Config]] = set()  # (hidden bytes, config) pairs that fit (checked once)
+        self._nvl_bytes_ok: set[tuple[int, Config]] = set()  # (hidden, config) pairs that fit (checked once)
         # Low-latency double buffering: each call takes the next of two slots.
         self._ll_counter = 0
         self._ll_cleanings = 0
@@ -277,10 +301,14 @@ class Buffer:
                              f"{self.group_size}")
         return value
 
-    def _agree_on_construction(self, error: Exception | None, ranks_per_domain: int) -> int:
-        """Exchange (refused?, host) with every rank; raise on all ranks if any refused; return ranks per domain."""
+    def _agree_on_construction(self, error: Exception | None, ranks_per_domain: int,
+                               backend_code: int) -> tuple[int, list[int], list[int]]:
+        """Exchange (refused?, host, GPU, backend asked for) with every rank; raise on all ranks if any
+        refused or they asked for different backends; return ranks per domain, and each rank's host and
+        GPU (availability.gpu_id)."""
         host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
-        mine = torch.tensor([1 if error else 0, host], dtype=torch.int64, device=self.device)
+        gpu = gpu_id(self.device) if error is None else 0
+        mine = torch.tensor([1 if error else 0, host, gpu, backend_code], dtype=torch.int64, device=self.device)
         deadline = time.monotonic() + self._backend.transport.timeout_s
         self._backend.transport.announce(0)
         rows = torch.stack(self._backend.transport.all_gather(mine, "Buffer()", 0, deadline)).cpu()
@@ -290,11 +318,38 @@ class Buffer:
         if refused:
             raise ValueError(f"epcomm Buffer(): rank(s) {refused} refused their arguments (see the error on those "
                              "ranks)")
-        if ranks_per_domain:
-            return ranks_per_domain
-        hosts = rows[:, 1].tolist()
-        per_host = hosts.count(hosts[self.rank])
-        return per_host if self.group_size % per_host == 0 else self.group_size
+        asked = rows[:, 3].tolist()
+        if len(set(asked)) > 1:
+            raise ValueError("epcomm Buffer(): ranks asked for different backends (backend= or EPCOMM_BACKEND): "
+                             + ", ".join(f"rank {r}: {_BACKENDS[code]}" for r, code in enumerate(asked)))
+        hosts, gpus = rows[:, 1].tolist(), rows[:, 2].tolist()
+        if not ranks_per_domain:
+            per_host = hosts.count(hosts[self.rank])
+            ranks_per_domain = per_host if self.group_size % per_host == 0 else self.group_size
+        return ranks_per_domain, hosts, gpus
+
+    def _vote_on_kernels(self, hosts: list[int], gpus: list[int], ll_nvshmem: bool) -> dict[str, bool]:
+        """backend='auto': each mode on the kernels if every rank can run it there (availability.py),
+        else on the reference backend, on every rank alike. A GPU rank logs why a mode stays off the
+        kernels. The exchange waits longer than a call: a rank may be building the kernels (minutes,
+        once per machine)."""
+        blockers = mode_blockers(self.rank, self.device, hosts, gpus, num_nvl_bytes=self.num_nvl_bytes,
+                                 num_rdma_bytes=self.num_rdma_bytes, low_latency_mode=self.low_latency_mode,
+                                 strategy=self.strategy, ll_nvshmem=ll_nvshmem)
+        mine = torch.tensor([mode not in blockers for mode in _MODES], dtype=torch.int64, device=self.device)
+        deadline = time.monotonic() + max(self._backend.transport.timeout_s, _KERNEL_BUILD_S)
+        self._backend.transport.announce(0)
+        votes = torch.stack(self._backend.transport.all_gather(mine, "Buffer() backend vote", 0, deadline)).cpu()
+        on_kernels = {}
+        for i, mode in enumerate(_MODES):
+            against = [r for r, able in enumerate(votes[:, i].tolist()) if not able]
+            on_kernels[mode] = not against
+            used = self.num_nvl_bytes > 0 if mode == NORMAL else self.low_latency_mode and self.num_rdma_bytes > 0
+            if against and used and self.device.type == "cuda":
+                why = blockers.get(mode) or f"rank(s) {against} cannot run them (see their logs)"
+                _log.warning("epcomm Buffer (rank %d): %s mode runs on the reference backend, not the CUDA kernels: "
+                             "%s", self.rank, mode.replace("_", "-"), why)
+        return on_kernels
 
     @property
     def num_domains(self) -> int:
@@ -519,17 +574,23 @@ class Buffer:
                     raise ValueError("topk_weights given without topk_idx")
                 check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
                              device=self.device, contiguous=True)
-        self._check_nvl_bytes(hidden * max(data.element_size(), 2), config or self._default_config(True))
+        self._check_nvl_bytes(hidden, config or self._default_config(True))
         return data, scales, num_experts
 
-    def _check_nvl_bytes(self, hidden_bytes: int, config: Config) -> None:
-        key = (hidden_bytes, config)  # Config is frozen: equal configs need equal bytes
+    def _check_nvl_bytes(self, hidden: int, config: Config) -> None:
+        """num_nvl_bytes must be at least what a DeepEP caller reserves for this hidden size: the hint for
+        one byte a channel (SGLang sizes an FP8 Buffer so, for its BF16 combine too). DeepEP's own rule,
+        H * max(element size, 2), gives twice that. A call whose rows do not fit runs in rounds on the
+        CUDA backend (same results), so the hint bounds no call's correctness, only its passes."""
+        key = (hidden, config)  # Config is frozen: equal configs need equal bytes
         if key in self._nvl_bytes_ok:
             return
-        need = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        need = config.get_nvl_buffer_size_hint(hidden, self.group_size)
         if self.num_nvl_bytes < need:
-            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for hidden_bytes={hidden_bytes}: "
-                             f"Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}) = {need}")
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for hidden {hidden}: reserve "
+                             f"Config.get_nvl_buffer_size_hint(hidden * max(element size, 2), {self.group_size}) = "
+                             f"{config.get_nvl_buffer_size_hint(hidden * 2, self.group_size)} (at least "
+                             f"get_nvl_buffer_size_hint({hidden}, {self.group_size}) = {need})")
         self._nvl_bytes_ok.add(key)
 
     def _note_normal_use(self) -> None:
@@ -577,7 +638,7 @@ class Buffer:
                 raise ValueError(f"topk_weights must have {rows} rows, got {topk_weights.shape[0]}")
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be an epcomm.Config, got {type(config).__name__}")
-        self._check_nvl_bytes(x.shape[1] * 2, config or self._default_config(False))
+        self._check_nvl_bytes(x.shape[1], config or self._default_config(False))
         biases: tuple = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
         if len(biases) > 2:
             raise ValueError(f"bias must be a tensor or a tuple of at most two, got {len(biases)}")
@@ -957,3 +1018,16 @@ def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
 
 
 __all__ = ["Buffer", "same_device"]
+
+
+def _buffer_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
+    """The device of a Buffer's tensors: ``device`` if given (a bare 'cuda' is the current GPU), else
+    group_device's rule."""
+    if device is None:
+        return group_device(group)
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA device, got {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

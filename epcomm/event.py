@@ -1,4 +1,5 @@
-"""EventOverlap: a completion event plus the tensors that must live until it fires."""
+"""EventOverlap: a completion event plus the tensors that must live until it fires; EventHandle: DeepEP's
+event of the current stream (``deep_ep.utils``; Megatron passes ``EventOverlap(EventHandle())``)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ class EventOverlap:
 
     def __repr__(self) -> str:
         return f"EventOverlap(event={'cuda' if self.event is not None else None})"
+
+
+class EventHandle(torch.cuda.Event):
+    """A CUDA event recorded on the current stream when it is made, as DeepEP's ``EventHandle()``:
+    ``EventOverlap(EventHandle())`` is a ``previous_event`` marking the work queued so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self)

@@ -19,8 +19,11 @@ SHARE_GPUS = os.environ.get("EPCOMM_TEST_SHARE_GPUS", "0") == "1"
 
 _clusters: dict[tuple[int, str], LocalCluster] = {}
 
-# Ranks raise quickly in tests if a peer never arrives, instead of after 100 s.
-TEST_ENV = {"EPCOMM_TIMEOUT_S": os.environ.get("EPCOMM_TEST_TIMEOUT_S", "30"), "OMP_NUM_THREADS": "1",
+# Ranks raise quickly in tests if a peer never arrives, instead of after 100 s. A Buffer built without
+# backend= is the reference backend's, as the suite's oracle tests mean (on GPUs, 'auto' would pick the
+# kernels); the kernel tests and the tests of 'auto' name their backend.
+TEST_ENV = {"EPCOMM_TIMEOUT_S": os.environ.get("EPCOMM_TEST_TIMEOUT_S", "30"), "EPCOMM_BACKEND": "reference",
+            "OMP_NUM_THREADS": "1",
             "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

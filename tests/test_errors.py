@@ -398,7 +398,7 @@ NORMAL_CASES: dict[str, Case] = {
     "ctor/backend unknown": Case("local", lambda c: Buffer(dist.group.WORLD, backend="nvshmem"), "ValueError",
                                  r"^backend must be one of", announced=False),
     "ctor/backend cuda on gloo": Case("local", lambda c: Buffer(dist.group.WORLD, backend="cuda"), "ValueError",
-                                      r"^backend='cuda' needs a process group on CUDA devices", announced=False),
+                                      r"^backend='cuda' needs the Buffer on a GPU", announced=False),
 }
 
 GOOD_CALLS: dict[str, Callable[[Any], Any]] = {

@@ -315,8 +315,11 @@ def test_ll_cuda_masked_rank(ranks):
                        round_scale=False, use_ue8m0=False, use_hook=False, shrink_last=True)
 
 
-def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False):
-    """A decode step (dispatch -> experts -> combine) captured once and replayed with new inputs."""
+def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False, pattern="plain"):
+    """A decode step (dispatch -> experts -> combine) captured once and replayed with new inputs.
+    ``pattern``: how the step waits for its calls, as the serving engines capture them: plain (on the
+    stream), async (``async_finish=True`` and ``event.current_stream_wait()``: SGLang) or hook
+    (``return_recv_hook=True``, the hook called inside the capture: vLLM)."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     buf, ref = _buffer("cuda", n, hidden, num_experts), _buffer("reference", n, hidden, num_experts)
@@ -326,10 +329,20 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False):
 
     bound = None
 
+    def finish(event, hook):
+        if pattern == "async":
+            event.current_stream_wait()
+        elif pattern == "hook":
+            hook()
+
     def step(b, x, idx, w):
-        recv_x, recv_count, handle, _, _ = b.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        flags = dict(async_finish=pattern == "async", return_recv_hook=pattern == "hook")
+        recv_x, recv_count, handle, event, hook = b.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                                         **flags)
+        finish(event, hook)
         y = (recv_x.float() * 0.5).to(torch.bfloat16)
-        combined, _, _ = b.low_latency_combine(y, idx, w, handle)
+        combined, event, hook = b.low_latency_combine(y, idx, w, handle, **flags)
+        finish(event, hook)
         return recv_count, combined
 
     def load(seed):
@@ -354,7 +367,8 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False):
         assert _bits_equal(outputs[0], want[0]), f"rank {rank} replay {seed}: recv_count differs from the reference"
         assert _combined_matches(outputs[1], want[1], bound), \
             f"rank {rank} replay {seed}: combined differs from the reference backend"
-    assert buf._cuda_ll.last_combine_partials == partials, f"rank {rank}: combine by partial sums not taken"
+    assert buf._cuda_ll.last_combine_partials == (partials and pattern != "hook"), \
+        f"rank {rank}: combine by partial sums not taken"
     buf.destroy()
     ref.destroy()
 
@@ -362,6 +376,12 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False):
 @pytest.mark.parametrize("ranks", RANKS)
 def test_ll_cuda_graph_replay(ranks):
     cluster(ranks).run(rank_ll_graph, 32, 1024, 8 * ranks, 4)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("pattern", ["async", "hook"])
+def test_ll_cuda_graph_replay_as_serving_engines_capture(ranks, pattern):
+    cluster(ranks).run(rank_ll_graph, 32, 1024, 8 * ranks, 4, pattern=pattern)
 
 
 def rank_ll_trace(use_hook):

@@ -109,7 +109,8 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     if case.kind == DEEP_EP:
         buf = buffer_class(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes)
     else:
-        if case.backend == "cuda":  # one pass of the CUDA kernels holds every row: size for this routing
+        # One pass of the CUDA kernels holds every row: size for this routing ('auto' on GPUs may run them).
+        if case.backend == "cuda" or (case.backend == "auto" and inputs[rank].x.is_cuda):
             rows, intranode_bytes = _cuda_rows(case, inputs)
             if case.strategy == HIERARCHICAL:
                 from ..backends.cuda.hierarchical import nvl_bytes_needed, rdma_bytes_needed

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import _env
+
 _HOST = "127.0.0.1"
 _STORE_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -38,15 +40,22 @@ def backend_on_cuda(backend: object) -> bool:
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where the tensors of ``group`` (default: the world) live: the rank's current GPU when the group
-    has a CUDA backend, else the CPU."""
-    if backend_on_cuda(dist.get_backend(group)):
+    """Where the tensors of ``group`` (default: the world) live: EPCOMM_DEVICE where set; else the
+    rank's current GPU when the group has a CUDA backend, or is a plain gloo group (which holds CUDA
+    tensors too) on a machine with CUDA, as DeepEP works on the current GPU whatever group it is given
+    (vLLM passes its gloo group); else the CPU."""
+    choice = _env.device_choice()
+    backend = str(dist.get_backend(group))
+    on_cuda = backend_on_cuda(backend) or (backend == "gloo" and torch.cuda.is_available())
+    if choice == "cuda" or (not choice and on_cuda):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, str], tasks, results) -> None:
     os.environ.update(env)
+    if not backend_on_cuda(backend):  # a cluster of CPU processes: the Buffers' tensors on the CPU too
+        os.environ.setdefault("EPCOMM_DEVICE", "cpu")
     torch.set_num_threads(1)  # ranks share the host's cores
     if backend_on_cuda(backend):
         torch.cuda.set_device(rank % torch.cuda.device_count())
