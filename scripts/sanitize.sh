@@ -8,6 +8,7 @@
 # Usage: bash scripts/sanitize.sh                     (every mode)
 #        SANITIZE_SUITES="intranode" bash scripts/sanitize.sh
 #        SANITIZE_TESTS=FILE SANITIZE_K=EXPR bash scripts/sanitize.sh   (one custom selection)
+#        SANITIZE_TOOLS="racecheck synccheck" ...             (some of the tools)
 # Writes a summary line per mode and tool under $OUT, and the log of each run that failed.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -40,7 +41,7 @@ for suite in "${suites[@]}"; do
   fi
   K_ARGS=()
   [ -n "${SELECTIONS[$suite]}" ] && K_ARGS=(-k "${SELECTIONS[$suite]}")
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     log="$OUT/sanitize-$suite-$tool.log"
     # --report-api-errors no: NCCL probes for kernel images of other architectures at init and gets
     # cudaErrorNoKernelImageForDevice (handled inside NCCL); the kernels' own errors are still
