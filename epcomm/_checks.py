@@ -26,7 +26,10 @@ def check_tensor(name: str, t: object, *, dtype: torch.dtype | Sequence[torch.dt
             want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if device is not None and not same_device(t.device, device):
-        raise ValueError(f"{name} must be on {device} (the Buffer's device), got {t.device}")
+        hint = (" (a gloo group on a machine with CUDA puts the Buffer on the GPU, as DeepEP; for CPU tensors "
+                "build it with device='cpu' or EPCOMM_DEVICE=cpu)" if device.type == "cuda" and t.device.type == "cpu"
+                else "")
+        raise ValueError(f"{name} must be on {device} (the Buffer's device), got {t.device}{hint}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
     return t

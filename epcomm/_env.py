@@ -14,8 +14,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                "each mode every rank can run them for, else the reference backend), cuda or "
                                "reference"),
     "EPCOMM_DEVICE": ("", "where a Buffer's tensors live when Buffer(device=...) is not given: cpu or cuda "
-                          "(the current GPU); default: the current GPU if the group's backend holds CUDA "
-                          "tensors (NCCL, gloo) and CUDA is available, else the CPU"),
+                          "(the current GPU); unset: the current GPU if the group's backend holds CUDA tensors "
+                          "(NCCL; plain gloo when CUDA is available), else the CPU"),
     "EPCOMM_RANKS_PER_DOMAIN": ("", "ranks per scale-up domain (default: the ranks of one host)"),
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import _env
 from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
-from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers
+from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers, modes_used
 from .backends.cuda.capi import current_stream
 from .backends.reference import ReferenceBackend
 from .backends.reference import allgather as ref_allgather
@@ -32,16 +32,41 @@ from .backends.reference.backend import Op
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_size_hint
 from .event import EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
-from .utils.launch import backend_on_cuda, group_device
+from .utils.launch import group_device
 
 _log = logging.getLogger("epcomm")
 _buffer_counter = itertools.count()
 _MODES = (NORMAL, LOW_LATENCY)
 _KERNEL_BUILD_S = 900.0  # how long the backend vote waits for a rank that builds the kernels
+# What every rank of a Buffer must choose alike (exchanged when it is built).
+_SHARED_CHOICES = ("backend", "device", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "strategy")
+# Sequence numbers the construction's exchanges announce in the store (calls count from 1): a peer
+# that has not reached an exchange is named by its timeout.
+_SEQ_AGREEMENT, _SEQ_VOTE = -2, -1
 _BACKENDS = ("auto", "cuda", "reference")
 _STRATEGIES = ("alltoall", "allgather", "hierarchical")  # [ext] normal-mode algorithm of the reference backend
 # Errors of argument checking: the refusing rank tells its peers before raising.
 _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+
+
+def _buffer_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
+    """The device of a Buffer's tensors: ``device`` if given (a bare 'cuda' is the current GPU), else
+    group_device's rule."""
+    if device is None:
+        return group_device(group)
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA device, got {device}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device}: CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device}: this process sees {torch.cuda.device_count()} GPU(s)")
+    elif str(dist.get_backend(group)) == "nccl":
+        raise ValueError("device=cpu: the group's backend (nccl) holds CUDA tensors only")
+    return device
 
 
 class Buffer:
@@ -66,12 +91,13 @@ class Buffer:
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         error: Exception | None = None
+        gpu = 0
         try:
             self.device = _buffer_device(self.group, device)
-        except ValueError as e:  # refused below, with the peers told; the exchange needs a device the group holds
-            error = e
-            self.device = torch.device("cuda", torch.cuda.current_device()) if backend_on_cuda(
-                dist.get_backend(self.group)) else torch.device("cpu")
+            gpu = gpu_id(self.device)
+        except Exception as e:  # refused below, with the peers told; the exchange needs a device the group holds
+            error = e if isinstance(e, _REFUSALS) else ValueError(f"device {device!r}: {e}")
+            self.device = group_device(self.group, honour_env=False)
         self.uid = f"{next(_buffer_counter)}"
         self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
         backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
@@ -102,14 +128,17 @@ class Buffer:
                                  "inter-domain (NVSHMEM) buffer: see epcomm.backends.cuda.hierarchical."
                                  "rdma_bytes_needed")
             ranks_per_domain_env = self._ranks_per_domain_from_env()
-            if backend == "auto" and low_latency_mode:  # the environment's low-latency transport
+            if backend != "reference" and low_latency_mode:  # the environment's low-latency transport
                 ll_nvshmem = _env.ll_transport() == "nvshmem" or bool(_env.ll_remote_ranks(self.group_size))
         except _REFUSALS as e:
             error = e
-        # Every rank learns whether a peer refused its arguments (and each rank's host and GPU), within
-        # the timeout.
+        # Every rank learns whether a peer refused its arguments, each rank's host and GPU, and that all
+        # asked for the same Buffer, within the timeout.
+        shared_choices = [] if error else [
+            _BACKENDS.index(backend), int(self.device.type == "cuda"), self.num_nvl_bytes, self.num_rdma_bytes,
+            int(bool(low_latency_mode)), _STRATEGIES.index(strategy)]
         self.ranks_per_domain, hosts, gpus = self._agree_on_construction(
-            error, ranks_per_domain_env if error is None else 0, _BACKENDS.index(backend) if error is None else -1)
+            error, ranks_per_domain_env if error is None else 0, gpu, shared_choices)
         self._backend.ranks_per_domain = self.ranks_per_domain
         self.low_latency_mode = bool(low_latency_mode)
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
@@ -121,14 +150,11 @@ class Buffer:
         self.strategy = strategy
         self._normal = {"allgather": ref_allgather, "hierarchical": ref_hierarchical}.get(strategy, ref_normal)
         # [ext] The backend of each mode: 'auto' runs a mode on the kernels where every rank can.
-        if backend == "auto":
-            on_kernels = self._vote_on_kernels(hosts, gpus, ll_nvshmem)
-        else:
-            on_kernels = dict.fromkeys(_MODES, backend == "cuda")
+        on_kernels = self._choose_backends(backend, hosts, gpus, ll_nvshmem)
         self.backends = {mode: "cuda" if on_kernels[mode] else "reference" for mode in _MODES}
         self.backend_name = "cuda" if "cuda" in self.backends.values() else "reference"
         self._cuda = self._cuda_ll = None
-        if on_kernels[NORMAL] and self.num_nvl_bytes > 0:  # normal mode needs num_nvl_bytes
+        if on_kernels[NORMAL]:
             if strategy == "hierarchical":
                 from .backends.cuda.hierarchical import CudaHierarchical
 
@@ -138,7 +164,7 @@ class Buffer:
                 from .backends.cuda.intranode import CudaIntranode
 
                 self._cuda = CudaIntranode(self.group, self.device, self.num_nvl_bytes, _env.timeout_s())
-        if on_kernels[LOW_LATENCY] and low_latency_mode and self.num_rdma_bytes > 0:  # low latency: num_rdma_bytes
+        if on_kernels[LOW_LATENCY]:
             from .backends.cuda.low_latency import CudaLowLatency
 
             self._cuda_ll = CudaLowLatency(self.group, self.device, self.num_rdma_bytes, _env.timeout_s())
@@ -301,54 +327,79 @@ class Buffer:
                              f"{self.group_size}")
         return value
 
-    def _agree_on_construction(self, error: Exception | None, ranks_per_domain: int,
-                               backend_code: int) -> tuple[int, list[int], list[int]]:
-        """Exchange (refused?, host, GPU, backend asked for) with every rank; raise on all ranks if any
-        refused or they asked for different backends; return ranks per domain, and each rank's host and
-        GPU (availability.gpu_id)."""
+    def _agree_on_construction(self, error: Exception | None, ranks_per_domain: int, gpu: int,
+                               shared_choices: list[int]) -> tuple[int, list[int], list[int]]:
+        """Exchange (refused?, host, GPU, the choices every rank must share) with every rank; raise on
+        all ranks if any refused or they chose differently (else they would run different protocols);
+        return ranks per domain, and each rank's host and GPU (availability.gpu_id)."""
         host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
-        gpu = gpu_id(self.device) if error is None else 0
-        mine = torch.tensor([1 if error else 0, host, gpu, backend_code], dtype=torch.int64, device=self.device)
+        row = [1 if error else 0, host, gpu, *(shared_choices or [0] * len(_SHARED_CHOICES))]
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         deadline = time.monotonic() + self._backend.transport.timeout_s
-        self._backend.transport.announce(0)
-        rows = torch.stack(self._backend.transport.all_gather(mine, "Buffer()", 0, deadline)).cpu()
+        self._backend.transport.announce(_SEQ_AGREEMENT)
+        rows = torch.stack(self._backend.transport.all_gather(mine, "Buffer()", _SEQ_AGREEMENT, deadline)).cpu()
         if error is not None:
             raise error
         refused = [r for r, flag in enumerate(rows[:, 0].tolist()) if flag]
         if refused:
             raise ValueError(f"epcomm Buffer(): rank(s) {refused} refused their arguments (see the error on those "
                              "ranks)")
-        asked = rows[:, 3].tolist()
-        if len(set(asked)) > 1:
-            raise ValueError("epcomm Buffer(): ranks asked for different backends (backend= or EPCOMM_BACKEND): "
-                             + ", ".join(f"rank {r}: {_BACKENDS[code]}" for r, code in enumerate(asked)))
+        for i, name in enumerate(_SHARED_CHOICES):
+            values = rows[:, 3 + i].tolist()
+            if len(set(values)) > 1:
+                shown = [_BACKENDS[v] if name == "backend" else _STRATEGIES[v] if name == "strategy" else
+                         ("cuda" if v else "cpu") if name == "device" else v for v in values]
+                raise ValueError(f"epcomm Buffer(): ranks chose different {name} values (every rank must build the "
+                                 "same Buffer): " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
         hosts, gpus = rows[:, 1].tolist(), rows[:, 2].tolist()
         if not ranks_per_domain:
             per_host = hosts.count(hosts[self.rank])
             ranks_per_domain = per_host if self.group_size % per_host == 0 else self.group_size
         return ranks_per_domain, hosts, gpus
 
-    def _vote_on_kernels(self, hosts: list[int], gpus: list[int], ll_nvshmem: bool) -> dict[str, bool]:
-        """backend='auto': each mode on the kernels if every rank can run it there (availability.py),
-        else on the reference backend, on every rank alike. A GPU rank logs why a mode stays off the
-        kernels. The exchange waits longer than a call: a rank may be building the kernels (minutes,
-        once per machine)."""
-        blockers = mode_blockers(self.rank, self.device, hosts, gpus, num_nvl_bytes=self.num_nvl_bytes,
-                                 num_rdma_bytes=self.num_rdma_bytes, low_latency_mode=self.low_latency_mode,
-                                 strategy=self.strategy, ll_nvshmem=ll_nvshmem)
-        mine = torch.tensor([mode not in blockers for mode in _MODES], dtype=torch.int64, device=self.device)
-        deadline = time.monotonic() + max(self._backend.transport.timeout_s, _KERNEL_BUILD_S)
-        self._backend.transport.announce(0)
-        votes = torch.stack(self._backend.transport.all_gather(mine, "Buffer() backend vote", 0, deadline)).cpu()
-        on_kernels = {}
-        for i, mode in enumerate(_MODES):
-            against = [r for r, able in enumerate(votes[:, i].tolist()) if not able]
-            on_kernels[mode] = not against
-            used = self.num_nvl_bytes > 0 if mode == NORMAL else self.low_latency_mode and self.num_rdma_bytes > 0
-            if against and used and self.device.type == "cuda":
-                why = blockers.get(mode) or f"rank(s) {against} cannot run them (see their logs)"
-                _log.warning("epcomm Buffer (rank %d): %s mode runs on the reference backend, not the CUDA kernels: "
-                             "%s", self.rank, mode.replace("_", "-"), why)
+    def _choose_backends(self, backend: str, hosts: list[int], gpus: list[int], ll_nvshmem: bool) -> dict[str, bool]:
+        """Per mode, whether it runs on the kernels. 'auto': where every rank can run it
+        (availability.py), else on the reference backend, on every rank alike; 'cuda': the same check,
+        and a mode some rank cannot run raises on every rank. Rank 0 logs each rank's reasons when a
+        GPU Buffer keeps a mode off the kernels."""
+        used = modes_used(self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode)
+        if backend == "reference" or not used:
+            return dict.fromkeys(_MODES, False)
+        try:  # builds the kernel libraries on first use
+            blockers = mode_blockers(self.rank, self.device, hosts, gpus, num_nvl_bytes=self.num_nvl_bytes,
+                                     num_rdma_bytes=self.num_rdma_bytes, low_latency_mode=self.low_latency_mode,
+                                     strategy=self.strategy, ll_nvshmem=ll_nvshmem)
+        except Exception as e:  # every rank still votes: a failed check keeps the modes off the kernels
+            blockers = dict.fromkeys(used, f"checking the kernels failed ({type(e).__name__}: {e})")
+        transport = self._backend.transport
+        any_gpu = any(gpus)
+        if any_gpu:  # a peer may still be building the kernels (minutes, once per machine): wait in the store,
+            # which a dead peer cannot hang and which no collective watchdog times
+            late = transport.meet("kernels-checked", time.monotonic() + max(transport.timeout_s, _KERNEL_BUILD_S))
+            if late:
+                raise RuntimeError(f"epcomm Buffer(): rank(s) {late} did not finish checking (building) the CUDA "
+                                   f"kernels within {max(transport.timeout_s, _KERNEL_BUILD_S):g} s")
+        able_per_mode = torch.tensor([mode not in blockers for mode in _MODES], dtype=torch.int64,
+                                     device=self.device)
+        transport.announce(_SEQ_VOTE)
+        votes = torch.stack(transport.all_gather(able_per_mode, "Buffer() backend vote", _SEQ_VOTE,
+                                                 time.monotonic() + transport.timeout_s)).cpu()
+        on_kernels = {mode: mode in used and bool(votes[:, i].all()) for i, mode in enumerate(_MODES)}
+        kept_off = [mode for mode in used if not on_kernels[mode]]
+        if kept_off and any_gpu:  # every rank takes this branch alike (the votes and GPUs are shared)
+            reasons: list[Any] = [None] * self.group_size
+            dist.all_gather_object(reasons, {mode: blockers.get(mode) for mode in kept_off}, group=self.group)
+            for mode in kept_off:
+                why = "; ".join(f"rank {r}: {reason[mode]}" for r, reason in enumerate(reasons) if reason[mode])
+                if backend == "cuda":
+                    raise RuntimeError(f"epcomm Buffer(backend='cuda'): the CUDA kernels cannot run "
+                                       f"{mode.replace('_', '-')} mode here: {why}")
+                if self.rank == 0:
+                    _log.warning("epcomm Buffer: %s mode runs on the reference backend, not the CUDA kernels: %s",
+                                 mode.replace("_", "-"), why)
+        if self.rank == 0 and any(on_kernels.values()):
+            _log.info("epcomm Buffer: the CUDA kernels run %s", ", ".join(
+                f"{mode.replace('_', '-')} mode" for mode in _MODES if on_kernels[mode]))
         return on_kernels
 
     @property
@@ -579,7 +630,7 @@ class Buffer:
 
     def _check_nvl_bytes(self, hidden: int, config: Config) -> None:
         """num_nvl_bytes must be at least what a DeepEP caller reserves for this hidden size: the hint for
-        one byte a channel (SGLang sizes an FP8 Buffer so, for its BF16 combine too). DeepEP's own rule,
+        H bytes a token (SGLang sizes an FP8 Buffer so, for its BF16 combine too). DeepEP's own rule,
         H * max(element size, 2), gives twice that. A call whose rows do not fit runs in rounds on the
         CUDA backend (same results), so the hint bounds no call's correctness, only its passes."""
         key = (hidden, config)  # Config is frozen: equal configs need equal bytes
@@ -1018,16 +1069,3 @@ def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
 
 
 __all__ = ["Buffer", "same_device"]
-
-
-def _buffer_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
-    """The device of a Buffer's tensors: ``device`` if given (a bare 'cuda' is the current GPU), else
-    group_device's rule."""
-    if device is None:
-        return group_device(group)
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be the CPU or a CUDA device, got {device}")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device

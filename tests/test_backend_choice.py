@@ -5,7 +5,10 @@ passes its gloo group), and the refusals when ranks disagree. The GPU cases are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from routing import make_inputs
 from epcomm import Buffer, Config
 from epcomm.backends.cuda.availability import LOW_LATENCY, NORMAL, mode_blockers
 from epcomm.bench.checks import same_bits
+from epcomm.utils.launch import group_device
 
 HIDDEN, EXPERTS, TOPK, N = 512, 16, 4, 32
 gpu_only = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
@@ -56,14 +60,98 @@ def _same(a, b) -> bool:
 
 
 # ----------------------------------------------------------------------------- on CPU ranks (CI)
+class _Records(logging.Handler):
+    """The epcomm logger's records while installed (a context manager)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Records:
+        logger = logging.getLogger("epcomm")
+        self.level, logger.level = logger.level, logging.DEBUG
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("epcomm")
+        logger.removeHandler(self)
+        logger.level = self.level
+
+
+@contextlib.contextmanager
+def _blockers_on_rank(rank: int, fake):
+    """availability.mode_blockers replaced by ``fake`` on ``rank``, by no blocker on the others."""
+    import epcomm.buffer as buffer_module
+
+    real = buffer_module.mode_blockers
+    buffer_module.mode_blockers = fake if dist.get_rank() == rank else (lambda *args, **kwargs: {})
+    try:
+        yield
+    finally:
+        buffer_module.mode_blockers = real
+
+
 def rank_auto_on_cpu():
-    """No GPU: 'auto' is the reference backend for both modes, on the CPU, quietly."""
-    buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
+    """No GPU: 'auto' is the reference backend for both modes, on the CPU, quietly; a Buffer without
+    low-latency mode reports it on the reference too. With EPCOMM_DEVICE unset, a gloo group without
+    CUDA is on the CPU."""
+    with _Records() as records:
+        buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
+        normal_only = Buffer(dist.group.WORLD, 1 << 22, backend="auto")
+    assert records.messages == [], records.messages
     assert buf.device.type == "cpu"
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"} and buf.backend_name == "reference"
+    assert normal_only.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, normal_only.backends
     out = _round_trip(buf, buf.device, seed=3)
     buf.destroy()
+    normal_only.destroy()
+    saved = os.environ.pop("EPCOMM_DEVICE", None)  # the CPU clusters' ranks set it (epcomm.utils.launch)
+    try:
+        assert group_device() == torch.device("cpu")
+    finally:
+        if saved is not None:
+            os.environ["EPCOMM_DEVICE"] = saved
     return int(out["recv_x"].shape[0])
+
+
+def rank_split_vote(raise_in_check: bool):
+    """One rank cannot run the kernels (or its check raises): every rank keeps both modes on the
+    reference backend, within the timeout, and the Buffer works."""
+    def blocked(*args, **kwargs):
+        if raise_in_check:
+            raise OSError("no such library")
+        return {NORMAL: "test: blocked", LOW_LATENCY: "test: blocked"}
+
+    with _blockers_on_rank(1, blocked):
+        start = time.monotonic()
+        buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
+        elapsed = time.monotonic() - start
+    assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, buf.backends
+    assert elapsed < 10, elapsed
+    out = _round_trip(buf, buf.device, seed=4)
+    buf.destroy()
+    return int(out["recv_x"].shape[0])
+
+
+@pytest.mark.skipif(BACKEND == "nccl", reason="the CPU rule: the suite runs on GPUs")
+@pytest.mark.parametrize("raise_in_check", [False, True], ids=["blocked", "check-raises"])
+def test_one_rank_unable_keeps_every_rank_on_the_reference(raise_in_check):
+    assert sum(cluster(2).run(rank_split_vote, raise_in_check)) > 0
+
+
+def rank_sizes_disagree():
+    """Ranks building different Buffers (here num_nvl_bytes) raise ValueError on every rank."""
+    with pytest.raises(ValueError, match=r"different num_nvl_bytes values .*rank 0: 1048576, rank 1: 2097152"):
+        Buffer(dist.group.WORLD, (1 + dist.get_rank()) << 20)
+    return True
+
+
+def test_ranks_building_different_buffers_all_raise():
+    cluster(2).run(rank_sizes_disagree)
 
 
 @pytest.mark.skipif(BACKEND == "nccl", reason="the CPU rule: the suite runs on GPUs")
@@ -74,7 +162,7 @@ def test_auto_without_gpus_is_the_reference_backend():
 def rank_backends_disagree():
     """Ranks asking for different backends raise ValueError on every rank (else they would wait on
     each other in different protocols)."""
-    with pytest.raises(ValueError, match=r"different backends .*rank 0: auto, rank 1: reference"):
+    with pytest.raises(ValueError, match=r"different backend values .*rank 0: auto, rank 1: reference"):
         Buffer(dist.group.WORLD, 1 << 20, backend="auto" if dist.get_rank() == 0 else "reference")
     return True
 
@@ -140,20 +228,19 @@ def test_auto_on_gpus_runs_the_kernels(ranks, group_backend):
     cluster(ranks).run(rank_auto_on_gpus, group_backend)
 
 
-def rank_auto_falls_back(caplog_level: int):
+def rank_auto_falls_back():
     """A mode the kernels cannot run stays on the reference backend, logged: here the allgather
     strategy (normal mode), while low-latency mode still runs on the kernels."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(caplog_level)
-    handler.emit = records.append
-    logging.getLogger("epcomm").addHandler(handler)
-    try:
+    with _Records() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto", strategy="allgather")
-    finally:
-        logging.getLogger("epcomm").removeHandler(handler)
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "cuda"}, buf.backends
-    assert any("normal mode runs on the reference backend" in r.getMessage() and "allgather" in r.getMessage()
-               for r in records), [r.getMessage() for r in records]
+    if dist.get_rank() == 0:  # rank 0 logs every rank's reason
+        warned = [m for m in records.messages if "normal mode runs on the reference backend" in m]
+        assert len(warned) == 1 and all(f"rank {r}: strategy='allgather'" in warned[0]
+                                        for r in range(dist.get_world_size())), records.messages
+        assert any("the CUDA kernels run low-latency mode" in m for m in records.messages), records.messages
+    else:
+        assert records.messages == [], records.messages
     out = _round_trip(buf, buf.device, seed=9)
     buf.destroy()
     return int(out["recv_x"].shape[0])
@@ -161,4 +248,4 @@ def rank_auto_falls_back(caplog_level: int):
 
 @gpu_only
 def test_auto_keeps_a_mode_the_kernels_cannot_run_on_the_reference():
-    cluster(2).run(rank_auto_falls_back, logging.WARNING)
+    cluster(2).run(rank_auto_falls_back)

@@ -367,8 +367,7 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False, pattern="pla
         assert _bits_equal(outputs[0], want[0]), f"rank {rank} replay {seed}: recv_count differs from the reference"
         assert _combined_matches(outputs[1], want[1], bound), \
             f"rank {rank} replay {seed}: combined differs from the reference backend"
-    assert buf._cuda_ll.last_combine_partials == (partials and pattern != "hook"), \
-        f"rank {rank}: combine by partial sums not taken"
+    assert buf._cuda_ll.last_combine_partials == partials, f"rank {rank}: combine by partial sums not taken"
     buf.destroy()
     ref.destroy()
 

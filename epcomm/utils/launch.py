@@ -39,12 +39,12 @@ def backend_on_cuda(backend: object) -> bool:
     return "nccl" in str(backend) or "cuda:" in str(backend)
 
 
-def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where the tensors of ``group`` (default: the world) live: EPCOMM_DEVICE where set; else the
-    rank's current GPU when the group has a CUDA backend, or is a plain gloo group (which holds CUDA
-    tensors too) on a machine with CUDA, as DeepEP works on the current GPU whatever group it is given
-    (vLLM passes its gloo group); else the CPU."""
-    choice = _env.device_choice()
+def group_device(group: dist.ProcessGroup | None = None, honour_env: bool = True) -> torch.device:
+    """Where the tensors of ``group`` (default: the world) live: EPCOMM_DEVICE where set (and
+    ``honour_env``); else the rank's current GPU when the group has a CUDA backend, or is a plain gloo
+    group (which holds CUDA tensors too) on a machine with CUDA, as DeepEP works on the current GPU
+    whatever group it is given (vLLM passes its gloo group); else the CPU."""
+    choice = _env.device_choice() if honour_env else ""
     backend = str(dist.get_backend(group))
     on_cuda = backend_on_cuda(backend) or (backend == "gloo" and torch.cuda.is_available())
     if choice == "cuda" or (not choice and on_cuda):

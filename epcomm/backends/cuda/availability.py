@@ -65,19 +65,22 @@ def _unreachable_peers(rank: int, device: torch.device, hosts: list[int], gpus: 
     return unreachable
 
 
+def modes_used(num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool) -> list[str]:
+    """The modes a Buffer of these sizes can call: normal mode needs num_nvl_bytes, low latency
+    low_latency_mode and num_rdma_bytes."""
+    return [mode for mode, used in ((NORMAL, num_nvl_bytes > 0), (LOW_LATENCY, low_latency_mode and num_rdma_bytes > 0))
+            if used]
+
+
 def mode_blockers(rank: int, device: torch.device, hosts: list[int], gpus: list[int], *, num_nvl_bytes: int,
                   num_rdma_bytes: int, low_latency_mode: bool, strategy: str, ll_nvshmem: bool) -> dict[str, str]:
-    """Per mode this Buffer uses, why this rank cannot run it on the kernels (absent: it can).
+    """Per mode this Buffer uses (modes_used), why this rank cannot run it on the kernels (absent: it can).
 
     ``hosts`` and ``gpus`` name every rank's host and GPU (gathered by the Buffer); ``ll_nvshmem``: the
     environment sends low-latency peers of this host through NVSHMEM (EPCOMM_LL_TRANSPORT=nvshmem or
     EPCOMM_LL_REMOTE_RANKS), which then needs NVSHMEM's library on one host too.
     """
-    modes = []
-    if num_nvl_bytes > 0:
-        modes.append(NORMAL)
-    if low_latency_mode and num_rdma_bytes > 0:
-        modes.append(LOW_LATENCY)
+    modes = modes_used(num_nvl_bytes, num_rdma_bytes, low_latency_mode)
     if not modes:
         return {}
     blocker = _gpu_blocker(device)

@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import LowLatencyHandle
-from ...utils.launch import group_device
 from ..rows import low_latency_scales_layout
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
@@ -256,7 +255,7 @@ class CudaLowLatency:
         disagree are named here, not left to wait for each other in the kernels."""
         wanted = _env.ll_combine_partials()
         able = wanted and self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
-        flags = torch.tensor([int(wanted), -int(wanted), int(able)], dtype=torch.int32, device=group_device(group))
+        flags = torch.tensor([int(wanted), -int(wanted), int(able)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
         if int(flags[0]) != -int(flags[1]):
             raise ValueError("EPCOMM_LL_COMBINE_PARTIALS differs across ranks; every rank must set the same value")
