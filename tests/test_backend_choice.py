@@ -72,14 +72,15 @@ class _Records(logging.Handler):
 
     def __enter__(self) -> _Records:
         logger = logging.getLogger("epcomm")
-        self.level, logger.level = logger.level, logging.DEBUG
+        self.saved_level = logger.level
+        logger.setLevel(logging.DEBUG)  # setLevel, not the attribute: it clears the logger's level cache
         logger.addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
         logger = logging.getLogger("epcomm")
         logger.removeHandler(self)
-        logger.level = self.level
+        logger.setLevel(self.saved_level)
 
 
 @contextlib.contextmanager
