@@ -1,7 +1,7 @@
 """DeepEP callers' own patterns, as they call ``deep_ep`` (the drop-in promise): SGLang's buffer sizing
-for FP8 (one byte a channel, for its BF16 combine too) and Megatron's ``EventOverlap(EventHandle())``
-from ``deep_ep.utils``. On GPUs (EPCOMM_TEST_BACKEND=nccl) the CUDA kernels run them; the reference
-backend is the oracle.
+for FP8 (H bytes a token, for its BF16 combine too), FP8 scales of any grouping, and Megatron's
+``EventOverlap(EventHandle())`` from ``deep_ep.utils``. On GPUs (EPCOMM_TEST_BACKEND=nccl) the CUDA
+kernels run them; the reference backend is the oracle.
 """
 
 from __future__ import annotations
@@ -63,6 +63,43 @@ def test_sglang_fp8_buffer_sizing(backend):
     if backend == "cuda" and BACKEND != "nccl":
         pytest.skip("CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
     cluster(2).run(rank_sglang_fp8_sizing, backend)
+
+
+def rank_scales_of_any_grouping(backend: str, columns: int, col_major: bool):
+    """FP8 data with scales of another grouping than one per 128 channels (one a token, as per-token
+    quantization makes; or any count): they travel with their token, as DeepEP moves them. Fresh and
+    cached dispatch equal the reference backend's bit for bit."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = _device()
+    x, topk_idx, weights = (t.to(dev) for t in make_inputs(23, rank, TOKENS, HIDDEN, EXPERTS, TOPK, num_ranks,
+                                                           "random"))
+    amax = x.float().abs().view(TOKENS, columns, -1).amax(-1).clamp(min=1e-4)
+    scales = amax / 448
+    data = (x.float().view(TOKENS, columns, -1) / scales.unsqueeze(-1)).view(TOKENS, -1).to(torch.float8_e4m3fn)
+    if col_major:
+        scales = scales.t().contiguous().t()
+    outs = []
+    for name in (backend, "reference"):
+        buf = Buffer(dist.group.WORLD, _sglang_nvl_bytes(HIDDEN * 2, num_ranks), backend=name)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, EXPERTS)
+        (recv_x, recv_scales), recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            (data, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=weights)
+        (cached_x, cached_scales), *_ = buf.dispatch((data, scales), handle=handle)
+        outs.append([recv_x, recv_scales, recv_idx, recv_w, cached_x, cached_scales])
+        buf.destroy()
+    for name, got, want in zip(("recv_x", "recv_scales", "recv_idx", "recv_w", "cached_x", "cached_scales"), *outs):
+        assert got.shape == want.shape and same_bits(got, want), f"rank {rank}: {name} differs"
+    assert outs[0][1].shape[1] == columns
+    return True
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+@pytest.mark.parametrize("columns, col_major", [(1, False), (4, True)], ids=["per-token", "per-256-col-major"])
+def test_fp8_scales_of_any_grouping(backend, columns, col_major):
+    if backend == "cuda" and BACKEND != "nccl":
+        pytest.skip("CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+    cluster(2).run(rank_scales_of_any_grouping, backend, columns, col_major)
 
 
 def rank_megatron_events():
