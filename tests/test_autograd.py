@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
-from conftest import cluster
+from conftest import BACKEND, cluster
 from routing import device
 from torch import nn
 
@@ -20,7 +21,7 @@ def _params(seed, hidden, ffn, num_experts):
     return router, ExpertMLP(hidden, ffn, num_experts, generator=gen)
 
 
-def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed):
+def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed, backend="reference"):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     e_local = num_experts // num_ranks
     router, all_experts = _params(seed, hidden, ffn, num_experts)
@@ -29,7 +30,8 @@ def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed):
     with torch.no_grad():
         local.w_in.copy_(all_experts.w_in[rank * e_local:(rank + 1) * e_local])
         local.w_out.copy_(all_experts.w_out[rank * e_local:(rank + 1) * e_local])
-    buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks), backend="reference")
+    buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks), backend=backend)
+    assert backend == "reference" or buf.backends["normal"] == "cuda", buf.backends  # 'auto' only on GPUs
     dev = device()
     layer = ExpertParallelMoE(buf, hidden, ffn, num_experts, num_topk, router, local).to(dev)
     xs = [torch.randn((t, hidden), generator=torch.Generator().manual_seed(seed + 1 + r)) for r, t in
@@ -69,9 +71,15 @@ def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed):
     return True
 
 
-def test_moe_layer_matches_dense_2_ranks():
-    cluster(2).run(rank_moe_layer, [24, 17], 64, 32, 8, 2, seed=3)
+# On GPUs also 'auto', which runs the CUDA kernels there (on CPU ranks it would repeat the reference).
+BACKENDS = ["reference", "auto"] if BACKEND == "nccl" else ["reference"]
 
 
-def test_moe_layer_matches_dense_4_ranks_with_empty_rank():
-    cluster(4).run(rank_moe_layer, [20, 0, 9, 1], 32, 16, 8, 3, seed=4)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_layer_matches_dense_2_ranks(backend):
+    cluster(2).run(rank_moe_layer, [24, 17], 64, 32, 8, 2, seed=3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_layer_matches_dense_4_ranks_with_empty_rank(backend):
+    cluster(4).run(rank_moe_layer, [20, 0, 9, 1], 32, 16, 8, 3, seed=4, backend=backend)
