@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -295,6 +296,23 @@ class Buffer:
         self._local_nvl = self._local_rdma = None
         self._backend.ll_combine_buffers.clear()
         self._destroyed = True
+
+    def __del__(self) -> None:
+        """DeepEP's rule when a Buffer is collected: built with explicitly_destroy=False, it is freed then
+        (Megatron drops and rebuilds its Buffer so); built with True and never destroyed, it warns that it
+        leaks. Freeing meets the peers (bounded by EPCOMM_TIMEOUT_S), so the Buffer should be collected at
+        the same point on every rank, as dropping its last reference does. Nothing is done while the
+        interpreter shuts down, when peers may be gone (the processes' exit frees the memory)."""
+        if getattr(self, "_destroyed", True) or sys.is_finalizing() or not dist.is_initialized():
+            return  # destroyed, never fully built, or too late to meet anyone
+        if self.explicitly_destroy:
+            warnings.warn("epcomm Buffer(explicitly_destroy=True) was collected without destroy(): its buffers "
+                          "leak", ResourceWarning, stacklevel=2)
+            return
+        try:
+            self.destroy()
+        except Exception as error:  # an exception cannot leave __del__: say what happened instead
+            warnings.warn(f"epcomm Buffer collected: destroy() failed: {error}", RuntimeWarning, stacklevel=2)
 
     def _free_when_peers_done(self, backend: Any, what: str) -> None:
         """Free a CUDA backend's shared buffer once every rank has finished with it (each synchronized

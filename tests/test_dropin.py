@@ -1,10 +1,12 @@
 """DeepEP callers' own patterns, as they call ``deep_ep`` (the drop-in promise): SGLang's buffer sizing
-for FP8 (H bytes a token, for its BF16 combine too), FP8 scales of any grouping, and Megatron's
-``EventOverlap(EventHandle())`` from ``deep_ep.utils``. On GPUs (EPCOMM_TEST_BACKEND=nccl) the CUDA
-kernels run them; the reference backend is the oracle.
+for FP8 (H bytes a token, for its BF16 combine too), FP8 scales of any grouping, Megatron's
+``EventOverlap(EventHandle())`` from ``deep_ep.utils``, and Buffers freed when collected. On GPUs
+(EPCOMM_TEST_BACKEND=nccl) the CUDA kernels run them; the reference backend is the oracle.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -140,6 +142,49 @@ def rank_megatron_events():
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_megatron_event_handles(ranks):
     cluster(ranks).run(rank_megatron_events)
+
+
+def rank_collected_buffers(backend: str):
+    """DeepEP's rule at collection: explicitly_destroy=False frees the Buffer (Megatron drops and
+    rebuilds its Buffer); True without destroy() warns of the leak. On GPUs the kernels' buffers are
+    returned to PyTorch's allocator."""
+    dev = _device()
+    called: list[str] = []
+    real_destroy = Buffer.destroy
+
+    def recording_destroy(self):
+        called.append(self.uid)
+        real_destroy(self)
+
+    Buffer.destroy = recording_destroy
+    try:
+        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        buf = Buffer(dist.group.WORLD, 64 << 20, backend=backend)
+        uid = buf.uid
+        if dev.type == "cuda":
+            assert torch.cuda.memory_allocated(dev) >= before + (64 << 20), "the Buffer's memory is not PyTorch's"
+        del buf  # the last reference, at the same point on every rank
+        assert called == [uid], called
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            assert torch.cuda.memory_allocated(dev) < before + (1 << 20), "the collected Buffer's memory stayed"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kept = Buffer(dist.group.WORLD, 1 << 22, backend="reference", explicitly_destroy=True)
+            del kept
+        assert any(issubclass(w.category, ResourceWarning) and "without destroy()" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]
+        assert len(called) == 1, called
+    finally:
+        Buffer.destroy = real_destroy
+    return True
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_collected_buffers_follow_deep_ep(backend):
+    if backend == "cuda" and BACKEND != "nccl":
+        pytest.skip("CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+    cluster(2).run(rank_collected_buffers, backend)
 
 
 def test_deep_ep_utils_names():
