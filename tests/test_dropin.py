@@ -149,6 +149,7 @@ def rank_collected_buffers(backend: str):
     rebuilds its Buffer); True without destroy() warns of the leak. On GPUs the kernels' buffers are
     returned to PyTorch's allocator."""
     dev = _device()
+    on_gpu = backend == "cuda"  # the kernels' buffer is a PyTorch allocation; the reference backend has none
     called: list[str] = []
     real_destroy = Buffer.destroy
 
@@ -158,14 +159,14 @@ def rank_collected_buffers(backend: str):
 
     Buffer.destroy = recording_destroy
     try:
-        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        before = torch.cuda.memory_allocated(dev) if on_gpu else 0
         buf = Buffer(dist.group.WORLD, 64 << 20, backend=backend)
         uid = buf.uid
-        if dev.type == "cuda":
+        if on_gpu:
             assert torch.cuda.memory_allocated(dev) >= before + (64 << 20), "the Buffer's memory is not PyTorch's"
         del buf  # the last reference, at the same point on every rank
         assert called == [uid], called
-        if dev.type == "cuda":
+        if on_gpu:
             torch.cuda.synchronize(dev)
             assert torch.cuda.memory_allocated(dev) < before + (1 << 20), "the collected Buffer's memory stayed"
         with warnings.catch_warnings(record=True) as caught:
