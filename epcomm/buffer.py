@@ -232,7 +232,10 @@ class Buffer:
     # ------------------------------------------------------------------ buffers
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | tuple[int, ...] | None = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
-        """A view of this rank's communication buffer as ``dtype`` (optionally reshaped to ``size``)."""
+        """A tensor of the buffer's byte size as ``dtype`` (optionally reshaped to ``size``), for scratch
+        use: a zeroed allocation of this Buffer's own (made at the first call, kept until destroy), not
+        the memory the kernels communicate through, whose flags and counters a caller's writes would
+        corrupt. Zeroing it therefore resets nothing (clean_low_latency_buffer does)."""
         self._check_alive()
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         check_int("offset", offset, minimum=0, maximum=total)
