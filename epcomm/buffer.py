@@ -301,21 +301,19 @@ class Buffer:
         self._destroyed = True
 
     def __del__(self) -> None:
-        """DeepEP's rule when a Buffer is collected: built with explicitly_destroy=False, it is freed then
-        (Megatron drops and rebuilds its Buffer so); built with True and never destroyed, it warns that it
-        leaks. Freeing meets the peers (bounded by EPCOMM_TIMEOUT_S), so the Buffer should be collected at
-        the same point on every rank, as dropping its last reference does. Nothing is done while the
-        interpreter shuts down, when peers may be gone (the processes' exit frees the memory)."""
-        if getattr(self, "_destroyed", True) or sys.is_finalizing() or not dist.is_initialized():
-            return  # destroyed, never fully built, or too late to meet anyone
-        if self.explicitly_destroy:
-            warnings.warn("epcomm Buffer(explicitly_destroy=True) was collected without destroy(): its buffers "
-                          "leak", ResourceWarning, stacklevel=2)
-            return
-        try:
-            self.destroy()
-        except Exception as error:  # an exception cannot leave __del__: say what happened instead
-            warnings.warn(f"epcomm Buffer collected: destroy() failed: {error}", RuntimeWarning, stacklevel=2)
+        """A Buffer whose CUDA buffers were never destroyed says so when it is collected. DeepEP frees a
+        Buffer built with explicitly_destroy=False then (its C++ destructor meets the peers); epcomm does
+        not: freeing meets the peers, and a collection may run on any rank at any time (the garbage
+        collector, another thread, inside a graph capture or another Buffer's call), where a meeting
+        can stall or break the calls in flight. Call destroy() on every rank, e.g. before rebuilding a
+        Buffer, as Megatron does when its sizes grow."""
+        if getattr(self, "_destroyed", True) or sys.is_finalizing():
+            return  # destroyed, never fully built, or the process is ending (its exit frees the memory)
+        held = [b for b in (getattr(self, "_cuda", None), getattr(self, "_cuda_ll", None)) if b is not None]
+        if held:
+            _LEAKED.extend(held)  # peers may still map and write these buffers: never hand them back to PyTorch
+            _log.warning("epcomm Buffer (rank %d) collected without destroy(): its CUDA buffers are kept, not "
+                         "freed; call destroy() on every rank", self.rank)
 
     def _free_when_peers_done(self, backend: Any, what: str) -> None:
         """Free a CUDA backend's shared buffer once every rank has finished with it (each synchronized
@@ -432,13 +430,15 @@ class Buffer:
         """Tell the peers this rank refused its arguments (so they raise too), then raise."""
         on_kernels = (self._cuda is not None and op in (Op.DISPATCH, Op.COMBINE)) or \
             (self._cuda_ll is not None and op in (Op.LL_DISPATCH, Op.LL_COMBINE))
-        if on_kernels:
-            raise error  # no handshake on the kernel path: peers' bounded waits name this rank
         try:
-            self._backend.handshake(op, {}, refused=True)
-        except RuntimeError:
-            pass  # a peer timeout while refusing: the argument error is still the one to report
-        raise error
+            if not on_kernels:  # on the kernel path no handshake: the peers' bounded waits name this rank
+                try:
+                    self._backend.handshake(op, {}, refused=True)
+                except RuntimeError:
+                    pass  # a peer timeout while refusing: the argument error is still the one to report
+            raise error
+        finally:
+            del error  # else error -> its traceback -> this frame -> error: a cycle holding the Buffer
 
     @staticmethod
     def _check_async_args(previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
@@ -593,10 +593,11 @@ class Buffer:
             check_tensor("x[1] (scales)", scales, device=self.device)
             if scales.shape[0] != num_tokens:
                 raise ValueError(f"x[1] (scales) must have {num_tokens} rows, got {scales.shape[0]}")
-            # Scales travel with their token as bytes, whatever their grouping (DeepEP takes any count:
-            # one per 128 channels, UE8M0 ints per 512, one a token, ...).
-            if scales.shape[1] < 1:
-                raise ValueError(f"x[1] (scales) must have at least one column, got shape {tuple(scales.shape)}")
+            want_cols = -(-hidden // (128 if scales.dtype == torch.float32 else 512))
+            if scales.shape[1] != want_cols:
+                raise ValueError(f"x[1] (scales) must have {want_cols} columns for hidden {hidden} (one "
+                                 f"{'fp32 scale per 128' if scales.dtype == torch.float32 else 'UE8M0 int per 512'}"
+                                 f" channels), got {scales.shape[1]}")
             if not (scales.stride(1) == 1 or scales.stride(0) == 1):
                 raise ValueError(f"x[1] (scales) must be row- or column-major, got strides {scales.stride()}")
         check_int("expert_alignment", expert_alignment, minimum=1)
