@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 from .utils.launch import group_device
 
 _log = logging.getLogger("epcomm")
-_buffer_counter = itertools.count()
+_buffer_counters: dict[tuple[int, ...], itertools.count] = {}
 _MODES = (NORMAL, LOW_LATENCY)
 _KERNEL_BUILD_S = 900.0  # how long the backend vote waits for a rank that builds the kernels
 # What every rank of a Buffer must choose alike (exchanged when it is built).
@@ -48,6 +49,16 @@ _BACKENDS = ("auto", "cuda", "reference")
 _STRATEGIES = ("alltoall", "allgather", "hierarchical")  # [ext] normal-mode algorithm of the reference backend
 # Errors of argument checking: the refusing rank tells its peers before raising.
 _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+
+
+def _next_uid(group: dist.ProcessGroup) -> str:
+    """A Buffer's name in the group's store (its exchanges' keys), equal on every rank of its group: the
+    group's ranks and how many Buffers this process built on them before. One count per process would
+    differ between ranks that also build Buffers on other groups, and would give two groups' Buffers
+    the same keys in the shared store."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    counter = _buffer_counters.setdefault(ranks, itertools.count())
+    return f"{zlib.crc32(repr(ranks).encode()):08x}-{next(counter)}"
 
 
 def _buffer_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
@@ -99,7 +110,7 @@ class Buffer:
         except Exception as e:  # refused below, with the peers told; the exchange needs a device the group holds
             error = e if isinstance(e, _REFUSALS) else ValueError(f"device {device!r}: {e}")
             self.device = group_device(self.group, honour_env=False)
-        self.uid = f"{next(_buffer_counter)}"
+        self.uid = _next_uid(self.group)
         self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
         backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
         ll_nvshmem = False

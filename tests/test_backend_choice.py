@@ -250,3 +250,25 @@ def rank_auto_falls_back():
 @gpu_only
 def test_auto_keeps_a_mode_the_kernels_cannot_run_on_the_reference():
     cluster(2).run(rank_auto_falls_back)
+
+
+
+def rank_buffer_names_per_group():
+    """A Buffer's name in the store (its exchanges' keys) is equal on the ranks of its group, whatever
+    other Buffers a rank built on other groups before, and differs between groups: the meetings of two
+    expert-parallel groups' Buffers must not satisfy each other."""
+    rank = dist.get_rank()
+    solo = dist.new_group([0])  # new_group is collective over the world: every rank makes every group
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    if rank == 0:  # a per-process count of Buffers would now differ between ranks 0 and 1
+        Buffer(solo, 1 << 22, backend="reference").destroy()
+    buf = Buffer(pairs[rank // 2], 1 << 22, backend="reference")
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, buf.uid)
+    buf.destroy()
+    return names
+
+
+def test_buffer_names_are_per_group():
+    names = cluster(4).run(rank_buffer_names_per_group)[0]
+    assert names[0] == names[1] and names[2] == names[3] and names[0] != names[2], names

@@ -964,7 +964,7 @@ def rank_constructor_refusal_alone(bad_rank: int, tag: str) -> tuple:
         # The peers wait in the constructor's all_gather_object, bounded only by the process group's
         # own timeout (30 min on gloo): join it, and take a Buffer id as their Buffer did.
         dist.all_gather_object([None] * num_ranks, socket.gethostname())
-        next(buffer_module._buffer_counter)
+        buffer_module._next_uid(dist.group.WORLD)
     ranks: list[Any] = [None] * num_ranks
     dist.all_gather_object(ranks, rank)
     if ranks != list(range(num_ranks)):
