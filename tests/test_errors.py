@@ -31,6 +31,7 @@ import epcomm
 from epcomm import Buffer, Config
 from epcomm import buffer as buffer_module
 from epcomm.backends.reference.backend import Op
+from epcomm.backends.reference.transport import Transport
 from epcomm.handle import DispatchHandle, LowLatencyHandle
 
 # The reference backend's argument checks with CPU tensors on gloo ranks, also on GPU machines
@@ -1462,3 +1463,24 @@ def rank_low_latency_property(max_examples: int) -> dict[str, int]:
 def test_low_latency_arguments_property():
     (seen,) = cluster(1).run(rank_low_latency_property, 40, timeout_s=RUN_TIMEOUT_S * 3)
     assert seen["valid"] and seen["refused"], seen
+
+
+# ====================================================================================== a meeting given up
+def rank_meeting_given_up(uid: str) -> list[int]:
+    """Rank 0 gives up waiting for a late rank 1 at a store meeting (as destroy does before a collective
+    free); rank 1, arriving later, finds every arrival key but counts rank 0 as absent, so it does not go
+    on to a free rank 0 will never join (NVSHMEM's would wait forever)."""
+    rank = dist.get_rank()
+    transport = Transport(dist.group.WORLD, uid, timeout_s=1.0)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        missing = transport.meet("free", time.monotonic() + 0.3)
+        store.set(f"{uid}/rank0-left", "1")
+    else:
+        store.wait([f"{uid}/rank0-left"])  # arrive only after rank 0 gave up
+        missing = transport.meet("free", time.monotonic() + 5.0)
+    return missing
+
+
+def test_a_rank_arriving_after_a_peer_gave_up_counts_it_absent():
+    assert cluster(2).run(rank_meeting_given_up, uuid.uuid4().hex) == [[1], [0]]

@@ -50,15 +50,25 @@ class Transport:
 
     def meet(self, tag: str, deadline: float) -> list[int] | None:
         """A barrier through the store, bounded by ``deadline``: the ranks that did not arrive (None
-        without a store). Safe with a dead peer, unlike a collective of the group."""
+        without a store). Safe with a dead peer, unlike a collective of the group.
+
+        A rank that gives up says so in the store, and a rank arriving later counts it as absent: it
+        left, so what the meeting guards (a collective free, say) must not go on with it, although its
+        arrival key is there."""
         if self._store is None:
             return None
         self._store.set(f"epcomm/{self.uid}/{tag}/{self.rank}", "1")
         keys = [f"epcomm/{self.uid}/{tag}/{r}" for r in range(self.num_ranks)]
+        gave_up = [f"epcomm/{self.uid}/{tag}/gave-up/{r}" for r in range(self.num_ranks)]
         pause = 1e-4
         while True:
             missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
-            if not missing or time.monotonic() > deadline:
+            if not missing:
+                return [r for r, key in enumerate(gave_up) if self._store.check([key])]
+            if time.monotonic() > deadline:
+                # A rank arriving between the check above and this key still goes on (a window of one
+                # store round trip): a meeting bounded by time cannot close it entirely.
+                self._store.set(gave_up[self.rank], "1")
                 return missing
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
