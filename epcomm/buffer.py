@@ -7,7 +7,6 @@ waiting for a call that never comes.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import socket
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from . import _env
 from ._checks import check_int, check_tensor, check_topk_idx, same_device, split_x, topk_idx_t
-from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers, modes_used
+from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers, modes_used, stable_id
 from .backends.cuda.capi import current_stream
 from .backends.reference import ReferenceBackend
 from .backends.reference import allgather as ref_allgather
@@ -362,8 +361,7 @@ class Buffer:
         """Exchange (refused?, host, GPU, the choices every rank must share) with every rank; raise on
         all ranks if any refused or they chose differently (else they would run different protocols);
         return ranks per domain, and each rank's host and GPU (availability.gpu_id)."""
-        host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
-        row = [1 if error else 0, host, gpu, *(shared_choices or [0] * len(_SHARED_CHOICES))]
+        row = [1 if error else 0, stable_id(socket.gethostname()), gpu, *(shared_choices or [0] * len(_SHARED_CHOICES))]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         deadline = time.monotonic() + self._backend.transport.timeout_s
         self._backend.transport.announce(_SEQ_AGREEMENT)
@@ -405,10 +403,11 @@ class Buffer:
         any_gpu = any(gpus)
         if any_gpu:  # a peer may still be building the kernels (minutes, once per machine): wait in the store,
             # which a dead peer cannot hang and which no collective watchdog times
-            late = transport.meet("kernels-checked", time.monotonic() + max(transport.timeout_s, _KERNEL_BUILD_S))
+            build_s = max(transport.timeout_s, _KERNEL_BUILD_S)
+            late = transport.meet("kernels-checked", time.monotonic() + build_s)
             if late:
                 raise RuntimeError(f"epcomm Buffer(): rank(s) {late} did not finish checking (building) the CUDA "
-                                   f"kernels within {max(transport.timeout_s, _KERNEL_BUILD_S):g} s")
+                                   f"kernels within {build_s:g} s")
         able_per_mode = torch.tensor([mode not in blockers for mode in _MODES], dtype=torch.int64,
                                      device=self.device)
         transport.announce(_SEQ_VOTE)

@@ -22,13 +22,18 @@ MAX_RANKS = 8  # the intranode and low-latency kernels (kMaxRanks in csrc/kernel
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 
 
+def stable_id(name: str) -> int:
+    """A number for ``name`` equal in every process (Python's hash() is salted per process), small
+    enough for an int64 tensor: how ranks exchange host names and GPU UUIDs."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")
+
+
 def gpu_id(device: torch.device) -> int:
     """A number naming the GPU itself (from its UUID), equal across processes whatever the device
     index each sees it under; 0 for the CPU."""
     if device.type != "cuda":
         return 0
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return int.from_bytes(hashlib.sha256(uuid.encode()).digest()[:7], "little")
+    return stable_id(str(torch.cuda.get_device_properties(device).uuid))
 
 
 def _gpu_blocker(device: torch.device) -> str | None:
