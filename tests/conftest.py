@@ -1,4 +1,5 @@
 import contextlib
+import logging
 import os
 import sys
 
@@ -130,3 +131,26 @@ def capture_graph(step, *args):
     with torch.cuda.graph(graph):
         outputs = step(*args)
     return graph, outputs
+
+
+class EpcommLog(logging.Handler):
+    """The messages of the epcomm logger, every level, while installed (a context manager)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "EpcommLog":
+        logger = logging.getLogger("epcomm")
+        self.saved_level = logger.level
+        logger.setLevel(logging.DEBUG)  # setLevel, not the attribute: it clears the logger's level cache
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("epcomm")
+        logger.removeHandler(self)
+        logger.setLevel(self.saved_level)

@@ -6,14 +6,13 @@ passes its gloo group), and the refusals when ranks disagree. The GPU cases are 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster, env_var, poison_allocator
+from conftest import BACKEND, EpcommLog, cluster, env_var, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer, Config
@@ -60,29 +59,6 @@ def _same(a, b) -> bool:
 
 
 # ----------------------------------------------------------------------------- on CPU ranks (CI)
-class _Records(logging.Handler):
-    """The epcomm logger's records while installed (a context manager)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> _Records:
-        logger = logging.getLogger("epcomm")
-        self.saved_level = logger.level
-        logger.setLevel(logging.DEBUG)  # setLevel, not the attribute: it clears the logger's level cache
-        logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logger = logging.getLogger("epcomm")
-        logger.removeHandler(self)
-        logger.setLevel(self.saved_level)
-
-
 @contextlib.contextmanager
 def _blockers_on_rank(rank: int, fake):
     """availability.mode_blockers replaced by ``fake`` on ``rank``, by no blocker on the others."""
@@ -100,7 +76,7 @@ def rank_auto_on_cpu():
     """No GPU: 'auto' is the reference backend for both modes, on the CPU, quietly; a Buffer without
     low-latency mode reports it on the reference too. With EPCOMM_DEVICE unset, a gloo group without
     CUDA is on the CPU."""
-    with _Records() as records:
+    with EpcommLog() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
         normal_only = Buffer(dist.group.WORLD, 1 << 22, backend="auto")
     assert records.messages == [], records.messages
@@ -232,7 +208,7 @@ def test_auto_on_gpus_runs_the_kernels(ranks, group_backend):
 def rank_auto_falls_back():
     """A mode the kernels cannot run stays on the reference backend, logged: here the allgather
     strategy (normal mode), while low-latency mode still runs on the kernels."""
-    with _Records() as records:
+    with EpcommLog() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto", strategy="allgather")
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "cuda"}, buf.backends
     if dist.get_rank() == 0:  # rank 0 logs every rank's reason

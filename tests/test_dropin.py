@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, cluster
+from conftest import BACKEND, EpcommLog, cluster
 from routing import make_inputs
 
 import epcomm
@@ -19,10 +19,18 @@ from epcomm import Buffer
 from epcomm.bench.checks import same_bits
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 1024, 16, 4, 300
+# The reference backend everywhere; the CUDA kernels where the suite runs on GPUs.
+BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.skipif(
+    BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs"))]
 
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
+
+
+def _assert_same_bits(names: tuple[str, ...], got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for name, a, b in zip(names, got, want, strict=True):
+        assert a.shape == b.shape and same_bits(a, b), f"rank {dist.get_rank()}: {name} differs"
 
 
 def _sglang_nvl_bytes(hidden_bytes: int, num_ranks: int) -> int:
@@ -55,15 +63,12 @@ def rank_sglang_fp8_sizing(backend: str):
         if buf.backend_name == "cuda":
             assert "rounds" in handle.backend_state, "expected the small Buffer to run in rounds"
         buf.destroy()
-    for name, got, want in zip(("recv_x", "recv_scales", "recv_idx", "recv_w", "combined", "combined_w"), *outs):
-        assert got.shape == want.shape and same_bits(got, want), f"rank {rank}: {name} differs"
+    _assert_same_bits(("recv_x", "recv_scales", "recv_idx", "recv_w", "combined", "combined_w"), *outs)
     return True
 
 
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sglang_fp8_buffer_sizing(backend):
-    if backend == "cuda" and BACKEND != "nccl":
-        pytest.skip("CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
     cluster(2).run(rank_sglang_fp8_sizing, backend)
 
 
@@ -96,8 +101,7 @@ def rank_megatron_events():
         after.current_stream_wait()
         outs.append([recv_x, recv_idx, recv_w, combined])
         buf.destroy()
-    for name, got, want in zip(("recv_x", "recv_idx", "recv_w", "combined"), *outs):
-        assert got.shape == want.shape and same_bits(got, want), f"rank {rank}: {name} differs"
+    _assert_same_bits(("recv_x", "recv_idx", "recv_w", "combined"), *outs)
     return True
 
 
@@ -113,40 +117,34 @@ def rank_collected_buffers(backend: str):
     peers may map them) and logs a warning; a reference one goes quietly. A refused call leaves no
     reference cycle, so dropping the last reference collects the Buffer at once."""
     import gc
-    import logging
 
     import epcomm.buffer as buffer_module
 
     dev = _device()
     gc.collect()  # earlier tests' garbage first: only this test's Buffers are counted below
-    messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("epcomm").addHandler(handler)
     gc.disable()  # only reference counts collect below
     try:
-        leaked = len(buffer_module._LEAKED)
-        buf = Buffer(dist.group.WORLD, 64 << 20, backend=backend)
-        gone = weakref.ref(buf)
-        with pytest.raises(ValueError):
-            buf.dispatch(torch.zeros((4, 100), dtype=torch.bfloat16, device=dev))  # 200-byte rows: refused
-        del buf
+        with EpcommLog() as log:
+            leaked = len(buffer_module._LEAKED)
+            buf = Buffer(dist.group.WORLD, 64 << 20, backend=backend)
+            gone = weakref.ref(buf)
+            with pytest.raises(ValueError):
+                buf.dispatch(torch.zeros((4, 100), dtype=torch.bfloat16, device=dev))  # 200-byte rows: refused
+            del buf
         assert gone() is None, "the refused call left the Buffer in a reference cycle"
+        warned = [m for m in log.messages if "without destroy()" in m]
         if backend == "cuda":
-            assert len(buffer_module._LEAKED) > leaked and any("without destroy()" in m for m in messages), messages
+            assert len(buffer_module._LEAKED) > leaked and warned, log.messages
             assert torch.cuda.memory_allocated(dev) >= 64 << 20, "the kept buffer went back to PyTorch"
         else:
-            assert len(buffer_module._LEAKED) == leaked and messages == [], messages
+            assert len(buffer_module._LEAKED) == leaked and log.messages == [], log.messages
     finally:
         gc.enable()
-        logging.getLogger("epcomm").removeHandler(handler)
     return True
 
 
-@pytest.mark.parametrize("backend", ["reference", "cuda"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_collected_buffers_are_kept_not_freed(backend):
-    if backend == "cuda" and BACKEND != "nccl":
-        pytest.skip("CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
     cluster(2).run(rank_collected_buffers, backend)
 
 
