@@ -91,13 +91,17 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tens
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
     if x_fp8.dtype != torch.float8_e4m3fn:
         raise TypeError(f"x_fp8 must be float8_e4m3fn, got {x_fp8.dtype}")
-    if scales.dtype == torch.int32:
-        scales = unpack_ue8m0(scales)
-    elif scales.dtype != torch.float32:
+    if scales.dtype not in (torch.float32, torch.int32):
         raise TypeError(f"scales must be float32 or UE8M0-packed int32, got {scales.dtype}")
     xg, hidden = _grouped(x_fp8.float())
-    if scales.shape[-1] < xg.shape[1] or scales.shape[0] != x_fp8.shape[0]:
-        raise ValueError(f"scales shape {tuple(scales.shape)} does not cover x_fp8 {tuple(x_fp8.shape)} "
-                         f"({xg.shape[1]} groups of {GROUP})")
+    # Exactly this module's grouping: dispatch carries scales of any count (DeepEP's rule), and
+    # another grouping read as this one would give wrong values, not an error.
+    want = xg.shape[1] if scales.dtype == torch.float32 else -(-xg.shape[1] // 4)
+    if scales.shape != (x_fp8.shape[0], want):
+        kind = "fp32 scale per 128 channels" if scales.dtype == torch.float32 else "UE8M0 int32 per 512 channels"
+        raise ValueError(f"scales shape {tuple(scales.shape)} is not one {kind} of x_fp8 {tuple(x_fp8.shape)}: "
+                         f"expected {(x_fp8.shape[0], want)}")
+    if scales.dtype == torch.int32:
+        scales = unpack_ue8m0(scales)
     out = xg * scales[:, : xg.shape[1]].unsqueeze(-1)
     return out.reshape(x_fp8.shape[0], xg.shape[1] * GROUP)[:, :hidden].to(torch.bfloat16)

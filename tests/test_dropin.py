@@ -1,7 +1,7 @@
 """DeepEP callers' own patterns, as they call ``deep_ep`` (the drop-in promise): SGLang's buffer sizing
-for FP8 (H bytes a token, for its BF16 combine too), Megatron's ``EventOverlap(EventHandle())`` from
-``deep_ep.utils``, and what a collected Buffer does. On GPUs (EPCOMM_TEST_BACKEND=nccl) the CUDA
-kernels run them; the reference backend is the oracle.
+for FP8 (H bytes a token, for its BF16 combine too), FP8 scales of any grouping, Megatron's
+``EventOverlap(EventHandle())`` from ``deep_ep.utils``, and what a collected Buffer does. On GPUs
+(EPCOMM_TEST_BACKEND=nccl) the CUDA kernels run them; the reference backend is the oracle.
 """
 
 from __future__ import annotations
@@ -70,6 +70,76 @@ def rank_sglang_fp8_sizing(backend: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sglang_fp8_buffer_sizing(backend):
     cluster(2).run(rank_sglang_fp8_sizing, backend)
+
+
+# (dtype, columns for HIDDEN = 1024, column-major): per-token, an odd count, 64-channel groups, UE8M0 packed
+SCALE_GROUPINGS = [(torch.float32, 1, False), (torch.float32, 3, True), (torch.float32, 16, False),
+                   (torch.int32, 2, False), (torch.int32, 5, True)]
+
+
+def _scales_of(data: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Scales that are a function of their token's e4m3 row (so a receiver can recompute them): column c
+    from byte c % H of the row, plus c."""
+    picked = data[:, torch.arange(cols, device=data.device) % data.shape[1]]
+    if dtype == torch.float32:
+        return picked.float() + torch.arange(cols, dtype=torch.float32, device=data.device) * 0.5
+    return picked.view(torch.uint8).to(torch.int32) * 65536 + torch.arange(cols, dtype=torch.int32,
+                                                                           device=data.device)
+
+
+def _grouping_buffer(kind: str, num_tokens: int) -> Buffer:
+    num_ranks = dist.get_world_size()
+    if kind == "cuda-hierarchical":  # one rank per domain: every token crosses the slow tier
+        from conftest import env_var
+
+        from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
+        rdma = rdma_bytes_needed(num_tokens, HIDDEN, 1, num_ranks, 1, TOPK, max(c for _, c, _ in SCALE_GROUPINGS))
+        with env_var("EPCOMM_RANKS_PER_DOMAIN", 1):
+            return Buffer(dist.group.WORLD, 64 << 20, rdma, backend="cuda", strategy="hierarchical")
+    return Buffer(dist.group.WORLD, 64 << 20, backend=kind)
+
+
+def rank_fp8_scales_of_any_grouping(kind: str):
+    """FP8 dispatch carries scales of any count, fp32 or int32, row- or column-major (DeepEP's rule): each
+    received scale row is its token's, the layout follows the input's, and every output equals the
+    reference backend's bit for bit (combine included)."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = _device()
+    x, topk_idx, weights = (t.to(dev) for t in make_inputs(23, rank, TOKENS, HIDDEN, EXPERTS, TOPK, num_ranks,
+                                                           "random"))
+    data = epcomm.per_token_cast_to_fp8(x)[0]
+    bufs = {"reference": Buffer(dist.group.WORLD, 64 << 20, backend="reference")}
+    if kind != "reference":
+        bufs[kind] = _grouping_buffer(kind, TOKENS)
+    for dtype, cols, col_major in SCALE_GROUPINGS:
+        tag = f"rank {rank} {kind} scales {dtype} x {cols} col_major={col_major}"
+        scales = _scales_of(data, dtype, cols)
+        if col_major:
+            scales = scales.t().contiguous().t()
+        outs = []
+        for buf in bufs.values():
+            per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, EXPERTS)
+            (recv_data, recv_scales), recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+                (data, scales), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
+            cached_data, cached_scales = buf.dispatch((data, scales), handle=handle)[0]
+            assert recv_scales.dtype == dtype and recv_scales.shape == (recv_data.shape[0], cols), tag
+            assert same_bits(recv_scales, _scales_of(recv_data, dtype, cols)), f"{tag}: a scale row is not its token's"
+            if cols > 1:
+                assert (recv_scales.stride(0) == 1) == col_major, f"{tag}: strides {recv_scales.stride()}"
+            combined = buf.combine(recv_data.float().to(torch.bfloat16), handle, topk_weights=recv_w)[0]
+            outs.append([recv_data, recv_scales, recv_idx, recv_w, cached_data, cached_scales, combined])
+        if len(outs) > 1:
+            _assert_same_bits(("recv_x", "recv_scales", "recv_idx", "recv_w", "cached recv_x", "cached scales",
+                               "combined"), *outs)
+    for buf in bufs.values():
+        buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_scales_of_any_grouping(backend):
+    cluster(2).run(rank_fp8_scales_of_any_grouping, backend)
 
 
 def rank_megatron_events():

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import BACKEND, capture_graph, env_var, fresh_cluster, gpu_backend, nvshmem_found, peer_timeout
+from test_dropin import rank_fp8_scales_of_any_grouping
 from test_hierarchical import CASES, _flat, _inputs
 from test_reliability_cuda import _check_survivor, _context_is_usable, _die, _survivor_outcome
 
@@ -214,6 +215,12 @@ def test_hierarchical_cuda_matches_reference(ranks, ranks_per_domain, transport)
         c.run(rank_graph_replay, ranks_per_domain, transport, timeout_s=200)
 
 
+def test_hierarchical_cuda_fp8_scales_of_any_grouping():
+    _needs_gpus(2)
+    with _fresh(2) as c:
+        c.run(rank_fp8_scales_of_any_grouping, "cuda-hierarchical", timeout_s=300)
+
+
 def rank_dead_peer(timeout_s: float, path: str, when: str):
     """Rank 1 is SIGKILLed before a dispatch or before a combine; rank 0's call gives up within the
     timeout and raises RuntimeError naming rank 1 (no host collective waits for the dead rank)."""
@@ -269,22 +276,27 @@ def test_hierarchical_dead_peer_is_named_within_the_timeout(when):
     _check_survivor(outcome, timeout_s)
 
 
-def rank_mismatched_hidden():
-    """Ranks that dispatch rows of different widths: every rank raises, none hangs."""
+def rank_mismatched_shapes(what: str):
+    """Ranks that dispatch rows of different widths, or FP8 scales of another dtype (fp32 and int32
+    words of one size): every rank raises, none hangs."""
     rank = dist.get_rank()
     ref, cuda = _buffers(1, 32, "auto")
     ref.destroy()
-    x, idx, w = _inputs(22, 16, HIDDEN * (1 + rank), 8, NUM_TOPK, "random", 1)
+    x, idx, w = _inputs(22, 16, HIDDEN * (1 + rank) if what == "hidden" else HIDDEN, 8, NUM_TOPK, "random", 1)
+    if what == "scale dtype":
+        data, scales = epcomm.per_token_cast_to_fp8(x)
+        x = (data, scales.view(torch.int32) if rank == 0 else scales)
     per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(idx, 8)
     with pytest.raises(RuntimeError, match="another operation or shape"):
         cuda.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
 
 
-def test_hierarchical_mismatched_shapes_raise_on_every_rank():
+@pytest.mark.parametrize("what", ["hidden", "scale dtype"])
+def test_hierarchical_mismatched_shapes_raise_on_every_rank(what):
     _needs_gpus(2)
     with _fresh(2) as c:
-        c.run(rank_mismatched_hidden, timeout_s=120)
+        c.run(rank_mismatched_shapes, what, timeout_s=120)
 
 
 def rank_refused_inputs(fault: str):

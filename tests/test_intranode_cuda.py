@@ -236,6 +236,59 @@ def test_cuda_refused_input_raises_on_every_rank():
     cluster(2).run(rank_refusal, 512, 16)
 
 
+def rank_shape_mismatches():
+    """Rank 0's rows differ from rank 1's in what the row bytes alone do not show (FP8 scale count 1 vs
+    2 and fp32 vs int32 scales round to the same 16-byte slot; weights or none): a fresh dispatch is
+    refused on every rank (ValueError); a cached dispatch or a combine moves nothing, and every rank's
+    next synchronizing call raises RuntimeError. The Buffer works on, equal to the reference backend."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hidden, experts, topk = 256, 4 * num_ranks, 4  # an FP8 row: 256 + 12 * 4 + 4 * S bytes, 320 for S = 1, 2
+    x, idx, w = (t.to(dev) for t in make_inputs(31, rank, 64, hidden, experts, topk, num_ranks, "random"))
+    data, scales = epcomm.per_token_cast_to_fp8(x)
+    buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+
+    def fresh(x_in, weights=w):
+        return buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights)
+
+    first = rank == 0
+    refused = {"scale count": ((data, scales[:, :1].contiguous()) if first else (data, scales), w),
+               "scale dtype": ((data, scales.view(torch.int32)) if first else (data, scales), w),
+               "weights": (x, None if first else w)}
+    for x_in, weights in refused.values():
+        with pytest.raises(ValueError, match=r"rank \d: ranks disagree on the row shape"):
+            fresh(x_in, weights)
+    late = r"passed rows of another shape to this call than this rank"
+    (recv_data, _), _, recv_w, _, handle, _ = fresh((data, scales))
+    buf.dispatch((data, scales[:, :1].contiguous()) if first else (data, scales), handle=handle)
+    with pytest.raises(RuntimeError, match=f"cached dispatch .*{late}"):
+        fresh((data, scales))
+    recv_x, _, recv_w, _, handle, _ = fresh(x)
+    buf.combine(recv_x, handle, topk_weights=recv_w if first else None)
+    with pytest.raises(RuntimeError, match=f"combine .*{late}"):
+        fresh(x)
+    # Nothing was left half done: a round trip equals the reference backend's.
+    ref = Buffer(dist.group.WORLD, NVL_BYTES, backend="reference")
+    outs = []
+    for b in (buf, ref):
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(idx, experts)
+        (recv_data, recv_scales), recv_idx, recv_w, _, handle, _ = b.dispatch(
+            (data, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w)
+        combined = b.combine(recv_data.float().to(torch.bfloat16), handle, topk_weights=recv_w)
+        outs.append((recv_data, recv_scales, recv_idx, recv_w, *combined[:2]))
+    assert _same(outs[0], outs[1]), f"rank {rank}: a round trip after the mismatches differs from the reference"
+    buf.destroy()
+    ref.destroy()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_cuda_shape_mismatches_are_told_apart(ranks):
+    cluster(ranks).run(rank_shape_mismatches)
+
+
 def rank_timeout(timeout_s):
     """Rank 1 never calls dispatch: rank 0 raises within the timeout, naming rank 1."""
     import time

@@ -20,6 +20,15 @@ def pack_token_rows(x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torc
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
+def scale_kind(scales: torch.Tensor | None) -> int:
+    """What a dispatch's rows carry beside x, for the ranks' shape agreement: 0 no scales (BF16), 1 fp32
+    scales, 2 int32 scales (UE8M0 packed). Both scale kinds travel as 4-byte words, so a rank reading
+    the other kind would misread every scale: the kind is part of the shape every rank must agree on."""
+    if scales is None:
+        return 0
+    return 1 if scales.dtype == torch.float32 else 2
+
+
 def check_worst_tokens(rank: int, num_recv_tokens: int, num_worst_tokens: int) -> None:
     if num_worst_tokens and num_recv_tokens > num_worst_tokens:
         raise RuntimeError(f"epcomm dispatch: rank {rank} received {num_recv_tokens} tokens but "

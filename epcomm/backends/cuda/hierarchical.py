@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
+from ..rows import scale_kind
 from .build import load_library, load_nvshmem_library
 from .capi import check, ptr, stream_ptr
 from .intranode import dispatch_layout
@@ -323,6 +324,7 @@ class CudaHierarchical:
         x_bytes = hidden * x.element_size()
         cached = handle is not None
         num_scales = scales.shape[1] if scales is not None else 0
+        kind = scale_kind(scales)  # the shape digests carry it
         num_topk = 0 if cached or topk_idx is None else topk_idx.shape[1]
         with_weights = not cached and topk_weights is not None
         row1, row2, out_rows, region_rows, off2 = self._dispatch_layout(x_bytes, num_scales, num_topk, with_weights,
@@ -374,7 +376,7 @@ class CudaHierarchical:
                 ptr(num_tokens_per_expert.contiguous()), ptr(idx), sizes,
                 ctypes.c_void_p(self.outgoing_ptr), ptr(self.refused), table("slots"), table("flags"), table("pos"),
                 table("send1"), table("recv1"), table("slots1"), stream), "hierarchical dispatch (plan)")
-            digest = zlib.crc32(repr((hidden, x.dtype, num_scales, num_topk, with_weights, num_experts,
+            digest = zlib.crc32(repr((hidden, x.dtype, num_scales, kind, num_topk, with_weights, num_experts,
                                       num_worst_tokens)).encode()) & 0x7FFFFFFF
             call = self._call_params(_OP_DISPATCH, (), num_sms, stream, digest=digest)
             check(self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), self.width,
@@ -405,8 +407,8 @@ class CudaHierarchical:
             check(code, "hierarchical dispatch (stage)")
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
                   int(with_weights), int(not cached), num_worst_tokens or -1]
-        call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1), num_sms, stream,
-                                 advance=cached)  # a fresh dispatch's number was taken by its notify
+        call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1, kind), num_sms,
+                                 stream, advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_hierarchical_dispatch(
             call, (ctypes.c_int64 * len(params))(*params), table("send1"),
             ptr(self.cached_recv) if cached else table("recv1"), table("start"), table("matrix"), table("slots1"),

@@ -12,16 +12,18 @@ ascending rank order (the reference backend's order, so results are bitwise equa
 
 A call whose rows do not fit the buffer runs in rounds over ranges of source tokens (same results);
 ``buffer_bytes_needed`` gives the size for one pass. A ``num_worst_tokens`` call must fit in one
-pass (else ValueError on every rank before any row moves). Errors
-found by the kernels (a peer that did not arrive within EPCOMM_TIMEOUT_S, ranks calling different
-operations, refused inputs) are raised by the call that synchronizes with them: a dispatch without
-``num_worst_tokens`` synchronizes at its counts, so it reports its own and earlier calls' errors;
-``CudaIntranode.check_errors`` (``Buffer.destroy`` calls it) reports the rest.
+pass (else ValueError on every rank before any row moves). Errors found by the kernels (a peer that
+did not arrive within EPCOMM_TIMEOUT_S, ranks calling different operations or passing rows of
+different shapes (``shape_key``), refused inputs) are raised by the call that synchronizes with
+them: a dispatch without ``num_worst_tokens`` synchronizes at its counts, so it reports its own and
+earlier calls' errors; ``CudaIntranode.check_errors`` (``Buffer.destroy`` calls it) reports the rest.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
+from ..rows import scale_kind
 from .build import load_library
 from .capi import addr, check, check_aligned, check_struct_layout, current_stream, fields, ptr, stream_ptr
 from .ipc import SharedBuffer
@@ -40,13 +43,27 @@ LAYOUT_INTS = 48
 _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            2: "ranks called different operations: {mismatch}",
            3: "the communication buffer is too small for the rows of this call",
-           4: "received more tokens than num_worst_tokens"}
+           4: "received more tokens than num_worst_tokens",
+           6: "rank(s) {ranks} passed rows of another shape to this call than this rank (hidden size, dtype, FP8 "
+              "scale count or dtype, top-k width); nothing was moved"}
 _REFUSED = 5
 _OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "destroy"}
 
 
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def shape_key(*values: int) -> int:
+    """The digest of a call's row shape that every rank's notify kernel compares with its peers'
+    (header word 3): the same in every process, unlike hash() of a tuple across Python builds."""
+    return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) & 0x7FFFFFFF
+
+
+def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: int, has_weights: bool,
+                       num_worst_tokens: int) -> int:
+    return shape_key(1, x.shape[1], x.element_size(), scale_kind(scales), scales.shape[1] if scales is not None else 0,
+                     num_topk, int(has_weights), num_worst_tokens)
 
 
 def dispatch_row_bytes(hidden: int, element_size: int, num_topk: int = 0, num_scales: int = 0) -> int:
@@ -106,7 +123,7 @@ class NotifyCall(ctypes.Structure):
     _fields_ = [("context", CallContext),
                 *fields(ctypes.c_uint64, "in_rank send_counts expert_counts topk_idx slot own_tokens layout"),
                 *fields(ctypes.c_int32, "op num_tokens experts_per_rank num_topk expert_alignment num_worst_tokens "
-                                        "row_bytes num_sms")]
+                                        "row_bytes num_sms shape_key pad0")]
 
 
 class DispatchCall(ctypes.Structure):
@@ -213,9 +230,6 @@ class CudaIntranode:
         self.shared.close()
 
     # ------------------------------------------------------------------ helpers
-
-
-
     def _send_blocks(self, num_sms: int, work: str) -> int:
         """SMs given to sending (the rest receive or reduce), at least one for each role: the share
         EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_share's for `work`. Memoised: it sits
@@ -294,6 +308,8 @@ class CudaIntranode:
             in_rank, slot, own_tokens, layout = st["in_rank"], st["slot"], st["own_tokens"], st["layout"]
             num_worst_tokens = handle.num_worst_tokens
             experts_per_rank = st["experts_per_rank"]
+            self._barrier_calls[c["op_cached_dispatch"]].shape_key = dispatch_shape_key(
+                x, scales, num_topk, topk_weights is not None, num_worst_tokens)
             self._notify_barrier(c["op_cached_dispatch"], "dispatch")
             num_recv = handle.num_recv_tokens
             if not num_worst_tokens and st["max_recv"] > cap_rows:
@@ -321,6 +337,7 @@ class CudaIntranode:
             call.num_tokens, call.num_topk, call.experts_per_rank = num_tokens, num_topk, experts_per_rank
             call.expert_alignment, call.num_worst_tokens, call.row_bytes = expert_alignment, num_worst_tokens, row_bytes
             call.num_sms = num_sms
+            call.shape_key = dispatch_shape_key(x, scales, num_topk, topk_weights is not None, num_worst_tokens)
             call.in_rank, call.send_counts, call.expert_counts = addr(in_rank), addr(send_counts), addr(expert_counts)
             call.topk_idx, call.slot = addr(topk_idx), slot
             call.own_tokens, call.layout = own_tokens, layout
@@ -450,6 +467,7 @@ class CudaIntranode:
         cap_rows = self.cap_rows(row_bytes)
         if st["max_send"] > cap_rows:
             self._raise_capacity("combine", st["max_send"], row_bytes, cap_rows)
+        self._barrier_calls[self.c["op_combine"]].shape_key = shape_key(3, hidden, num_topk)
         self._notify_barrier(self.c["op_combine"], "combine")
         out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
@@ -501,7 +519,8 @@ class CudaIntranode:
         refusals = [int(v) for v in self.info_np[c["info_refusal"]:c["info_refusal"] + self.num_ranks]]
         reasons = {1: "topk_idx values outside [-1, num_experts)",
                    2: "num_tokens_per_rank does not match is_token_in_rank.sum(0) (pass both from get_dispatch_layout)",
-                   4: "ranks disagree on the row shape (hidden size, dtype, top-k, scales) or num_worst_tokens",
+                   4: "ranks disagree on the row shape (hidden size, dtype, FP8 scale count or dtype, top-k width, "
+                      "weights) or num_worst_tokens",
                    8: "it receives more tokens than its num_worst_tokens"}
         parts = []
         for r, code in enumerate(refusals):

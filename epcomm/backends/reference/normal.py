@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 
 from ...handle import DispatchHandle
-from ..rows import check_worst_tokens, pack_token_rows, unpack_token_rows
+from ..rows import check_worst_tokens, pack_token_rows, scale_kind, unpack_token_rows
 from .backend import F, Op, ReferenceBackend, check_strategy, from_bytes, mark_strategy, to_bytes
-
-X_BF16, X_FP8 = 0, 1
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_domain: int):
@@ -59,7 +57,7 @@ def dispatch_handshake(be: ReferenceBackend, strategy: str, x: torch.Tensor, sca
                        num_experts: int, send_counts: list[int]) -> torch.Tensor:
     """The dispatch handshake of every normal-mode strategy; returns the headers [R, 16 + R]."""
     headers = be.handshake(Op.DISPATCH, mark_strategy({
-        F.HIDDEN: x.shape[1], F.NUM_EXPERTS: num_experts, F.X_KIND: X_FP8 if scales is not None else X_BF16,
+        F.HIDDEN: x.shape[1], F.NUM_EXPERTS: num_experts, F.X_KIND: scale_kind(scales),
         F.SCALE_COLS: scales.shape[1] if scales is not None else 0,
         F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
         F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: x.shape[0],

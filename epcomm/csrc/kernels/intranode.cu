@@ -42,8 +42,11 @@ constexpr int kSeqOffset = 64;
 constexpr int kAbortOffset = 72;
 constexpr int kMatrixOffset = 128;
 constexpr int kHeaderOffset = 640;
-constexpr int kHeaderInts = 4;  // refusal bits, num_worst_tokens, dispatch row bytes, unused
+// Per (parity, source rank): a fresh dispatch's refusal bits, num_worst_tokens and row bytes; every
+// op's shape key and op code (read after the barrier, also when the source has gone on to its next call).
+constexpr int kHeaderInts = 6;
 constexpr int kExpertCountOffset = 1024;
+static_assert(kHeaderOffset + 2 * kMaxRanks * kHeaderInts * 4 <= kExpertCountOffset, "the headers outgrew their area");
 constexpr int kMaxExpertsPerRank = 1024;
 // This rank's alone: the notify kernel's blocks' totals (int32 [kMaxNotifyBlocks][kMaxRanks + 1]).
 constexpr int kNotifyScratchOffset = kExpertCountOffset + 2 * kMaxRanks * kMaxExpertsPerRank * 4;  // 66560
@@ -68,7 +71,9 @@ constexpr int kInfoMatrix = 32;      // [kMaxRanks * kMaxRanks]
 constexpr int kInfoRefusal = 96;     // [kMaxRanks]
 constexpr int kInfoExperts = 128;    // [kMaxExpertsPerRank]
 constexpr int kInfoInts = kInfoExperts + kMaxExpertsPerRank;
-enum ErrorCode { kErrTimeout = 1, kErrMismatch = 2, kErrCapacity = 3, kErrWorstTokens = 4, kErrRefused = 5 };
+enum ErrorCode {
+    kErrTimeout = 1, kErrMismatch = 2, kErrCapacity = 3, kErrWorstTokens = 4, kErrRefused = 5, kErrShapes = 6
+};
 // Refusal bits (input validation on the device, so no host sync is needed for it).
 constexpr int kRefuseTopkRange = 1, kRefuseRankCounts = 2, kRefuseShapes = 4, kRefuseWorstTokens = 8;
 
@@ -172,6 +177,9 @@ struct NotifyArgs {
     int num_topk, expert_alignment;
     int num_worst_tokens;       // 0, or the fixed output rows: more received rows refuse the call
     int row_bytes;              // dispatch row slot bytes: every rank must agree (same shapes)
+    // Every op: a digest of the call's shapes (hidden size, dtypes, FP8 scale count and dtype, top-k
+    // width; made on the host). Ranks that differ would read each other's rows at the wrong size.
+    int shape_key;
     int* slot;                  // [T, R] out: position of token t among the rows this rank sends to r
     int* own_tokens;            // [T] out: the tokens this rank sends to itself, by slot
     int* layout;                // [kLayoutInts] out
@@ -358,6 +366,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         }
     }
 
+    if (tid < R) {
+        int* header = reinterpret_cast<int*>(a.peers.bufs[tid] + kHeaderOffset) +
+                      (parity * kMaxRanks + a.rank) * kHeaderInts;
+        header[3] = a.shape_key;
+        header[4] = a.op;
+    }
+
     // Barrier: everything this rank wrote (and every earlier kernel on the stream) is visible to
     // a peer before the peer sees this rank's signal.
     __syncthreads();
@@ -375,10 +390,22 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
                 break;
             }
         }
-        if (v >> 4 == seq && (v & 15) != a.op) {  // same call number, another operation
-            a.info[kInfoErrorRanks + tid] = static_cast<int>(v & 15);
+        // The peer's words of this call, read also when it has already gone on to its next call (its
+        // signal then shows that call): they stay until the call after next, which waits for this
+        // rank's next signal. Every rank compares, so all of them skip the call alike.
+        const int* peer = reinterpret_cast<const int*>(mine + kHeaderOffset) + (parity * kMaxRanks + tid) * kHeaderInts;
+        const int peer_op = v >= seq * 16 ? ld_volatile_int(peer + 4) : a.op;
+        if (peer_op != a.op) {  // same call number, another operation
+            a.info[kInfoErrorRanks + tid] = peer_op;
             a.info[kInfoErrorOp] = a.op;
             a.info[kInfoError] = kErrMismatch;
+            *abort_word(mine) = seq;
+        } else if (v >= seq * 16 && !exchange && ld_volatile_int(peer + 3) != a.shape_key) {
+            // The same operation on rows of another shape: nothing moves, and the host raises at
+            // its next check. A fresh dispatch refuses instead (below): every rank raises at once.
+            a.info[kInfoErrorRanks + tid] = 1;
+            a.info[kInfoErrorOp] = a.op;
+            a.info[kInfoError] = kErrShapes;
             *abort_word(mine) = seq;
         }
     }
@@ -408,7 +435,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
             int received = 0;  // rows rank s receives: more than its num_worst_tokens refuses the call
             for (int x = 0; x < R; ++x) received += s_matrix[x][s];
             if (s_headers[s][1] > 0 && received > s_headers[s][1]) why |= kRefuseWorstTokens;
-            if (s_headers[s][2] != s_headers[0][2] || s_headers[s][1] != s_headers[0][1]) why |= kRefuseShapes;
+            if (s_headers[s][1] != s_headers[0][1] || s_headers[s][2] != s_headers[0][2] ||
+                s_headers[s][3] != s_headers[0][3])
+                why |= kRefuseShapes;
             refused |= why;
             a.info[kInfoRefusal + s] = why;
         }
@@ -1113,6 +1142,7 @@ struct NotifyCall {
     uint64_t in_rank, send_counts, expert_counts, topk_idx, slot, own_tokens, layout;
     int32_t op, num_tokens, experts_per_rank, num_topk, expert_alignment, num_worst_tokens, row_bytes;
     int32_t num_sms;  // the call's SM budget: the count exchange's blocks stay within it
+    int32_t shape_key, pad0;
 };
 
 struct DispatchCall {
@@ -1145,7 +1175,8 @@ constexpr auto fields_of<NotifyCall>() {
                       EPCOMM_FIELD(expert_counts), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(slot),
                       EPCOMM_FIELD(own_tokens), EPCOMM_FIELD(layout), EPCOMM_FIELD(op), EPCOMM_FIELD(num_tokens),
                       EPCOMM_FIELD(experts_per_rank), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(expert_alignment),
-                      EPCOMM_FIELD(num_worst_tokens), EPCOMM_FIELD(row_bytes), EPCOMM_FIELD(num_sms)};
+                      EPCOMM_FIELD(num_worst_tokens), EPCOMM_FIELD(row_bytes), EPCOMM_FIELD(num_sms),
+                      EPCOMM_FIELD(shape_key), EPCOMM_FIELD(pad0)};
 }
 template <>
 constexpr auto fields_of<DispatchCall>() {
@@ -1293,6 +1324,7 @@ int epcomm_notify(const NotifyCall* call, cudaStream_t stream) {
     a.expert_alignment = c.expert_alignment;
     a.num_worst_tokens = c.num_worst_tokens;
     a.row_bytes = c.row_bytes;
+    a.shape_key = c.shape_key;
     set_ptr(a.slot, c.slot);
     set_ptr(a.own_tokens, c.own_tokens);
     set_ptr(a.layout, c.layout);
