@@ -278,21 +278,40 @@ def test_hierarchical_dead_peer_is_named_within_the_timeout(when):
 
 def rank_mismatched_shapes(what: str):
     """Ranks that dispatch rows of different widths, or FP8 scales of another dtype (fp32 and int32
-    words of one size): every rank raises, none hangs."""
+    words of one size): every rank raises, none hangs. A cached dispatch or a combine of different
+    shapes: the next synchronizing call raises on every rank, well within the timeout (a rank that
+    gave the call up and went on to its next call is named, not waited for)."""
     rank = dist.get_rank()
-    ref, cuda = _buffers(1, 32, "auto")
+    timeout_s = 20
+    with peer_timeout(timeout_s):
+        ref, cuda = _buffers(1, 32, "auto")
     ref.destroy()
     x, idx, w = _inputs(22, 16, HIDDEN * (1 + rank) if what == "hidden" else HIDDEN, 8, NUM_TOPK, "random", 1)
-    if what == "scale dtype":
-        data, scales = epcomm.per_token_cast_to_fp8(x)
-        x = (data, scales.view(torch.int32) if rank == 0 else scales)
+    x8 = epcomm.per_token_cast_to_fp8(x)
     per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(idx, 8)
-    with pytest.raises(RuntimeError, match="another operation or shape"):
-        cuda.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
-                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+    def dispatch(x_in):
+        return cuda.dispatch(x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+    if what in ("hidden", "scale dtype"):
+        with pytest.raises(RuntimeError, match="another operation or shape"):
+            dispatch(x if what == "hidden" else (x8[0], x8[1].view(torch.int32) if rank == 0 else x8[1]))
+        return
+    (recv_data, _), _, recv_w, _, handle, _ = dispatch(x8)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="another operation or shape|gave this call up|earlier call"):
+        if what == "cached scales":
+            cuda.dispatch((x8[0], x8[1][:, :1].contiguous()) if rank == 0 else x8, handle=handle)
+        else:
+            cuda.combine(recv_data.float().to(torch.bfloat16), handle, topk_weights=recv_w if rank == 0 else None)
+        torch.cuda.synchronize()
+        dispatch(x8)  # the next call that reads its counts on the host raises
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout_s / 2, f"rank {rank}: the error took {elapsed:.1f} s (a wait ran to its timeout)"
 
 
-@pytest.mark.parametrize("what", ["hidden", "scale dtype"])
+@pytest.mark.parametrize("what", ["hidden", "scale dtype", "cached scales", "combine weights"])
 def test_hierarchical_mismatched_shapes_raise_on_every_rank(what):
     _needs_gpus(2)
     with _fresh(2) as c:

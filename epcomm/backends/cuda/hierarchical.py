@@ -65,7 +65,9 @@ _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            4: "rank(s) {ranks} received more rows than num_worst_tokens",
            5: "rank(s) {ranks} refused the inputs (top-k ids outside [-1, num_experts), or num_tokens_per_rank not "
               "is_token_in_rank.sum(0): pass both from get_dispatch_layout)",
-           6: "rank(s) {ranks} had an error in an earlier call (raised there)"}
+           6: "rank(s) {ranks} had an error in an earlier call (raised there)",
+           7: "rank(s) {ranks} gave this call up and went on (another operation or shape seen there, or an error "
+              "of its own: see its message)"}
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes

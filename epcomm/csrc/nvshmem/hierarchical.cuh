@@ -78,7 +78,7 @@ static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes
 // info words (host-mapped) written on an error; the Python side reads them after a sync.
 constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small,
                                // 4: more rows received than num_worst_tokens, 5: refused inputs,
-                               // 6: an earlier call's error on that rank
+                               // 6: an earlier call's error on that rank, 7: that rank gave this call up
 constexpr int kRefused = -1;   // the shape digest of a rank whose inputs are invalid (notify_kernel)
 constexpr int kPendingError = -2;  // ... of a rank with an earlier call's error not yet raised
 constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
@@ -163,11 +163,18 @@ __device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int r
     }
 }
 
-// A ready word written by `rank` for this call: false (aborted) when it shows another shape.
+// A ready word written by `rank` for this call: false (aborted) when it shows another shape, or a
+// later call: `rank` cannot end this call without this rank past this wait (it waits for this
+// rank's rows, which are sent after it), so it gave the call up (another shape seen there, or an
+// error of its own) and went on; its next call's word hides this call's tag.
 __device__ inline bool wait_entered(const Call& c, const int64_t* word, int rank) {
     int64_t seen = 0;
     if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call() << kTagBits); }, rank, &seen)) return false;
-    if ((seen >> kTagBits) == c.call() && (seen & ((1 << kTagBits) - 1)) != c.shape_tag) {
+    if ((seen >> kTagBits) != c.call()) {
+        c.abort(7, rank);
+        return false;
+    }
+    if ((seen & ((1 << kTagBits) - 1)) != c.shape_tag) {
         c.abort(2, rank);
         return false;
     }
