@@ -7,6 +7,7 @@ waiting for a call that never comes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import socket
@@ -55,9 +56,13 @@ def _next_uid(group: dist.ProcessGroup) -> str:
     group's ranks and how many Buffers this process built on them before. One count per process would
     differ between ranks that also build Buffers on other groups, and would give two groups' Buffers
     the same keys in the shared store."""
-    ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = _group_ranks(group)
     counter = _buffer_counters.setdefault(ranks, itertools.count())
     return f"{zlib.crc32(repr(ranks).encode()):08x}-{next(counter)}"
+
+
+def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def _buffer_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
@@ -110,6 +115,7 @@ class Buffer:
             error = e if isinstance(e, _REFUSALS) else ValueError(f"device {device!r}: {e}")
             self.device = group_device(self.group, honour_env=False)
         self.uid = _next_uid(self.group)
+        self._group_ranks = _group_ranks(self.group)
         self._backend = ReferenceBackend(self.group, self.device, self.uid, _env.timeout_s())
         backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
         ll_nvshmem = False
@@ -149,7 +155,7 @@ class Buffer:
             _BACKENDS.index(backend), int(self.device.type == "cuda"), self.num_nvl_bytes, self.num_rdma_bytes,
             int(bool(low_latency_mode)), _STRATEGIES.index(strategy)]
         self.ranks_per_domain, hosts, gpus = self._agree_on_construction(
-            error, ranks_per_domain_env if error is None else 0, gpu, shared_choices)
+            error, ranks_per_domain_env if error is None else 0, gpu, shared_choices, _collected_on(self._group_ranks))
         self._backend.ranks_per_domain = self.ranks_per_domain
         self.low_latency_mode = bool(low_latency_mode)
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
@@ -311,19 +317,22 @@ class Buffer:
         self._destroyed = True
 
     def __del__(self) -> None:
-        """A Buffer whose CUDA buffers were never destroyed says so when it is collected. DeepEP frees a
-        Buffer built with explicitly_destroy=False then (its C++ destructor meets the peers); epcomm does
-        not: freeing meets the peers, and a collection may run on any rank at any time (the garbage
+        """A Buffer whose CUDA buffers were never destroyed keeps them when it is collected, and the next
+        Buffer built on its group frees them if every rank has collected it (_free_collected). DeepEP
+        frees a Buffer built with explicitly_destroy=False at once (its C++ destructor meets the peers);
+        epcomm does not meet here: a collection may run on any rank at any time (the garbage
         collector, another thread, inside a graph capture or another Buffer's call), where a meeting
-        can stall or break the calls in flight. Call destroy() on every rank, e.g. before rebuilding a
-        Buffer, as Megatron does when its sizes grow."""
+        can stall or break the calls in flight. Megatron drops its Buffer for a larger one without
+        destroy(): the old one's memory is freed by the Buffer built after that."""
         if getattr(self, "_destroyed", True) or sys.is_finalizing():
             return  # destroyed, never fully built, or the process is ending (its exit frees the memory)
         held = [b for b in (getattr(self, "_cuda", None), getattr(self, "_cuda_ll", None)) if b is not None]
         if held:
-            _LEAKED.extend(held)  # peers may still map and write these buffers: never hand them back to PyTorch
-            _log.warning("epcomm Buffer (rank %d) collected without destroy(): its CUDA buffers are kept, not "
-                         "freed; call destroy() on every rank", self.rank)
+            # Peers may still map and write these buffers: not handed back to PyTorch before they agree.
+            _COLLECTED.append(_Collected(self._group_ranks, self.uid, self.device, held))
+            _log.warning("epcomm Buffer (rank %d) collected without destroy(): its CUDA buffers are kept until the "
+                         "next Buffer() on its group, which frees them once every rank has collected it; call "
+                         "destroy() on every rank to free them at once", self.rank)
 
     def _free_when_peers_done(self, backend: Any, what: str) -> None:
         """Free a CUDA backend's shared buffer once every rank has finished with it (each synchronized
@@ -357,11 +366,18 @@ class Buffer:
         return value
 
     def _agree_on_construction(self, error: Exception | None, ranks_per_domain: int, gpu: int,
-                               shared_choices: list[int]) -> tuple[int, list[int], list[int]]:
-        """Exchange (refused?, host, GPU, the choices every rank must share) with every rank; raise on
-        all ranks if any refused or they chose differently (else they would run different protocols);
-        return ranks per domain, and each rank's host and GPU (availability.gpu_id)."""
-        row = [1 if error else 0, stable_id(socket.gethostname()), gpu, *(shared_choices or [0] * len(_SHARED_CHOICES))]
+                               shared_choices: list[int],
+                               collected: list[_Collected]) -> tuple[int, list[int], list[int]]:
+        """Exchange (refused?, host, GPU, the collected Buffers of the group this rank holds, the choices
+        every rank must share) with every rank; raise on all ranks if any refused or they chose
+        differently (else they would run different protocols); free the collected Buffers if every rank
+        holds the same ones; return ranks per domain, and each rank's host and GPU (availability.gpu_id)."""
+        if collected:  # every kernel that used them has ended on this rank before it joins the exchange
+            for device in {c.device for c in collected}:
+                torch.cuda.synchronize(device)
+        collected_key = zlib.crc32(" ".join(sorted(c.uid for c in collected)).encode()) | 1 if collected else 0
+        row = [1 if error else 0, stable_id(socket.gethostname()), gpu, collected_key,
+               *(shared_choices or [0] * len(_SHARED_CHOICES))]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         deadline = time.monotonic() + self._backend.transport.timeout_s
         self._backend.transport.announce(_SEQ_AGREEMENT)
@@ -373,12 +389,14 @@ class Buffer:
             raise ValueError(f"epcomm Buffer(): rank(s) {refused} refused their arguments (see the error on those "
                              "ranks)")
         for i, name in enumerate(_SHARED_CHOICES):
-            values = rows[:, 3 + i].tolist()
+            values = rows[:, 4 + i].tolist()
             if len(set(values)) > 1:
                 shown = [_BACKENDS[v] if name == "backend" else _STRATEGIES[v] if name == "strategy" else
                          ("cuda" if v else "cpu") if name == "device" else v for v in values]
                 raise ValueError(f"epcomm Buffer(): ranks chose different {name} values (every rank must build the "
                                  "same Buffer): " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
+        if collected_key and rows[:, 3].tolist() == [collected_key] * self.group_size:
+            _free_collected(collected)  # every rank holds the same ones, and their kernels have ended everywhere
         hosts, gpus = rows[:, 1].tolist(), rows[:, 2].tolist()
         if not ranks_per_domain:
             per_host = hosts.count(hosts[self.rank])
@@ -1067,6 +1085,37 @@ class Buffer:
 
 # Shared buffers that destroy could not prove unused by every peer: kept alive for the process.
 _LEAKED: list[Any] = []
+
+
+@dataclasses.dataclass
+class _Collected:
+    """The CUDA backends of a Buffer collected without destroy(), kept until every rank of its group has
+    collected it too (checked when the next Buffer on the group is built)."""
+    ranks: tuple[int, ...]  # its group
+    uid: str
+    device: torch.device
+    backends: list[Any]
+
+
+_COLLECTED: list[_Collected] = []
+
+
+def _collected_on(ranks: tuple[int, ...]) -> list[_Collected]:
+    return [c for c in list(_COLLECTED) if c.ranks == ranks]
+
+
+def _free_collected(collected: list[_Collected]) -> None:
+    """Free collected Buffers' CUDA backends, on every rank of their group in the same order (NVSHMEM
+    frees are collective). The caller has proved that every rank holds the same ones and that their
+    kernels have ended on every rank."""
+    for c in sorted(collected, key=lambda c: c.uid):
+        _COLLECTED.remove(c)
+        for backend in c.backends:
+            try:
+                backend.close()
+            except Exception as error:  # kept, as a destroy that could not meet its peers keeps its buffer
+                _LEAKED.append(backend)
+                _log.warning("epcomm: freeing collected Buffer %s failed (%s); its buffer is kept", c.uid, error)
 _DEFAULT_CONFIGS: dict[tuple, Config] = {}
 
 

@@ -1,7 +1,8 @@
 """DeepEP callers' own patterns, as they call ``deep_ep`` (the drop-in promise): SGLang's buffer sizing
 for FP8 (H bytes a token, for its BF16 combine too), FP8 scales of any grouping, Megatron's
-``EventOverlap(EventHandle())`` from ``deep_ep.utils``, and what a collected Buffer does. On GPUs
-(EPCOMM_TEST_BACKEND=nccl) the CUDA kernels run them; the reference backend is the oracle.
+``EventOverlap(EventHandle())`` from ``deep_ep.utils``, and what a collected Buffer does (Megatron
+drops its Buffer without destroy()). On GPUs (EPCOMM_TEST_BACKEND=nccl) the CUDA kernels run them;
+the reference backend is the oracle.
 """
 
 from __future__ import annotations
@@ -181,41 +182,75 @@ def test_megatron_event_handles(ranks):
     cluster(ranks).run(rank_megatron_events)
 
 
-def rank_collected_buffers(backend: str):
-    """A collected Buffer is not destroyed (a meeting of the peers at an arbitrary time could stall or
-    break calls in flight): one holding CUDA buffers keeps them (never handed back to PyTorch while
-    peers may map them) and logs a warning; a reference one goes quietly. A refused call leaves no
-    reference cycle, so dropping the last reference collects the Buffer at once."""
+def rank_collected_buffers(backend: str, low_latency: bool):
+    """A collected Buffer is not destroyed at once (a meeting of the peers at an arbitrary time could stall
+    or break calls in flight): one holding CUDA buffers keeps them (not handed back to PyTorch while
+    peers may map them) and logs a warning; the next Buffer built on the group frees them once every
+    rank has collected it (Megatron drops its Buffer for a larger one without destroy()). A reference
+    one goes quietly. A refused call leaves no reference cycle, so dropping the last reference
+    collects the Buffer at once."""
     import gc
 
     import epcomm.buffer as buffer_module
 
-    dev = _device()
+    rank, dev = dist.get_rank(), _device()
+    size = 64 << 20
+
+    def new_buffer() -> Buffer:
+        if low_latency:
+            return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend=backend)
+        return Buffer(dist.group.WORLD, size, backend=backend)
     gc.collect()  # earlier tests' garbage first: only this test's Buffers are counted below
     gc.disable()  # only reference counts collect below
     try:
+        base = torch.cuda.memory_allocated(dev) if backend == "cuda" else 0
+
+        def pending(uid: str) -> bool:
+            return any(c.uid == uid for c in buffer_module._COLLECTED)
+
         with EpcommLog() as log:
-            leaked = len(buffer_module._LEAKED)
-            buf = Buffer(dist.group.WORLD, 64 << 20, backend=backend)
-            gone = weakref.ref(buf)
-            with pytest.raises(ValueError):
-                buf.dispatch(torch.zeros((4, 100), dtype=torch.bfloat16, device=dev))  # 200-byte rows: refused
+            buf = new_buffer()
+            uid, gone = buf.uid, weakref.ref(buf)
+            with pytest.raises(ValueError):  # 200-byte rows: refused
+                x = torch.zeros((4, 100), dtype=torch.bfloat16, device=dev)
+                if low_latency:
+                    buf.low_latency_dispatch(x, torch.zeros((4, 2), dtype=torch.int64, device=dev), 4, 8)
+                else:
+                    buf.dispatch(x)
             del buf
         assert gone() is None, "the refused call left the Buffer in a reference cycle"
         warned = [m for m in log.messages if "without destroy()" in m]
-        if backend == "cuda":
-            assert len(buffer_module._LEAKED) > leaked and warned, log.messages
-            assert torch.cuda.memory_allocated(dev) >= 64 << 20, "the kept buffer went back to PyTorch"
-        else:
-            assert len(buffer_module._LEAKED) == leaked and log.messages == [], log.messages
+        if backend != "cuda":
+            assert not pending(uid) and log.messages == [], log.messages
+            return True
+        assert pending(uid) and warned, log.messages
+        assert torch.cuda.memory_allocated(dev) >= base + size, "the kept buffer went back to PyTorch"
+        # Every rank collected it: the next Buffer frees it.
+        nxt = new_buffer()
+        assert not pending(uid), "the next Buffer did not free the collected one"
+        assert torch.cuda.memory_allocated(dev) < base + size + (16 << 20), "the collected buffer was not freed"
+        # Rank 0 alone collects one: kept on every rank until the others have collected it too.
+        buf = new_buffer()
+        uid = buf.uid
+        held = None if rank == 0 else buf
+        del buf
+        third = new_buffer()
+        assert pending(uid) == (rank == 0), "a Buffer some rank still holds was freed"
+        if held is not None:
+            held = None  # now every rank has collected it
+        fourth = new_buffer()
+        assert not pending(uid), "the next Buffer did not free a Buffer every rank has collected"
+        for b in (nxt, third, fourth):
+            b.destroy()
     finally:
         gc.enable()
     return True
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_collected_buffers_are_kept_not_freed(backend):
-    cluster(2).run(rank_collected_buffers, backend)
+@pytest.mark.parametrize("low_latency", [False, True], ids=["normal", "low_latency"])
+def test_collected_buffers_are_freed_by_the_next_buffer(backend, low_latency):
+    cluster(2).run(rank_collected_buffers, backend, low_latency)
 
 
 def test_deep_ep_utils_names():
