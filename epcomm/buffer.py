@@ -8,6 +8,7 @@ waiting for a call that never comes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import socket
@@ -375,7 +376,9 @@ class Buffer:
         if collected:  # every kernel that used them has ended on this rank before it joins the exchange
             for device in {c.device for c in collected}:
                 torch.cuda.synchronize(device)
-        collected_key = zlib.crc32(" ".join(sorted(c.uid for c in collected)).encode()) | 1 if collected else 0
+        # 56 bits of a hash of the names: ranks that free must hold the very same Buffers.
+        collected_key = (int.from_bytes(hashlib.blake2b(" ".join(sorted(c.uid for c in collected)).encode(),
+                                                        digest_size=7).digest(), "little") | 1) if collected else 0
         row = [1 if error else 0, stable_id(socket.gethostname()), gpu, collected_key,
                *(shared_choices or [0] * len(_SHARED_CHOICES))]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)

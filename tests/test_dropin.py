@@ -242,6 +242,19 @@ def rank_collected_buffers(backend: str, low_latency: bool):
         assert not pending(uid), "the next Buffer did not free a Buffer every rank has collected"
         for b in (nxt, third, fourth):
             b.destroy()
+        # Megatron's order: `buf = Buffer(...)` drops the old Buffer after the new one is built, so each
+        # rebuild frees the Buffer replaced before it: at most one replaced Buffer is kept.
+        buf = new_buffer()
+        first = buf.uid
+        buf = new_buffer()
+        second = buf.uid
+        assert pending(first) and not pending(second)
+        buf = new_buffer()
+        assert not pending(first) and pending(second), "a rebuild did not free the Buffer replaced before it"
+        buf.destroy()
+        nxt = new_buffer()  # frees the second
+        assert not pending(second)
+        nxt.destroy()
     finally:
         gc.enable()
     return True

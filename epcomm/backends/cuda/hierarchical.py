@@ -223,9 +223,12 @@ class CudaHierarchical:
 
     # ------------------------------------------------------------------ lifecycle and errors
     def close(self) -> None:
-        """Free both buffers (collective: every rank's kernels have ended, Buffer.destroy met them)."""
-        self.shared.close()
-        self.sym.close()
+        """Free both buffers (collective: every rank's kernels have ended, Buffer.destroy met them). The
+        NVSHMEM free runs whatever happens to the IPC unmapping: the peers wait for it in a barrier."""
+        try:
+            self.shared.close()
+        finally:
+            self.sym.close()
 
     def check_errors(self, op: str) -> None:
         """Raise what the kernels reported (call after a sync that covers them)."""

@@ -17,7 +17,8 @@
 //   [0, 64)        barrier signals, int64 per source rank: call counter * 16 + op code
 //   [64, 128)      local state: call counter, abort word
 //   [128, 640)     row-count matrix int32 [2 parities][src][dst]
-//   [640, 896)     header of each source int32 [2][src][4]: refusal bits, num_worst_tokens, row bytes
+//   [640, 1024)    header of each source int32 [2][src][6]: refusal bits, num_worst_tokens, row bytes
+//                  (a fresh dispatch's), shape key, op code (every op's)
 //   [1024, ...)    per-expert counts int32 [2][src][kMaxExpertsPerRank]
 //   [66560, +1024) the notify kernel's scratch (this rank's only): its blocks' row counts
 //   [kRowsOffset,) row slots: dispatch rows in output order; combine rows per (dst, slot)

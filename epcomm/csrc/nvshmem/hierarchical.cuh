@@ -170,6 +170,7 @@ __device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int r
 __device__ inline bool wait_entered(const Call& c, const int64_t* word, int rank) {
     int64_t seen = 0;
     if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call() << kTagBits); }, rank, &seen)) return false;
+    if (c.aborted()) return false;  // given up here already: its report stands (a mate gone on is its echo)
     if ((seen >> kTagBits) != c.call()) {
         c.abort(7, rank);
         return false;
