@@ -88,28 +88,35 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 
 
 
+# Bytes a reducing SM sums per byte a sending SM stores into a peer over NVLink in the same time, in
+# combine: 2 x H200, 24 SMs, 4096 tokens (bench/results/2026-11-24_ep2-combine-send-pct-*): 8 senders
+# (the rule with equal rates) 295-308 us, 9 284-288, 10 276, 11 291.5; 10 of 24 is this ratio.
+_COMBINE_REDUCE_PER_SEND = 1.43
+
+
 def send_share(work: str, num_ranks: int) -> float:
     """The share of a call's SMs that send when EPCOMM_*_SEND_SMS_PCT is auto: both roles busy for
-    the same time if a sending SM and a receiving (or reducing) SM move rows at the same rate (one
-    H100: 44-47 GB/s per SM for a row copy, scripts/copy_rate.cu). Per byte that a rank receives in
-    dispatch (or sends back in combine), with R ranks:
+    the same time. Per byte that a rank receives in dispatch (or sends back in combine), with R ranks:
 
-        work            senders move                   receivers / reducers move   share
+        work            senders move                   receivers / reducers move   share (equal rates)
         dispatch_fused  1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
         dispatch_split  (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
         combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
 
-    At 2 ranks this gives 2/3, 1/3 and 1/3 (2 x H200, 24 SMs: cached dispatch 234 us at 2/3
-    against 258 at 1/2; combine 383 us at 1/3 against 510 at 1/2; the split dispatch 400 us at 1/3
-    against 374 at 1/2, inside its host noise: 2026-11-23_cuda-intranode-v1-variants_nvidia-h200-x2
-    in bench/results). At 8 ranks 8/15, 7/15 and 7/15: a combine at 8 ranks returns 7/8 of its
-    rows over NVLink, and 8 of 24 SMs (the earlier fixed 33%) could not send them at 420 GB/s. At
-    one rank the senders of a combine or a split dispatch have nothing to move, and those of a
-    fused dispatch everything."""
+    Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM for a row copy,
+    scripts/copy_rate.cu; 2 x H200, 24 SMs: cached dispatch 234 us at 2/3 against 258 at 1/2). In
+    combine a sender's stores to a peer move slower than a reducer's local sums
+    (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs at 2 ranks
+    (8 with equal rates), 12 at 4, 13 at 8 (the rate at 4 and 8 ranks is owed: multi_gpu_plan.sh
+    STEP=split A/Bs one sender more and fewer). At one rank the senders of a combine or a split
+    dispatch have nothing to move, and those of a fused dispatch everything."""
     if work == "dispatch_fused":
         return num_ranks / (2 * num_ranks - 1)
-    if work in ("dispatch_split", "combine"):
+    if work == "dispatch_split":
         return (num_ranks - 1) / (2 * num_ranks - 1)
+    if work == "combine":
+        sent = (num_ranks - 1) / num_ranks * _COMBINE_REDUCE_PER_SEND
+        return sent / (sent + 1)
     raise ValueError(f"unknown work {work!r}")
 
 
