@@ -1,6 +1,7 @@
 """Every environment variable epcomm reads, with its default, in one place.
 
-The README's table is generated from ``ENV_VARS``; keep them in step.
+The README's table lists the same names and defaults (tests/test_api.py checks them); keep the
+descriptions in step by hand.
 """
 
 from __future__ import annotations
