@@ -141,13 +141,14 @@ def test_cli_dispatches_and_rejects_unknown_commands(capsys):
     assert "--topk" in capsys.readouterr().err
 
 
-def test_tiny_run_end_to_end(tmp_path, capsys):
+def test_tiny_run_end_to_end(tmp_path, capsys, monkeypatch):
     needs_bench_ranks(2)
     out = tmp_path / "results.json"
     png = tmp_path / "bw.png"
     argv = ["--num-ranks", "2", "--tokens", "16,32", "--hidden", "256", "--topk", "4", "--experts", "8",
             "--ll-tokens", "8", "--ll-experts", "8", "--num-sms", "8", "--warmup", "1", "--iters", "3",
             "--backend", "reference", "--json", str(out)]
+    monkeypatch.setenv("EPCOMM_COMBINE_SEND_SMS_PCT", "40")  # not read by the reference backend: recorded only
     try:
         import matplotlib  # noqa: F401
         argv += ["--plot", str(png)]
@@ -174,6 +175,7 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
         assert re.fullmatch(r"[0-9a-f]{40}(\+modified)?|unknown", r["commit"]), tag
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"]), tag
         assert len(r["dispatch_us_per_rank"]) == 2 and max(r["dispatch_us_per_rank"]) == r["dispatch_us"], tag
+        assert r["env"].get("EPCOMM_COMBINE_SEND_SMS_PCT") == "40", (tag, r["env"])
     # One progress line per configuration on stderr; the table on stdout.
     assert len(re.findall(r"^\[\d/8\] ", captured.err, flags=re.M)) == 8, captured.err
     assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out

@@ -13,6 +13,7 @@ import re
 import subprocess
 from typing import Any
 
+from .. import _env
 from . import metrics
 from .workloads import Case
 
@@ -58,6 +59,12 @@ def _sig(value: float) -> float:
     return float(f"{value:.6g}")
 
 
+def env_settings() -> dict[str, str]:
+    """The epcomm variables set in the environment (the ranks inherit it): an A/B's records say which
+    side they are (e.g. EPCOMM_COMBINE_SEND_SMS_PCT), whatever their file is called."""
+    return {name: os.environ[name] for name in sorted(_env.ENV_VARS) if name in os.environ}
+
+
 def fmt_gbps(value: float) -> str:
     return f"{value:.2f}" if value >= 1 else f"{value:.4f}"
 
@@ -93,6 +100,7 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
         "combine_us_per_rank": [_sig(r["combine_s"] * 1e6) for r in per_rank],
         "dispatch_bytes_per_rank": [r["dispatch_bytes"] for r in per_rank],
     })
+    record["env"] = env_settings()
     if "strategy" in per_rank[0]:
         record["strategy"] = per_rank[0]["strategy"]
     if "ll_transport" in per_rank[0]:  # CUDA low latency: IPC or NVSHMEM, and the peers reached by puts
