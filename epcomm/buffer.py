@@ -1112,6 +1112,8 @@ def _free_collected(collected: list[_Collected]) -> None:
     frees are collective). The caller has proved that every rank holds the same ones and that their
     kernels have ended on every rank."""
     for c in sorted(collected, key=lambda c: c.uid):
+        if c not in _COLLECTED:  # freed meanwhile (another thread's Buffer on the same group)
+            continue
         _COLLECTED.remove(c)
         for backend in c.backends:
             try:
