@@ -243,6 +243,8 @@ NORMAL_CASES: dict[str, Case] = {
                                      "ValueError", r"^x\[1\] \(scales\) must have \d+ rows"),
     "dispatch/fp8 scales 1-D": Case("dispatch", lambda c: c.dispatch(x=(_fp8(c.x)[0], _fp8(c.x)[1].flatten())),
                                     "ValueError", r"^x\[1\] must be 2-D"),
+    "dispatch/fp8 scales no columns": Case("dispatch", lambda c: c.dispatch(x=(_fp8(c.x)[0], _fp8(c.x)[1][:, :0])),
+                                           "ValueError", r"^x\[1\] \(scales\) must have at least one column"),
     "dispatch/fp8 scales strided": Case("dispatch", lambda c: c.dispatch(
         x=(_fp8(_x_with_hidden(c, 256))[0], torch.ones((c.x.shape[0], 4))[:, ::2])), "ValueError",
         r"^x\[1\] \(scales\) must be row- or column-major"),
