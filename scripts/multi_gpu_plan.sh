@@ -12,7 +12,8 @@
 #   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
 #           BF16 and FP8, NCCL beside it                                               #3 #8
 #   split   the SM split at 24 SMs: auto (the default), the fixed 50%/33% of before 2026-11-24,
-#           and one sending SM more and fewer than auto (cached dispatch and combine)  #3 #8
+#           one sending SM more and fewer than auto (cached dispatch and combine), and two more and
+#           fewer for the combine (its sender/reducer rate ratio is from 2 ranks)     #3 #8
 #   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
 #           messages + partial sums (one kernel, the default, and two: kFusedPartials off), block
 #           receive forced off and on (the defaults of
@@ -70,6 +71,13 @@ print(f'{p(d, 1):.1f},{p(c, 1):.1f}', f'{p(d, -1):.1f},{p(c, -1):.1f}')")
       --num-sms 24 || status=1
     EPCOMM_DISPATCH_SEND_SMS_PCT=${fewer%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${fewer#*,} bench split-fewer --modes normal \
       --num-sms 24 || status=1
+    # the combine's sender rate against its reducers' (_COMBINE_REDUCE_PER_SEND) was measured at 2 ranks only:
+    # two senders more and fewer than auto too, BF16 (the combine is the same for both dtypes)
+    read -r more2 fewer2 < <(python3 -c "from epcomm.backends.cuda.intranode import send_share as s; \
+import torch; c = s('combine', torch.cuda.device_count()); \
+p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.1f}')")
+    EPCOMM_COMBINE_SEND_SMS_PCT=$more2 bench split-combine-more2 --modes normal --num-sms 24 --dtype bf16 || status=1
+    EPCOMM_COMBINE_SEND_SMS_PCT=$fewer2 bench split-combine-fewer2 --modes normal --num-sms 24 --dtype bf16 || status=1
     ;;
   ll)
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \
