@@ -8,7 +8,6 @@ waiting for a call that never comes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import logging
 import socket
@@ -376,9 +375,8 @@ class Buffer:
         if collected:  # every kernel that used them has ended on this rank before it joins the exchange
             for device in {c.device for c in collected}:
                 torch.cuda.synchronize(device)
-        # 56 bits of a hash of the names: ranks that free must hold the very same Buffers.
-        collected_key = (int.from_bytes(hashlib.blake2b(" ".join(sorted(c.uid for c in collected)).encode(),
-                                                        digest_size=7).digest(), "little") | 1) if collected else 0
+        # 56 bits of a hash of the names (never 0): ranks that free must hold the very same Buffers.
+        collected_key = stable_id(" ".join(sorted(c.uid for c in collected))) | 1 if collected else 0
         row = [1 if error else 0, stable_id(socket.gethostname()), gpu, collected_key,
                *(shared_choices or [0] * len(_SHARED_CHOICES))]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
@@ -1121,6 +1119,8 @@ def _free_collected(collected: list[_Collected]) -> None:
             except Exception as error:  # kept, as a destroy that could not meet its peers keeps its buffer
                 _LEAKED.append(backend)
                 _log.warning("epcomm: freeing collected Buffer %s failed (%s); its buffer is kept", c.uid, error)
+
+
 _DEFAULT_CONFIGS: dict[tuple, Config] = {}
 
 
