@@ -276,15 +276,17 @@ def test_hierarchical_dead_peer_is_named_within_the_timeout(when):
     _check_survivor(outcome, timeout_s)
 
 
-def rank_mismatched_shapes(what: str):
+def rank_mismatched_shapes(what: str, ranks_per_domain: int = 1):
     """Ranks that dispatch rows of different widths, or FP8 scales of another dtype (fp32 and int32
     words of one size): every rank raises, none hangs. A cached dispatch or a combine of different
     shapes: the next synchronizing call raises on every rank, well within the timeout (a rank that
-    gave the call up and went on to its next call is named, not waited for)."""
+    gave the call up and went on to its next call is named, not waited for). With two ranks a domain
+    (2x2), rank 3 saw nothing wrong itself: its mate (1) and domain peer (2) gave the call up after
+    rank 0's shape and tell it so (a done word, a leave flag) instead of sending nothing."""
     rank = dist.get_rank()
     timeout_s = 20
     with peer_timeout(timeout_s):
-        ref, cuda = _buffers(1, 32, "auto")
+        ref, cuda = _buffers(ranks_per_domain, 32, "auto")
     ref.destroy()
     x, idx, w = _inputs(22, 16, HIDDEN * (1 + rank) if what == "hidden" else HIDDEN, 8, NUM_TOPK, "random", 1)
     x8 = epcomm.per_token_cast_to_fp8(x)
@@ -316,6 +318,13 @@ def test_hierarchical_mismatched_shapes_raise_on_every_rank(what):
     _needs_gpus(2)
     with _fresh(2) as c:
         c.run(rank_mismatched_shapes, what, timeout_s=120)
+
+
+@pytest.mark.parametrize("what", ["cached scales", "combine weights"])
+def test_hierarchical_2x2_given_up_calls_are_told_to_mates(what):
+    _needs_gpus(4)
+    with _fresh(4) as c:
+        c.run(rank_mismatched_shapes, what, 2, timeout_s=120)
 
 
 def rank_refused_inputs(fault: str):

@@ -1,8 +1,13 @@
 """Token rows as bytes: how every backend packs a token (data | scales | top-k ids | top-k weights)
 into one row before it moves, and unpacks the received rows into the API's tensors; and the packed
-receive tensors of low-latency dispatch, which every backend fills alike."""
+receive tensors of low-latency dispatch, which every backend fills alike; and the digest of a
+call's row shape that the ranks of the CUDA backends compare."""
 
 from __future__ import annotations
+
+import functools
+import struct
+import zlib
 
 import torch
 
@@ -27,6 +32,16 @@ def scale_kind(scales: torch.Tensor | None) -> int:
     if scales is None:
         return 0
     return 1 if scales.dtype == torch.float32 else 2
+
+
+@functools.lru_cache(maxsize=1024)
+def shape_digest(*values: int | torch.dtype, bits: int = 31) -> int:
+    """``bits`` bits of a digest of a call's shape (ints; dtypes by name) that every rank computes
+    alike, unlike hash() of a tuple across processes. The CUDA backends' ranks compare them to tell
+    calls of other shapes apart: the intranode notify's shape key, the hierarchical counts rows'
+    digest and signals' tag, the low-latency signals' 8-bit tag."""
+    words = [zlib.crc32(str(v).encode()) if isinstance(v, torch.dtype) else int(v) for v in values]
+    return zlib.crc32(struct.pack(f"<{len(words)}q", *words)) & ((1 << bits) - 1)
 
 
 def check_worst_tokens(rank: int, num_recv_tokens: int, num_worst_tokens: int) -> None:

@@ -42,7 +42,6 @@ With ``num_worst_tokens`` (no host read) such a call is an error instead.
 from __future__ import annotations
 
 import ctypes
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
-from ..rows import scale_kind
+from ..rows import scale_kind, shape_digest
 from .build import load_library, load_nvshmem_library
 from .capi import check, ptr, stream_ptr
 from .intranode import dispatch_layout
@@ -66,8 +65,8 @@ _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
            5: "rank(s) {ranks} refused the inputs (top-k ids outside [-1, num_experts), or num_tokens_per_rank not "
               "is_token_in_rank.sum(0): pass both from get_dispatch_layout)",
            6: "rank(s) {ranks} had an error in an earlier call (raised there)",
-           7: "rank(s) {ranks} gave this call up and went on (another operation or shape seen there, or an error "
-              "of its own: see its message)"}
+           7: "rank(s) {ranks} gave this call up (another operation or shape seen there or at a rank it waits "
+              "for, or an error of its own: see its message)"}
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
@@ -277,7 +276,7 @@ class CudaHierarchical:
             # combine: every SM forwards (and sends).
             senders = 0 if op == _OP_COMBINE else (self.num_domains - 1) * chunks
             forwarders = max(1, min(self.c["max_forwarders"], num_sms - senders))
-            tag = zlib.crc32(repr((op, shape, chunks, forwarders)).encode()) & 0xFFFFF  # ranks must agree on all
+            tag = shape_digest(op, *shape, chunks, forwarders, bits=20)  # kTagBits: ranks must agree on all
             peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
             mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
             values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd,
@@ -381,8 +380,8 @@ class CudaHierarchical:
                 ptr(num_tokens_per_expert.contiguous()), ptr(idx), sizes,
                 ctypes.c_void_p(self.outgoing_ptr), ptr(self.refused), table("slots"), table("flags"), table("pos"),
                 table("send1"), table("recv1"), table("slots1"), stream), "hierarchical dispatch (plan)")
-            digest = zlib.crc32(repr((hidden, x.dtype, num_scales, kind, num_topk, with_weights, num_experts,
-                                      num_worst_tokens)).encode()) & 0x7FFFFFFF
+            digest = shape_digest(hidden, x.dtype, num_scales, kind, num_topk, int(with_weights), num_experts,
+                                  num_worst_tokens)
             call = self._call_params(_OP_DISPATCH, (), num_sms, stream, digest=digest)
             check(self.nv.epcomm_hierarchical_notify(call, ctypes.c_int64(_SYM_HEADER), self.width,
                                                      2 + R + num_experts, ctypes.c_void_p(self.info.data_ptr()),

@@ -14,7 +14,7 @@ A call whose rows do not fit the buffer runs in rounds over ranges of source tok
 ``buffer_bytes_needed`` gives the size for one pass. A ``num_worst_tokens`` call must fit in one
 pass (else ValueError on every rank before any row moves). Errors found by the kernels (a peer that
 did not arrive within EPCOMM_TIMEOUT_S, ranks calling different operations or passing rows of
-different shapes (``shape_key``), refused inputs) are raised by the call that synchronizes with
+different shapes (``dispatch_shape_key``), refused inputs) are raised by the call that synchronizes with
 them: a dispatch without ``num_worst_tokens`` synchronizes at its counts, so it reports its own and
 earlier calls' errors; ``CudaIntranode.check_errors`` (``Buffer.destroy`` calls it) reports the rest.
 """
@@ -22,8 +22,6 @@ earlier calls' errors; ``CudaIntranode.check_errors`` (``Buffer.destroy`` calls 
 from __future__ import annotations
 
 import ctypes
-import struct
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -31,7 +29,7 @@ import torch.distributed as dist
 from ... import _env
 from ...handle import DispatchHandle
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
-from ..rows import scale_kind
+from ..rows import scale_kind, shape_digest
 from .build import load_library
 from .capi import addr, check, check_aligned, check_struct_layout, current_stream, fields, ptr, stream_ptr
 from .ipc import SharedBuffer
@@ -54,16 +52,11 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def shape_key(*values: int) -> int:
-    """The digest of a call's row shape that every rank's notify kernel compares with its peers'
-    (header word 3): the same in every process, unlike hash() of a tuple across Python builds."""
-    return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) & 0x7FFFFFFF
-
-
 def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: int, has_weights: bool,
                        num_worst_tokens: int) -> int:
-    return shape_key(1, x.shape[1], x.element_size(), scale_kind(scales), scales.shape[1] if scales is not None else 0,
-                     num_topk, int(has_weights), num_worst_tokens)
+    """The shape key of a dispatch (header word 3, compared by every rank's notify kernel)."""
+    return shape_digest(1, x.shape[1], x.dtype, scale_kind(scales), scales.shape[1] if scales is not None else 0,
+                        num_topk, int(has_weights), num_worst_tokens)
 
 
 def dispatch_row_bytes(hidden: int, element_size: int, num_topk: int = 0, num_scales: int = 0) -> int:
@@ -474,7 +467,7 @@ class CudaIntranode:
         cap_rows = self.cap_rows(row_bytes)
         if st["max_send"] > cap_rows:
             self._raise_capacity("combine", st["max_send"], row_bytes, cap_rows)
-        self._barrier_calls[self.c["op_combine"]].shape_key = shape_key(3, hidden, num_topk)
+        self._barrier_calls[self.c["op_combine"]].shape_key = shape_digest(3, hidden, num_topk)
         self._notify_barrier(self.c["op_combine"], "combine")
         out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
         out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None

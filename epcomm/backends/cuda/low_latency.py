@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import LowLatencyHandle
-from ..rows import low_latency_scales_layout
+from ..rows import low_latency_scales_layout, shape_digest
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
 from .ipc import SharedBuffer
@@ -75,16 +75,6 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     data = hidden if use_fp8 else hidden * 2
     cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
     return data, cols, _round_up(data + cols * 4 + 8, 16)  # + the token index and the alias (plan_message)
-
-
-@functools.lru_cache(maxsize=256)
-def shape_tag(*values: int) -> int:
-    """8 bits that differ, most likely, between calls of different shapes: every signal carries them,
-    and a receiver compares them with its own (csrc/kernels/low_latency.cuh, make_signal)."""
-    h = 0x811C9DC5
-    for v in values:
-        h = ((h ^ (v & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF  # FNV-1a over 32-bit words
-    return (h ^ (h >> 8) ^ (h >> 16) ^ (h >> 24)) & 0xFF
 
 
 def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
@@ -534,8 +524,8 @@ class _DispatchShape:
             call = LLDispatchCall.from_buffer_copy(record)
             call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
             call.num_max_tokens = num_max_tokens
-            call.shape_tag = shape_tag(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
-                                       int(backend.share_messages))
+            call.shape_tag = shape_digest(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
+                                          int(backend.share_messages), bits=8)  # the signals carry 8 bits
             call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
             call.share_messages = int(backend.share_messages)
             call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
@@ -566,8 +556,8 @@ class _CombineShape:
             call = LLCombineCall.from_buffer_copy(record)
             call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
             call.num_max_tokens = num_max_tokens
-            call.shape_tag = shape_tag(2, hidden, num_experts, num_max_tokens, int(partials),
-                                       num_topk if partials else 0)
+            call.shape_tag = shape_digest(2, hidden, num_experts, num_max_tokens, int(partials),
+                                          num_topk if partials else 0, bits=8)
             call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
             self.records.append(call)
 

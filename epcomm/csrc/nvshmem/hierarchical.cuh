@@ -27,8 +27,9 @@
 // operation or shape, or a rank refusing its inputs gives up the call: it is reported in `info`
 // and the first waiter to give up marks the call aborted, so the others stop waiting too. Rows that
 // would land outside a receive area or their block are skipped and reported without giving up, so
-// every rank still reaches its host check. A call given up on one rank sends nothing, so its mates
-// wait out the timeout and name it. Every report also sets a sticky word: the rank's next dispatch
+// every rank still reaches its host check. A call given up on one rank sends its mates no rows but
+// a done word that says so, and its domain ranks a leave flag that says so: they give up too,
+// naming it (7), instead of waiting out the timeout or ending with rows missing. Every report also sets a sticky word: the rank's next dispatch
 // tells every rank (error 6), and its later calls give up; the Buffer must be destroyed.
 //
 // This header: the layout constants, the call's common state (Call), the bounded waits, the copies
@@ -182,11 +183,19 @@ __device__ inline bool wait_entered(const Call& c, const int64_t* word, int rank
     return true;
 }
 
-// The count that came with chunk j of domain d's region for this call, or -1 (aborted).
+// A done word's count that says the mate gave the call up and sends nothing (counts fit 31 bits).
+constexpr int64_t kGaveUpCount = 0xffffffff;
+
+// The count that came with chunk j of domain d's region for this call, or -1 (aborted; also when
+// the mate sent word that it gave the call up, which this rank then gives up too, naming it).
 __device__ inline int wait_chunk(const Call& c, int d, int j) {
     int64_t seen = 0;
     if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call(); }, c.mate(d), &seen))
         return -1;
+    if ((seen & 0xffffffff) == kGaveUpCount) {
+        if (!c.aborted()) c.abort(7, c.mate(d));
+        return -1;
+    }
     return static_cast<int>(seen & 0xffffffff);
 }
 
@@ -242,6 +251,29 @@ __device__ inline void finish_to_mate(const Call& c, int d, int j, int64_t count
     }
 }
 
+// Thread 0 of a block that sends chunk j to domain d's mate, once the mate's ready word was waited
+// for: whether to send (the mate is in this call with this shape, and this rank has not given the
+// call up). A rank that gave the call up still tells the mate so, in the chunk's done word, as soon
+// as the mate is in the call (within what is left of the timeout since `start`): the mate would
+// otherwise wait for the chunk to its timeout (a rank can give up after its domain peer's shape or
+// error while its mate, in another domain, saw nothing wrong).
+__device__ inline bool mate_to_send(const Call& c, int d, int j, bool entered, uint64_t start) {
+    if (entered && !c.aborted()) return true;
+    if (!c.aborted()) return false;  // not entered and not given up: cannot be (wait_entered aborts)
+    const int64_t* word = sym_ready(c.sym, d);
+    for (int spin = 0;; ++spin) {
+        const int64_t v = ld_acquire_sys(word);
+        if (v >= (c.call() << kTagBits)) {
+            if ((v >> kTagBits) == c.call())  // not when it went on to a later call: it waits for nothing
+                nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_done(c.sym, c.my_domain, j)),
+                                   static_cast<uint64_t>((c.call() << 32) | kGaveUpCount), NVSHMEM_SIGNAL_SET,
+                                   c.mate(d));
+            return false;
+        }
+        if ((spin & 63) == 63 && global_timer_ns() - start > c.timeout_ns) return false;  // it never came
+    }
+}
+
 // Tell every domain rank this rank entered the call (its IPC area may be written / read).
 __device__ inline void enter_domain(const Call& c) {
     for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_ready(c.peers[i], c.local), c.entered());
@@ -259,18 +291,24 @@ __device__ inline bool domain_entered(const Call& c) {
     return s_ok != 0;
 }
 
-// Forwarder block b is done with every domain rank's area: flag it there; then wait until every
-// domain rank's block b is done with this rank's (so the caller may reuse its area after the kernel).
+// Forwarder block b is done with every domain rank's area: flag it there (2 x call, + 1 when this
+// rank gave the call up: what it forwarded may be incomplete); then wait until every domain rank's
+// block b is done with this rank's (so the caller may reuse its area after the kernel). A domain
+// rank that gave the call up is named (7): this rank's outputs may lack the rows it forwards.
 __device__ inline void leave_domain(const Call& c, int b) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_flag(c.peers[i], c.local, b), c.call());
+        const int64_t flag = 2 * c.call() + (c.aborted() ? 1 : 0);
+        for (int i = 0; i < c.ranks_per_domain; ++i) st_release_sys(dom_flag(c.peers[i], c.local, b), flag);
     }
     if (threadIdx.x < c.ranks_per_domain) {
         int64_t seen = 0;
-        wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v >= c.call(); },
-                 c.domain_rank(threadIdx.x), &seen);
+        const int rank = c.domain_rank(threadIdx.x);
+        if (wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v >= 2 * c.call(); },
+                     rank, &seen) &&
+            seen == 2 * c.call() + 1 && !c.aborted())
+            c.abort(7, rank);
     }
 }
 

@@ -278,7 +278,8 @@ __device__ void pad_rows(const DispatchArgs& a, int b) {
 }
 
 // Sender block for chunk j of region d (another domain): once the mate has entered the call, its
-// rows go to the mate's receive area, then the chunk's signal (with the region's count).
+// rows go to the mate's receive area, then the chunk's signal (with the region's count; a given-up
+// call sends no rows and a done word that says so: mate_to_send).
 __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_ok;
@@ -286,7 +287,8 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
         if (j == 0)
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
                                static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
-        s_ok = wait_entered(c, sym_ready(c.sym, d), c.mate(d)) && !c.aborted();  // a given-up call sends nothing
+        const uint64_t start = global_timer_ns();
+        s_ok = mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d)), start);
     }
     __syncthreads();
     if (!s_ok) return;
