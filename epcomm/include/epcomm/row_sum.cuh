@@ -9,7 +9,10 @@
 
 namespace epcomm {
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+// v by value: a reference bound straight to global memory (add_bf16x8(acc, row[k])) let nvcc read
+// it as four 4-byte loads through the bf16x2 view below, a quarter of the bytes per load
+// instruction (the hierarchical combine's domain sum: combine 529 -> 729 us at 2x1, 2 x H200).
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4 v) {
     const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
