@@ -27,6 +27,16 @@ if [ -n "$NVSHMEM" ]; then
 else
   echo "compile_kernels: NVSHMEM not found; epcomm/csrc/nvshmem not compiled"
 fi
+# The kernels that sum BF16 rows must load them 16 bytes at a time (scripts/check_ptx_loads.py).
+"$NVCC" -O3 -std=c++17 -arch=sm_90 -ptx epcomm/csrc/kernels/intranode.cu -o "$out/intranode.ptx"
+${PYTHON:-python3} scripts/check_ptx_loads.py "$out/intranode.ptx" combine_kernel
+"$NVCC" -O3 -std=c++17 -arch=sm_90 -ptx epcomm/csrc/kernels/low_latency.cu -o "$out/low_latency.ptx"
+${PYTHON:-python3} scripts/check_ptx_loads.py "$out/low_latency.ptx" combine_
+if [ -n "$NVSHMEM" ]; then
+  "$NVCC" -O3 -std=c++17 -arch=sm_90 -rdc=true -I"$NVSHMEM/include" -ptx epcomm/csrc/nvshmem/hierarchical_combine.cu \
+    -o "$out/hierarchical_combine.ptx"
+  ${PYTHON:-python3} scripts/check_ptx_loads.py "$out/hierarchical_combine.ptx" combine_kernel reduce_kernel
+fi
 # The stand-alone micro-benchmarks share the kernels' headers (row_sum.cuh, tma.cuh): they build too.
 for src in scripts/*.cu; do
   echo "compile_kernels: $src"
