@@ -13,7 +13,8 @@
 #           BF16 and FP8, NCCL beside it                                               #3 #8
 #   split   the SM split at 24 SMs: auto (the default), the fixed 50%/33% of before 2026-11-24,
 #           one sending SM more and fewer than auto (cached dispatch and combine), and two more and
-#           fewer for the combine (its sender/reducer rate ratio is from 2 ranks)     #3 #8
+#           fewer for the combine (its sender/reducer rate ratio is from 2 ranks), and the combine
+#           senders' words in flight (kCombineSendUnroll 4 or 8)                       #3 #8
 #   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
 #           messages + partial sums (one kernel, the default, and two: kFusedPartials off), block
 #           receive forced off and on (the defaults of
@@ -78,6 +79,13 @@ import torch; c = s('combine', torch.cuda.device_count()); \
 p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.1f}')")
     EPCOMM_COMBINE_SEND_SMS_PCT=$more2 bench split-combine-more2 --modes normal --num-sms 24 --dtype bf16 || status=1
     EPCOMM_COMBINE_SEND_SMS_PCT=$fewer2 bench split-combine-fewer2 --modes normal --num-sms 24 --dtype bf16 || status=1
+    # the combine senders' words in flight (kCombineSendUnroll 4 against 8), each at auto and two senders fewer
+    # (more words in flight per sender may want fewer senders)
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh 'send4' \
+      'send8|epcomm/csrc/kernels/intranode.cu|s/constexpr int kCombineSendUnroll = 4;/constexpr int kCombineSendUnroll = 8;/' \
+      'send4-fewer2|env|EPCOMM_COMBINE_SEND_SMS_PCT='"$fewer2" \
+      'send8-fewer2|epcomm/csrc/kernels/intranode.cu|s/constexpr int kCombineSendUnroll = 4;/constexpr int kCombineSendUnroll = 8;/|env|EPCOMM_COMBINE_SEND_SMS_PCT='"$fewer2" \
+      -- --backend cuda --modes normal --num-sms 24 --dtype bf16 --commit "$sha" || status=1
     ;;
   ll)
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \

@@ -934,6 +934,13 @@ __device__ __forceinline__ int combine_num_returned(const CombineArgs& a, const 
     return s_layout[kLayRecvOff + a.num_ranks] - (s_layout[kLayRecvOff + a.rank + 1] - s_layout[kLayRecvOff + a.rank]);
 }
 
+// A combine sender's words per lane in flight. 4 here, but what is in flight is ptxas's choice too:
+// up to 9d043c2 it overlapped the next 4 loads with the stores (~8 in flight), from 3417412 on it
+// does not, and the EP2 combine at 8 sending SMs went from 279-285 to 309-311 us (2 x H200,
+// bench/results/2026-11-24_ep2-combine-bisect_nvidia-h200-x2.txt). 8 (as the dispatch senders) is
+// measured by scripts/multi_gpu_plan.sh STEP=split (variant send8).
+constexpr int kCombineSendUnroll = 4;
+
 // Sender with register copies: every received row of another rank goes back to its source, at
 // the slot the source reduces from.
 __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
@@ -946,7 +953,7 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
         // K = 0 without weights (the pointer is null also when no rows arrived); loaded with the
         // row's first words, stored after them.
         const float w = lane < K ? a.weights[static_cast<int64_t>(i) * K + lane] : 0.f;
-        constexpr int kUnroll = 4;
+        constexpr int kUnroll = kCombineSendUnroll;
         for (int c = lane; c < x_int4; c += kUnroll * kWarpSize) {
             int4 v[kUnroll];
 #pragma unroll
