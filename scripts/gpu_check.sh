@@ -6,6 +6,8 @@
 #   TEST_TIMEOUT_S=...  limit of the test step [420];  BENCH_TIMEOUT_S=... limit of the bench [300]
 #   PRESSURE=N          then the pressure test with N random cases on the CUDA backend (bench --pressure)
 #   SANITIZE=1          then scripts/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
+#   BASELINE=FILE       then compare the bench's times with FILE's (a committed bench/results JSON of the same
+#                       device kind): python -m epcomm.bench.compare, fails on a slowdown above 5%
 #   HIER_PUT=1          then the bench again with EPCOMM_HIER_TRANSPORT=put (hierarchical: NVSHMEM puts to
 #                       every mate, the inter-node path) into bench-put.json
 #   EPCOMM_TEST_SHARE_GPUS=1  the tests at 2, 4 and 8 ranks run on fewer GPUs, ranks sharing them
@@ -37,6 +39,9 @@ EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-420}" python3 -
   ${K_ARGS[@]+"${K_ARGS[@]}"} 2>&1 | tee "$OUT/tests-nccl.log" | grep -v "^PASSED\|^SKIPPED" || status=1
 timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" \
   || status=1
+if [ -n "${BASELINE:-}" ]; then
+  python3 -m epcomm.bench.compare "$BASELINE" "$OUT/bench.json" 2>&1 | tee "$OUT/compare.txt" || status=1
+fi
 if [ "${HIER_PUT:-0}" = 1 ]; then
   EPCOMM_HIER_TRANSPORT=put timeout "${BENCH_TIMEOUT_S:-300}" python3 -m epcomm.bench --json "$OUT/bench-put.json" "$@" \
     2>&1 | tail -8 || status=1

@@ -282,3 +282,30 @@ def test_git_commit_marks_a_modified_tree(tmp_path):
     assert git_commit(str(tmp_path)) == sha
     (tmp_path / "kernel.cu").write_text("b\n")
     assert git_commit(str(tmp_path)) == sha + "+modified"
+
+
+def test_compare_flags_slower_times_of_the_same_configurations(tmp_path, capsys):
+    """epcomm.bench.compare: a combine 10% slower fails the check, a faster dispatch does not; records
+    of other shapes are listed, not compared; files of other devices are refused."""
+    from epcomm.bench import compare
+
+    def record(tokens: int, dispatch_us: float, combine_us: float, device: str = "nvidia-h200-x2") -> dict:
+        return {"mode": "normal", "impl": "epcomm-cuda", "num_ranks": 2, "num_domains": 1, "num_tokens": tokens,
+                "hidden": 7168, "num_topk": 8, "num_experts": 256, "num_sms": 24, "dispatch_dtype": "bf16",
+                "dispatch_us": dispatch_us, "combine_us": combine_us, "checked": True, "device": device,
+                "_samples_us": {"combine": [[1.0]]}}
+
+    old = [record(4096, 240.0, 280.0), record(512, 50.0, 60.0)]
+    new = [record(4096, 230.0, 308.0), record(8192, 480.0, 560.0)]
+    deltas, only_old, only_new = compare.compare(old, new)
+    assert {(d.time, round(d.pct, 1)) for d in deltas} == {("dispatch_us", -4.2), ("combine_us", 10.0)}
+    assert [c[5] for c in only_old] == [512] and [c[5] for c in only_new] == [8192]
+    paths = []
+    for name, records in (("old", old), ("new", new), ("same", old), ("other", [record(4096, 1, 1, "h100")])):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(records))
+    assert compare.main([str(paths[0]), str(paths[1])]) == 1
+    assert "combine_us" in capsys.readouterr().out
+    assert compare.main([str(paths[0]), str(paths[1]), "--threshold-pct", "12"]) == 0
+    assert compare.main([str(paths[0]), str(paths[2])]) == 0
+    assert compare.main([str(paths[0]), str(paths[3])]) == 2
