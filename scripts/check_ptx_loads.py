@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 import sys
 
-NARROW_ROW_LOAD = re.compile(r"\bld(?:\.global|\.shared)?(?:\.nc)?\.v2\.u16\b")
+# ld[.space][.qualifiers].v2/.v4 of 16-bit elements (u16 or b16), whatever qualifiers come between.
+NARROW_ROW_LOAD = re.compile(r"\bld(?:\.[A-Za-z0-9_:]+)*\.v[24]\.[ub]16\b")
 
 
 def kernel_bodies(ptx: str) -> dict[str, str]:
-    """Each .entry's name and text up to the next .entry."""
-    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx)]
+    """Each .entry's and .func's name and text up to the next one (a device function nvcc did not
+    inline is checked under its own name)."""
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?(\S+?)\s*\(", ptx)]
     return {name: ptx[at:(starts[i + 1][0] if i + 1 < len(starts) else len(ptx))]
             for i, (at, name) in enumerate(starts)}
 

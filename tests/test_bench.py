@@ -297,15 +297,23 @@ def test_compare_flags_slower_times_of_the_same_configurations(tmp_path, capsys)
 
     old = [record(4096, 240.0, 280.0), record(512, 50.0, 60.0)]
     new = [record(4096, 230.0, 308.0), record(8192, 480.0, 560.0)]
-    deltas, only_old, only_new = compare.compare(old, new)
+    deltas, missing, only_old, only_new = compare.compare(old, new)
     assert {(d.time, round(d.pct, 1)) for d in deltas} == {("dispatch_us", -4.2), ("combine_us", 10.0)}
-    assert [c[5] for c in only_old] == [512] and [c[5] for c in only_new] == [8192]
-    paths = []
-    for name, records in (("old", old), ("new", new), ("same", old), ("other", [record(4096, 1, 1, "h100")])):
-        paths.append(tmp_path / f"{name}.json")
-        paths[-1].write_text(json.dumps(records))
-    assert compare.main([str(paths[0]), str(paths[1])]) == 1
+    assert missing == [] and [c[5] for c in only_old] == [512] and [c[5] for c in only_new] == [8192]
+    cached = [dict(old[0], cached_dispatch_us=200.0)]
+    unchecked = [dict(new[0], checked=False)]
+    paths = {}
+    for name, records in (("old", old), ("new", new), ("other", [record(4096, 1, 1, "h100")]), ("cached", cached),
+                          ("unchecked", unchecked), ("no_common", [record(1024, 1, 1)])):
+        paths[name] = str(tmp_path / f"{name}.json")
+        (tmp_path / f"{name}.json").write_text(json.dumps(records))
+    assert compare.main([paths["old"], paths["new"]]) == 1
     assert "combine_us" in capsys.readouterr().out
-    assert compare.main([str(paths[0]), str(paths[1]), "--threshold-pct", "12"]) == 0
-    assert compare.main([str(paths[0]), str(paths[2])]) == 0
-    assert compare.main([str(paths[0]), str(paths[3])]) == 2
+    assert compare.main([paths["old"], paths["new"], "--threshold-pct", "12"]) == 0
+    assert compare.main([paths["old"], paths["new"], "--min-us", "30"]) == 0  # 28 us slower
+    assert compare.main([paths["old"], paths["old"]]) == 0
+    assert compare.main([paths["old"], paths["other"]]) == 2  # another device kind
+    assert compare.main([paths["old"], paths["no_common"]]) == 2  # nothing compared
+    assert compare.main([paths["cached"], paths["new"], "--threshold-pct", "12"]) == 1  # cached time gone
+    assert "missing" in capsys.readouterr().out
+    assert compare.main([paths["old"], paths["unchecked"]]) == 2  # a record that did not match is not compared

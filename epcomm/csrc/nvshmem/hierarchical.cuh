@@ -8,7 +8,8 @@
 //   * slow tier, NVSHMEM symmetric: a header of signal words, then a staging and a receive area of
 //     the same shape: per field (token rows, scales, top-k ids, weights, slots) one array of
 //     num_domains x region_rows rows. Region d of the staging area holds the rows for domain d's
-//     mate; they land in region `my_domain` of that mate's receive area. Regions are cut in
+//     mate; they land in region `my_domain` of that mate's receive area (the own domain's staging
+//     region stays unused: its rows are forwarded from the caller's tensors). Regions are cut in
 //     `chunks` chunks, each put and signalled on its own (the signal carries the call and the count).
 //   * fast tier, CUDA IPC inside the domain: a header of flags, then the rows each rank receives,
 //     per field, at their final (flat-order) positions.
@@ -256,10 +257,12 @@ __device__ inline void finish_to_mate(const Call& c, int d, int j, int64_t count
 // call up). A rank that gave the call up still tells the mate so, in the chunk's done word, as soon
 // as the mate is in the call (within what is left of the timeout since `start`): the mate would
 // otherwise wait for the chunk to its timeout (a rank can give up after its domain peer's shape or
-// error while its mate, in another domain, saw nothing wrong).
+// error while its mate, in another domain, saw nothing wrong). After a timeout of this call (code
+// 1: a rank is gone or stuck) it only looks once: waiting again would add a timeout to the call.
 __device__ inline bool mate_to_send(const Call& c, int d, int j, bool entered, uint64_t start) {
     if (entered && !c.aborted()) return true;
     if (!c.aborted()) return false;  // not entered and not given up: cannot be (wait_entered aborts)
+    const bool look_once = ld_volatile_int(c.info + kInfoError) == 1;
     const int64_t* word = sym_ready(c.sym, d);
     for (int spin = 0;; ++spin) {
         const int64_t v = ld_acquire_sys(word);
@@ -270,7 +273,7 @@ __device__ inline bool mate_to_send(const Call& c, int d, int j, bool entered, u
                                    c.mate(d));
             return false;
         }
-        if ((spin & 63) == 63 && global_timer_ns() - start > c.timeout_ns) return false;  // it never came
+        if (look_once || ((spin & 63) == 63 && global_timer_ns() - start > c.timeout_ns)) return false;  // not there
     }
 }
 

@@ -117,9 +117,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
                                static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
     }
-    if (domain_entered(c)) {
-        for (int k = b; k < num_chunks; k += c.num_forwarders) reduce_chunk(a, k / c.chunks, k % c.chunks);
-    }
+    // Every chunk is visited even when the domain's entry failed (the call is then given up): its
+    // mate still gets the done word that says so (reduce_chunk, mate_to_send).
+    domain_entered(c);
+    for (int k = b; k < num_chunks; k += c.num_forwarders) reduce_chunk(a, k / c.chunks, k % c.chunks);
     leave_domain(c, b);  // no domain rank reads this rank's expert outputs any more
     // The partial sums of this rank's tokens have arrived (the blocks share the chunks to wait for;
     // this rank's own domain's were written by this kernel).

@@ -93,6 +93,9 @@ struct PlanArgs {
     int* recv_counts;  // [D]: zeroed (stays 0 when the call gives up)
     int* slot_table;   // [table_ints]: -1 (rows a given-up call leaves unwritten have no destination)
     int64_t table_ints;
+    int* own_tokens;   // [region_rows]: the token of each row of this rank's own domain's region
+    int64_t region_rows;
+    int my_domain;
 };
 
 __device__ __forceinline__ bool plan_column(const PlanArgs& a, int col, int64_t t) {
@@ -141,6 +144,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
         } else {
             a.flags[t * D + col - R] = set;
             a.pos[t * D + col - R] = index;
+            if (set && col - R == a.my_domain && index < a.region_rows) a.own_tokens[index] = static_cast<int>(t);
         }
         index += set;
     }
@@ -245,6 +249,15 @@ struct DispatchArgs {
     int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
     const int* recv_total;         // rows this rank receives (device: no host sync needed)
     int64_t num_out;               // rows of its outputs with num_worst_tokens, else -1 (the host sizes them)
+    // This rank's own domain's region is forwarded straight from the caller's tensors (it is not
+    // staged): own_tokens[p] is the token of its row p; token_slots [T, R] its slots (fresh).
+    const uint8_t* x;
+    const int* scales;             // 4-byte words at t * scale_stride0 + c * scale_stride1
+    int64_t scale_stride0, scale_stride1;
+    const int64_t* topk_idx;       // [T, K] global expert ids (fresh)
+    const float* weights;          // [T, K] (fresh, with_weights)
+    const int* token_slots;        // [T, R] (fresh)
+    const int* own_tokens;         // [region_rows]
 };
 
 // num_worst_tokens padding: this rank's rows [recv_total, num_out) get x = 0, scales = 0, ids = -1,
@@ -307,11 +320,13 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
     finish_to_mate(c, d, j, count);
 }
 
-// Forward the rows of chunk j of region d (source s = d's mate of this rank) to the domain's ranks.
+// Forward the rows of chunk j of region d (source s = d's mate of this rank) to the domain's ranks:
+// another domain's from the receive area, this rank's own domain's straight from the caller's
+// tensors (through own_tokens; staging them would be a copy more of every row).
 __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_count;
-    const bool own = d == c.my_domain;  // this rank's own tokens: read where they were staged
+    const bool own = d == c.my_domain;  // this rank's own tokens: read from the caller's tensors
     if (threadIdx.x == 0) {
         s_count = own ? a.send_counts[d] : wait_chunk(c, d, j);
         if (c.aborted()) s_count = -1;  // a given-up call forwards nothing (its counts may be zeros)
@@ -324,22 +339,24 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     }
     int64_t lo, hi;
     chunk_rows(s_count, c.chunks, j, &lo, &hi);
-    const uint8_t* recv = c.sym + c.stage_offset + (own ? 0 : a.area);
+    const uint8_t* recv = c.sym + c.stage_offset + a.area;  // other regions: the mates' rows landed there
     const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
     const int s = c.mate(d);
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kDispatchThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
         const int64_t q = d * a.region_rows + p;
+        const int64_t t = own ? a.own_tokens[p] : -1;  // own region: the row's token in the caller's tensors
         int slot_lane = -1;
         if (lane < L) {
             if (a.fresh) {
-                slot_lane = reinterpret_cast<const int*>(recv + a.off[kSlots] + q * L * 4)[lane];
+                slot_lane = own ? a.token_slots[t * R + c.domain_rank(lane)]
+                                : reinterpret_cast<const int*>(recv + a.off[kSlots] + q * L * 4)[lane];
                 a.slots[q * L + lane] = slot_lane;
             } else {
                 slot_lane = a.slots[q * L + lane];
             }
         }
-        const int4* x = reinterpret_cast<const int4*>(recv + a.off[kX] + q * a.x_bytes);
+        const int4* x = reinterpret_cast<const int4*>(own ? a.x + t * a.x_bytes : recv + a.off[kX] + q * a.x_bytes);
         for (int i = 0; i < L; ++i) {
             const int slot = __shfl_sync(kFullMask, slot_lane, i);
             if (slot < 0) continue;
@@ -360,17 +377,26 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
             warp_copy_int4(reinterpret_cast<int4*>(out + a.out_off[kOutX] + pos * a.x_bytes), x,
                            static_cast<int>(a.x_bytes / 16), lane);
             if (a.num_scales > 0) {
-                const int* src = reinterpret_cast<const int*>(recv + a.off[kScales] + q * a.num_scales * 4);
                 int* dst = reinterpret_cast<int*>(out + a.out_off[kOutScales] + pos * a.num_scales * 4);
-                for (int k = lane; k < a.num_scales; k += kWarpSize) dst[k] = src[k];
+                if (own) {
+                    for (int k = lane; k < a.num_scales; k += kWarpSize)
+                        dst[k] = a.scales[t * a.scale_stride0 + k * a.scale_stride1];
+                } else {
+                    const int* src = reinterpret_cast<const int*>(recv + a.off[kScales] + q * a.num_scales * 4);
+                    for (int k = lane; k < a.num_scales; k += kWarpSize) dst[k] = src[k];
+                }
             }
             if (a.fresh && lane < K) {  // the domain's expert ids become rank r's (-1: another rank's)
-                const int64_t e = reinterpret_cast<const int64_t*>(recv + a.off[kTopk] + q * K * 8)[lane];
+                // Staged rows carry the domain's ids; the own region's come global from the caller.
+                const int64_t e = own ? a.topk_idx[t * K + lane] - static_cast<int64_t>(c.my_domain) * L *
+                                                                       a.experts_per_rank
+                                      : reinterpret_cast<const int64_t*>(recv + a.off[kTopk] + q * K * 8)[lane];
                 const int64_t first = static_cast<int64_t>(i) * a.experts_per_rank;
                 const bool mine = e >= first && e < first + a.experts_per_rank;
                 reinterpret_cast<int64_t*>(out + a.out_off[kOutTopk] + pos * K * 8)[lane] = mine ? e - first : -1;
                 if (a.with_weights) {
-                    const float w = reinterpret_cast<const float*>(recv + a.off[kWeights] + q * K * 4)[lane];
+                    const float w = own ? a.weights[t * K + lane]
+                                        : reinterpret_cast<const float*>(recv + a.off[kWeights] + q * K * 4)[lane];
                     reinterpret_cast<float*>(out + a.out_off[kOutWeights] + pos * K * 4)[lane] = mine ? w : 0.f;
                 }
             }
@@ -400,7 +426,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
 }
 
 // Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
-// domain d it has a destination in (flags[t][d]); pos is the exclusive prefix count of flags over
+// other domain d it has a destination in (flags[t][d]; the own domain's region is forwarded from the
+// caller's tensors); pos is the exclusive prefix count of flags over
 // tokens, so each region holds its tokens in ascending order. Its top-k ids become ids of d's
 // experts (-1 where the expert is elsewhere), and its slots (the token's index among this rank's
 // tokens to each rank, -1 if not sent there) shrink to d's ranks. One warp per token: x is read once
@@ -418,6 +445,7 @@ struct StageArgs {
     const bool* flags;      // [T, D]
     const int* pos;         // [T, D]
     int num_tokens, num_domains, ranks_per_domain, experts_per_domain;
+    int skip_domain;        // this rank's own domain: its region is forwarded from the caller's tensors
     uint8_t* stage;
     int64_t region_rows;
     int64_t off_x, off_scales, off_topk, off_weights, off_slots;
@@ -431,7 +459,7 @@ __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
     for (int t = warp; t < a.num_tokens; t += num_warps) {
         const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
         for (int d = 0; d < D; ++d) {
-            if (!a.flags[static_cast<int64_t>(t) * D + d]) continue;
+            if (d == a.skip_domain || !a.flags[static_cast<int64_t>(t) * D + d]) continue;
             const int64_t row = d * a.region_rows + a.pos[static_cast<int64_t>(t) * D + d];
             warp_copy_int4(reinterpret_cast<int4*>(a.stage + a.off_x + row * a.x_bytes), x,
                            static_cast<int>(a.x_bytes / 16), lane);
@@ -535,11 +563,12 @@ int epcomm_hierarchical_advance(void* sym, int notify, int* outgoing_digest, int
     return static_cast<int>(cudaGetLastError());
 }
 
-// sizes: num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts, table_ints.
+// sizes: num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts, table_ints,
+// region_rows, my_domain.
 int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, const int* tokens_per_expert,
                              const int64_t* topk_idx, const int64_t* sizes, int* outgoing, int* refused, int* slots,
                              bool* flags, int* pos, int* send_counts, int* recv_counts, int* slot_table,
-                             cudaStream_t stream) {
+                             int* own_tokens, cudaStream_t stream) {
     PlanArgs a{in_rank, tokens_per_rank, tokens_per_expert, topk_idx};
     a.num_tokens = static_cast<int>(sizes[0]);
     a.num_ranks = static_cast<int>(sizes[1]);
@@ -548,6 +577,9 @@ int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, co
     a.num_topk = static_cast<int>(sizes[4]);
     a.num_experts = static_cast<int>(sizes[5]);
     a.table_ints = sizes[6];
+    a.region_rows = sizes[7];
+    a.my_domain = static_cast<int>(sizes[8]);
+    a.own_tokens = own_tokens;
     a.outgoing = outgoing;
     a.refused = refused;
     a.slots = slots;
@@ -556,7 +588,8 @@ int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, co
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
     a.slot_table = slot_table;
-    if (a.num_ranks != a.num_domains * a.ranks_per_domain || a.num_ranks < 1 || a.num_tokens < 0)
+    if (a.num_ranks != a.num_domains * a.ranks_per_domain || a.num_ranks < 1 || a.num_tokens < 0 ||
+        a.my_domain < 0 || a.my_domain >= a.num_domains)
         return static_cast<int>(cudaErrorInvalidValue);
     plan_kernel<<<a.num_ranks + a.num_domains, kPlanThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
@@ -574,10 +607,12 @@ int epcomm_hierarchical_counts(const int* current, int width, int num_ranks, int
 }
 
 // params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
-// experts_per_rank, with_weights, fresh, num_out.
+// experts_per_rank, with_weights, fresh, num_out, scale_stride0, scale_stride1.
+// own: the caller's x, scales, top-k ids, weights, the [T, R] slots and own_tokens (null where absent).
 int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* params,
                                 const int* send_counts, int* recv_counts, const int* start, const int* matrix,
-                                int* slots, const int* recv_total, int* info, cudaStream_t stream) {
+                                int* slots, const int* recv_total, const void* const* own, int* info,
+                                cudaStream_t stream) {
     DispatchArgs a{};
     const int status = make_call(call_params, info, &a.c);
     if (status != 0) return status;
@@ -593,13 +628,23 @@ int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* para
     a.with_weights = params[16] != 0;
     a.fresh = params[17] != 0;
     a.num_out = params[18];
+    a.scale_stride0 = params[19];
+    a.scale_stride1 = params[20];
+    a.x = static_cast<const uint8_t*>(own[0]);
+    a.scales = static_cast<const int*>(own[1]);
+    a.topk_idx = static_cast<const int64_t*>(own[2]);
+    a.weights = static_cast<const float*>(own[3]);
+    a.token_slots = static_cast<const int*>(own[4]);
+    a.own_tokens = static_cast<const int*>(own[5]);
     a.recv_total = recv_total;
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
     a.start = start;
     a.matrix = matrix;
     a.slots = slots;
-    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
+    // (The own pointers may be null with no tokens: an empty tensor's; no own row reads them then.)
+    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize || a.own_tokens == nullptr)
+        return static_cast<int>(cudaErrorInvalidValue);
     dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kDispatchThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
@@ -607,9 +652,9 @@ int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* para
 int epcomm_hierarchical_stage(const void* x, int64_t x_bytes, const void* scales, int num_scales, int64_t scale_stride0,
                              int64_t scale_stride1, const int64_t* topk_idx, const float* weights, int num_topk,
                              const int* slots, const bool* flags, const int* pos, int num_tokens, int num_domains,
-                             int ranks_per_domain, int experts_per_domain, void* stage, int64_t region_rows,
-                             const int64_t* offsets, cudaStream_t stream) {
-    if (num_tokens == 0) return 0;
+                             int ranks_per_domain, int experts_per_domain, int skip_domain, void* stage,
+                             int64_t region_rows, const int64_t* offsets, cudaStream_t stream) {
+    if (num_tokens == 0 || num_domains == 1) return 0;  // one domain: its own region only, not staged
     if (x_bytes % 16 != 0) return static_cast<int>(cudaErrorInvalidValue);
     StageArgs a{};
     a.x = static_cast<const uint8_t*>(x);
@@ -628,6 +673,7 @@ int epcomm_hierarchical_stage(const void* x, int64_t x_bytes, const void* scales
     a.num_domains = num_domains;
     a.ranks_per_domain = ranks_per_domain;
     a.experts_per_domain = experts_per_domain;
+    a.skip_domain = skip_domain;
     a.stage = static_cast<uint8_t*>(stage);
     a.region_rows = region_rows;
     a.off_x = offsets[0];
