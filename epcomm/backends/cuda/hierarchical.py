@@ -18,10 +18,11 @@ Dispatch
      start in each receiver's output; the host reads the sizes (the one host sync, like DeepEP's
      notify, after every kernel of the call is queued; ``num_worst_tokens`` skips the host read, so
      the call can be captured in a CUDA graph);
-  2. stage: each token is copied once per other destination domain into that domain's region of
-     the NVSHMEM staging area, ascending, with its top-k ids rebased to the domain's experts and its
-     slot at each of the domain's ranks (its index among this rank's tokens to that rank); the own
-     domain's region is not staged: its forwarders read the caller's tensors through a token list;
+  2. stage: each token is copied once per destination domain reached by NVSHMEM puts (other hosts)
+     into that domain's region of the NVSHMEM staging area, ascending, with its top-k ids rebased to
+     the domain's experts and its slot at each of the domain's ranks (its index among this rank's
+     tokens to that rank); the other regions are not staged: the own domain's forwarders and the
+     senders to mates NVLink maps read the caller's tensors through a token list per region;
   3. one kernel runs both tiers at once: sender blocks put each region, chunk by chunk, to the
      mate there (NVSHMEM puts and signals); forwarder blocks take each chunk as its signal lands and
      store its rows over NVLink (CUDA IPC) straight into the final positions in the domain ranks'
@@ -200,6 +201,9 @@ class CudaHierarchical:
                       (self.sym.team.peer_ptr(self.sym._words, d * ranks_per_domain + self.local) if stores else 0)
                       for d in range(self.num_domains)]
         self.put_domains = sorted(d for d in range(self.num_domains) if d != self.my_domain and not self.mates[d])
+        # Only the puts' regions are staged (a put's source must lie in the symmetric heap); the own
+        # domain's rows are forwarded, the mapped mates' stored, straight from the caller's tensors.
+        self.stage_mask = sum(1 << d for d in self.put_domains)
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
         self.info_np = self.info.numpy()
         # What a dispatch's host read needs (counts_kernel writes it, host-mapped): every rank's
@@ -314,7 +318,7 @@ class CudaHierarchical:
         at, total = {}, 0
         for name, ints in (("slots", num_tokens * R), ("flags", -(-num_tokens * D // 4)), ("pos", num_tokens * D),
                            ("send1", D), ("recv1", D), ("slots1", D * region_rows * L), ("matrix", R * R),
-                           ("start", R * R), ("recv_total", 1), ("own_tokens", region_rows)):
+                           ("start", R * R), ("recv_total", 1), ("region_tokens", D * region_rows)):
             at[name] = total
             total += _round_up(ints, 4)
         at["total"] = total
@@ -375,13 +379,12 @@ class CudaHierarchical:
             # The layout's tables and this rank's counts row (plan_kernel; invalid inputs are found
             # there, without a host sync, and refused with the counts: every rank gives up naming
             # this one), the counts exchange (notify_kernel), the matrix's prefixes (counts_kernel).
-            sizes = (ctypes.c_int64 * 9)(num_tokens, R, D, L, num_topk, num_experts, D * region_rows * L, region_rows,
-                                         self.my_domain)
+            sizes = (ctypes.c_int64 * 8)(num_tokens, R, D, L, num_topk, num_experts, D * region_rows * L, region_rows)
             check(self.nv.epcomm_hierarchical_plan(
                 ptr(is_token_in_rank.contiguous()), ptr(num_tokens_per_rank.contiguous()),
                 ptr(num_tokens_per_expert.contiguous()), ptr(idx), sizes,
                 ctypes.c_void_p(self.outgoing_ptr), ptr(self.refused), table("slots"), table("flags"), table("pos"),
-                table("send1"), table("recv1"), table("slots1"), table("own_tokens"), stream),
+                table("send1"), table("recv1"), table("slots1"), table("region_tokens"), stream),
                 "hierarchical dispatch (plan)")
             digest = shape_digest(hidden, x.dtype, num_scales, kind, num_topk, int(with_weights), num_experts,
                                   num_worst_tokens)
@@ -408,19 +411,19 @@ class CudaHierarchical:
                 ctypes.c_int64(scales.stride(1) if scales is not None else 0),
                 ptr(idx), ptr(topk_weights if with_weights else None),
                 num_topk, ctypes.c_void_p(0) if cached else table("slots"), table("flags"), table("pos"), num_tokens,
-                D, L, (num_experts // D) if not cached else 0, self.my_domain,
+                D, L, (num_experts // D) if not cached else 0, ctypes.c_uint(self.stage_mask),
                 ctypes.c_void_p(self.sym.tensor.data_ptr() + self.stage_offset), ctypes.c_int64(region_rows),
                 (ctypes.c_int64 * 5)(*off1), stream)
             check(code, "hierarchical dispatch (stage)")
         params = [self.area, region_rows, *off1, *off2, out_rows, x_bytes, num_scales, num_topk, experts_per_rank,
                   int(with_weights), int(not cached), num_worst_tokens or -1,
                   scales.stride(0) if scales is not None else 0, scales.stride(1) if scales is not None else 0]
-        # This rank's own domain's region is forwarded from the caller's tensors (not staged).
+        # Regions not staged (the own domain's, the mapped mates') are read from the caller's tensors.
         own = (ctypes.c_void_p * 6)(x.data_ptr(), scales.data_ptr() if scales is not None else None,
                                     idx.data_ptr() if idx is not None else None,
                                     topk_weights.data_ptr() if with_weights else None,
                                     None if cached else _table(state, at, "slots").value,
-                                    _table(state, at, "own_tokens").value)
+                                    _table(state, at, "region_tokens").value)
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1, kind), num_sms,
                                  stream, advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_hierarchical_dispatch(

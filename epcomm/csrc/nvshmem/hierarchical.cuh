@@ -8,8 +8,9 @@
 //   * slow tier, NVSHMEM symmetric: a header of signal words, then a staging and a receive area of
 //     the same shape: per field (token rows, scales, top-k ids, weights, slots) one array of
 //     num_domains x region_rows rows. Region d of the staging area holds the rows for domain d's
-//     mate; they land in region `my_domain` of that mate's receive area (the own domain's staging
-//     region stays unused: its rows are forwarded from the caller's tensors). Regions are cut in
+//     mate when it is reached by puts; they land in region `my_domain` of that mate's receive area.
+//     The other regions are not staged: a mate NVLink maps gets its rows stored there straight from
+//     the caller's tensors, and the own domain's are forwarded from them. Regions are cut in
 //     `chunks` chunks, each put and signalled on its own (the signal carries the call and the count).
 //   * fast tier, CUDA IPC inside the domain: a header of flags, then the rows each rank receives,
 //     per field, at their final (flat-order) positions.

@@ -93,9 +93,8 @@ struct PlanArgs {
     int* recv_counts;  // [D]: zeroed (stays 0 when the call gives up)
     int* slot_table;   // [table_ints]: -1 (rows a given-up call leaves unwritten have no destination)
     int64_t table_ints;
-    int* own_tokens;   // [region_rows]: the token of each row of this rank's own domain's region
+    int* region_tokens;  // [D, region_rows]: the token of each row of each region (rows sent unstaged)
     int64_t region_rows;
-    int my_domain;
 };
 
 __device__ __forceinline__ bool plan_column(const PlanArgs& a, int col, int64_t t) {
@@ -144,7 +143,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
         } else {
             a.flags[t * D + col - R] = set;
             a.pos[t * D + col - R] = index;
-            if (set && col - R == a.my_domain && index < a.region_rows) a.own_tokens[index] = static_cast<int>(t);
+            if (set && index < a.region_rows) a.region_tokens[(col - R) * a.region_rows + index] = static_cast<int>(t);
         }
         index += set;
     }
@@ -249,15 +248,16 @@ struct DispatchArgs {
     int* slots;                    // [D * region_rows, L]: fresh: written (the handle keeps them); cached: read
     const int* recv_total;         // rows this rank receives (device: no host sync needed)
     int64_t num_out;               // rows of its outputs with num_worst_tokens, else -1 (the host sizes them)
-    // This rank's own domain's region is forwarded straight from the caller's tensors (it is not
-    // staged): own_tokens[p] is the token of its row p; token_slots [T, R] its slots (fresh).
+    // Regions not staged (this rank's own domain's, forwarded here, and those of mates NVLink maps,
+    // stored there) are read straight from the caller's tensors: region_tokens[d][p] is the token of
+    // row p of region d; token_slots [T, R] its slots (fresh).
     const uint8_t* x;
     const int* scales;             // 4-byte words at t * scale_stride0 + c * scale_stride1
     int64_t scale_stride0, scale_stride1;
     const int64_t* topk_idx;       // [T, K] global expert ids (fresh)
     const float* weights;          // [T, K] (fresh, with_weights)
     const int* token_slots;        // [T, R] (fresh)
-    const int* own_tokens;         // [region_rows]
+    const int* region_tokens;      // [D, region_rows]
 };
 
 // num_worst_tokens padding: this rank's rows [recv_total, num_out) get x = 0, scales = 0, ids = -1,
@@ -290,6 +290,34 @@ __device__ void pad_rows(const DispatchArgs& a, int b) {
     }
 }
 
+// Rows [lo, hi) of region d, for a mate that NVLink maps here, stored straight into its receive area
+// (region my_domain) from the caller's tensors, a warp per row, in the staged layout: the token's x,
+// scales, top-k ids rebased to domain d's experts, weights and its slots at d's ranks. Staging them
+// first (stage_kernel) would be a local copy more of every row.
+__device__ void send_rows_unstaged(const DispatchArgs& a, int d, int64_t lo, int64_t hi) {
+    const Call& c = a.c;
+    const int L = c.ranks_per_domain, K = a.num_topk, R = c.num_ranks;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kDispatchThreads / kWarpSize;
+    uint8_t* recv = c.mates[d] + c.stage_offset + a.area;
+    const int64_t experts_per_domain = static_cast<int64_t>(L) * a.experts_per_rank;
+    for (int64_t p = lo + warp; p < hi; p += num_warps) {
+        const int64_t t = a.region_tokens[d * a.region_rows + p];
+        const int64_t q = c.my_domain * a.region_rows + p;  // its row in the mate's receive area
+        warp_copy_int4(reinterpret_cast<int4*>(recv + a.off[kX] + q * a.x_bytes),
+                       reinterpret_cast<const int4*>(a.x + t * a.x_bytes), static_cast<int>(a.x_bytes / 16), lane);
+        int* scales = reinterpret_cast<int*>(recv + a.off[kScales] + q * a.num_scales * 4);
+        for (int k = lane; k < a.num_scales; k += kWarpSize)
+            scales[k] = a.scales[t * a.scale_stride0 + k * a.scale_stride1];
+        if (!a.fresh) continue;  // a cached dispatch moves rows and scales only
+        if (lane < K) {
+            const int64_t e = a.topk_idx[t * K + lane] - d * experts_per_domain;
+            reinterpret_cast<int64_t*>(recv + a.off[kTopk] + q * K * 8)[lane] = e >= 0 && e < experts_per_domain ? e : -1;
+            if (a.with_weights) reinterpret_cast<float*>(recv + a.off[kWeights] + q * K * 4)[lane] = a.weights[t * K + lane];
+        }
+        if (lane < L) reinterpret_cast<int*>(recv + a.off[kSlots] + q * L * 4)[lane] = a.token_slots[t * R + d * L + lane];
+    }
+}
+
 // Sender block for chunk j of region d (another domain): once the mate has entered the call, its
 // rows go to the mate's receive area, then the chunk's signal (with the region's count; a given-up
 // call sends no rows and a done word that says so: mate_to_send).
@@ -308,6 +336,11 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
     const int64_t count = a.send_counts[d];
     int64_t lo, hi;
     chunk_rows(count, c.chunks, j, &lo, &hi);
+    if (c.mates[d] != nullptr) {  // mapped: each row from the caller's tensors into the mate's receive area
+        send_rows_unstaged(a, d, lo, hi);
+        finish_to_mate(c, d, j, count);
+        return;
+    }
     const int64_t bytes[kNumFields] = {a.x_bytes, a.num_scales * 4, a.fresh ? a.num_topk * 8 : 0,
                                        a.fresh && a.with_weights ? a.num_topk * 4 : 0,
                                        a.fresh ? c.ranks_per_domain * 4 : 0};
@@ -322,7 +355,7 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
 
 // Forward the rows of chunk j of region d (source s = d's mate of this rank) to the domain's ranks:
 // another domain's from the receive area, this rank's own domain's straight from the caller's
-// tensors (through own_tokens; staging them would be a copy more of every row).
+// tensors (through region_tokens; staging them would be a copy more of every row).
 __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     const Call& c = a.c;
     __shared__ int s_count;
@@ -345,7 +378,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = kDispatchThreads / kWarpSize;
     for (int64_t p = lo + warp; p < hi; p += num_warps) {
         const int64_t q = d * a.region_rows + p;
-        const int64_t t = own ? a.own_tokens[p] : -1;  // own region: the row's token in the caller's tensors
+        const int64_t t = own ? a.region_tokens[q] : -1;  // own region: the row's token in the caller's tensors
         int slot_lane = -1;
         if (lane < L) {
             if (a.fresh) {
@@ -445,7 +478,7 @@ struct StageArgs {
     const bool* flags;      // [T, D]
     const int* pos;         // [T, D]
     int num_tokens, num_domains, ranks_per_domain, experts_per_domain;
-    int skip_domain;        // this rank's own domain: its region is forwarded from the caller's tensors
+    unsigned stage_mask;    // bit d: stage region d (a mate reached by puts); the others are read unstaged
     uint8_t* stage;
     int64_t region_rows;
     int64_t off_x, off_scales, off_topk, off_weights, off_slots;
@@ -459,7 +492,7 @@ __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
     for (int t = warp; t < a.num_tokens; t += num_warps) {
         const int4* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
         for (int d = 0; d < D; ++d) {
-            if (d == a.skip_domain || !a.flags[static_cast<int64_t>(t) * D + d]) continue;
+            if (!(a.stage_mask >> d & 1u) || !a.flags[static_cast<int64_t>(t) * D + d]) continue;
             const int64_t row = d * a.region_rows + a.pos[static_cast<int64_t>(t) * D + d];
             warp_copy_int4(reinterpret_cast<int4*>(a.stage + a.off_x + row * a.x_bytes), x,
                            static_cast<int>(a.x_bytes / 16), lane);
@@ -564,11 +597,11 @@ int epcomm_hierarchical_advance(void* sym, int notify, int* outgoing_digest, int
 }
 
 // sizes: num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts, table_ints,
-// region_rows, my_domain.
+// region_rows.
 int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, const int* tokens_per_expert,
                              const int64_t* topk_idx, const int64_t* sizes, int* outgoing, int* refused, int* slots,
                              bool* flags, int* pos, int* send_counts, int* recv_counts, int* slot_table,
-                             int* own_tokens, cudaStream_t stream) {
+                             int* region_tokens, cudaStream_t stream) {
     PlanArgs a{in_rank, tokens_per_rank, tokens_per_expert, topk_idx};
     a.num_tokens = static_cast<int>(sizes[0]);
     a.num_ranks = static_cast<int>(sizes[1]);
@@ -578,8 +611,7 @@ int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, co
     a.num_experts = static_cast<int>(sizes[5]);
     a.table_ints = sizes[6];
     a.region_rows = sizes[7];
-    a.my_domain = static_cast<int>(sizes[8]);
-    a.own_tokens = own_tokens;
+    a.region_tokens = region_tokens;
     a.outgoing = outgoing;
     a.refused = refused;
     a.slots = slots;
@@ -588,8 +620,7 @@ int epcomm_hierarchical_plan(const bool* in_rank, const int* tokens_per_rank, co
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
     a.slot_table = slot_table;
-    if (a.num_ranks != a.num_domains * a.ranks_per_domain || a.num_ranks < 1 || a.num_tokens < 0 ||
-        a.my_domain < 0 || a.my_domain >= a.num_domains)
+    if (a.num_ranks != a.num_domains * a.ranks_per_domain || a.num_ranks < 1 || a.num_tokens < 0)
         return static_cast<int>(cudaErrorInvalidValue);
     plan_kernel<<<a.num_ranks + a.num_domains, kPlanThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
@@ -608,7 +639,7 @@ int epcomm_hierarchical_counts(const int* current, int width, int num_ranks, int
 
 // params: area, region_rows, off[5], out_off[4], out_rows, x_bytes, num_scales, num_topk,
 // experts_per_rank, with_weights, fresh, num_out, scale_stride0, scale_stride1.
-// own: the caller's x, scales, top-k ids, weights, the [T, R] slots and own_tokens (null where absent).
+// own: the caller's x, scales, top-k ids, weights, the [T, R] slots and region_tokens (null where absent).
 int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* params,
                                 const int* send_counts, int* recv_counts, const int* start, const int* matrix,
                                 int* slots, const int* recv_total, const void* const* own, int* info,
@@ -635,7 +666,7 @@ int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* para
     a.topk_idx = static_cast<const int64_t*>(own[2]);
     a.weights = static_cast<const float*>(own[3]);
     a.token_slots = static_cast<const int*>(own[4]);
-    a.own_tokens = static_cast<const int*>(own[5]);
+    a.region_tokens = static_cast<const int*>(own[5]);
     a.recv_total = recv_total;
     a.send_counts = send_counts;
     a.recv_counts = recv_counts;
@@ -643,7 +674,7 @@ int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* para
     a.matrix = matrix;
     a.slots = slots;
     // (The own pointers may be null with no tokens: an empty tensor's; no own row reads them then.)
-    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize || a.own_tokens == nullptr)
+    if (a.x_bytes % 16 != 0 || a.num_topk > epcomm::kWarpSize || a.region_tokens == nullptr)
         return static_cast<int>(cudaErrorInvalidValue);
     dispatch_kernel<<<(a.c.num_domains - 1) * a.c.chunks + a.c.num_forwarders, kDispatchThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
@@ -652,9 +683,9 @@ int epcomm_hierarchical_dispatch(const int64_t* call_params, const int64_t* para
 int epcomm_hierarchical_stage(const void* x, int64_t x_bytes, const void* scales, int num_scales, int64_t scale_stride0,
                              int64_t scale_stride1, const int64_t* topk_idx, const float* weights, int num_topk,
                              const int* slots, const bool* flags, const int* pos, int num_tokens, int num_domains,
-                             int ranks_per_domain, int experts_per_domain, int skip_domain, void* stage,
+                             int ranks_per_domain, int experts_per_domain, unsigned stage_mask, void* stage,
                              int64_t region_rows, const int64_t* offsets, cudaStream_t stream) {
-    if (num_tokens == 0 || num_domains == 1) return 0;  // one domain: its own region only, not staged
+    if (num_tokens == 0 || stage_mask == 0) return 0;  // every region is read unstaged
     if (x_bytes % 16 != 0) return static_cast<int>(cudaErrorInvalidValue);
     StageArgs a{};
     a.x = static_cast<const uint8_t*>(x);
@@ -673,7 +704,7 @@ int epcomm_hierarchical_stage(const void* x, int64_t x_bytes, const void* scales
     a.num_domains = num_domains;
     a.ranks_per_domain = ranks_per_domain;
     a.experts_per_domain = experts_per_domain;
-    a.skip_domain = skip_domain;
+    a.stage_mask = stage_mask;
     a.stage = static_cast<uint8_t*>(stage);
     a.region_rows = region_rows;
     a.off_x = offsets[0];
