@@ -23,8 +23,9 @@ Dispatch
      the domain's experts and its slot at each of the domain's ranks (its index among this rank's
      tokens to that rank); the other regions are not staged: the own domain's forwarders and the
      senders to mates NVLink maps read the caller's tensors through a token list per region;
-  3. one kernel runs both tiers at once: sender blocks put each region, chunk by chunk, to the
-     mate there (NVSHMEM puts and signals); forwarder blocks take each chunk as its signal lands and
+  3. one kernel runs both tiers at once: sender blocks send each region, chunk by chunk, to the
+     mate there (NVSHMEM puts of the staged rows, or stores where NVLink maps the mate, then a
+     signal); forwarder blocks take each chunk as its signal lands and
      store its rows over NVLink (CUDA IPC) straight into the final positions in the domain ranks'
      receive areas (start of the source's block + slot): the flat order, with no sort;
   4. each rank copies its received rows out of its area (one launch for every field).
@@ -374,7 +375,7 @@ class CudaHierarchical:
         def table(name: str) -> ctypes.c_void_p:
             return _table(state, at, name)
 
-        idx = topk_idx.contiguous() if num_topk else None  # read by plan and stage
+        idx = topk_idx.contiguous() if num_topk else None  # read by plan, stage and the dispatch kernel
         if not cached:
             # The layout's tables and this rank's counts row (plan_kernel; invalid inputs are found
             # there, without a host sync, and refused with the counts: every rank gives up naming
@@ -401,7 +402,7 @@ class CudaHierarchical:
                 stream), "hierarchical dispatch (counts)")
         off1, _ = _offsets(row1, D * region_rows)
 
-        # Stage each token once per other destination domain, then both tiers in one kernel; all of it is
+        # Stage each token once per destination domain reached by puts, then both tiers in one kernel; all of it is
         # queued before the host reads the counts (below), so the GPU does not wait for the host.
         # Tokens that overflow the staging regions are not staged: the call then moves nothing.
         if num_tokens <= region_rows:

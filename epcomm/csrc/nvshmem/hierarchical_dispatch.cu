@@ -73,7 +73,8 @@ __global__ void advance_kernel(uint8_t* sym, int notify, int* outgoing_digest, i
 // is_token_in_rank: each token's slot at rank c (its index among this rank's tokens to c, -1 when
 // not sent there) and their count, which must equal num_tokens_per_rank[c]; block R + d scans "sent
 // to any of domain d's ranks": flags, each token's row in staging region d (pos: the exclusive
-// prefix count) and the region's count. All blocks share the copy of the per-expert counts into the
+// prefix count), its inverse region_tokens[d][pos] (the token of each region row, for the regions
+// sent unstaged) and the region's count. All blocks share the copy of the per-expert counts into the
 // counts row, the check of the top-k ids and the -1 fill of the handle's slot table. A count that
 // disagrees or an id outside [-1, E) sets `refused` (advance_kernel makes it the row's digest).
 constexpr int kPlanThreads = 512;
@@ -439,7 +440,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
 }
 
 // Blocks [0, (D - 1) x chunks) send a chunk of another domain's region each; the others forward
-// every region's chunks (this rank's own region straight from its staging area).
+// every region's chunks (this rank's own region straight from the caller's tensors, region_tokens).
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
     const Call& c = a.c;
     const int num_senders = (c.num_domains - 1) * c.chunks;
@@ -459,8 +460,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
 }
 
 // Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
-// other domain d it has a destination in (flags[t][d]; the own domain's region is forwarded from the
-// caller's tensors); pos is the exclusive prefix count of flags over
+// domain d in stage_mask (mates reached by puts) it has a destination in (flags[t][d]; the own
+// domain's region and the mapped mates' are read from the caller's tensors); pos is the exclusive
+// prefix count of flags over
 // tokens, so each region holds its tokens in ascending order. Its top-k ids become ids of d's
 // experts (-1 where the expert is elsewhere), and its slots (the token's index among this rank's
 // tokens to each rank, -1 if not sent there) shrink to d's ranks. One warp per token: x is read once
