@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from types import SimpleNamespace
@@ -317,3 +318,49 @@ def test_compare_flags_slower_times_of_the_same_configurations(tmp_path, capsys)
     assert compare.main([paths["cached"], paths["new"], "--threshold-pct", "12"]) == 1  # cached time gone
     assert "missing" in capsys.readouterr().out
     assert compare.main([paths["old"], paths["unchecked"]]) == 2  # a record that did not match is not compared
+
+
+def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
+    """scripts/ab_commits.sh in a scratch repository: `prepare` archives each commit's tree under ab/,
+    `run` (with a stand-in python3 that records its arguments) runs the bench per tree and per
+    AB_ENV_SETS entry, A..Z then Z..A, and packs every JSON into $OUT/ab.tgz."""
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "epcomm").mkdir()
+    for name in ("ab_commits.sh", "device_env.sh"):
+        shutil.copy(os.path.join(os.path.dirname(__file__), "..", "scripts", name), repo / "scripts" / name)
+    (repo / "pyproject.toml").write_text("")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    shas = []
+    for version in ("1", "2"):
+        (repo / "epcomm" / "version.txt").write_text(version)
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-q", "-m", version], check=True)
+        shas.append(subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                   check=True).stdout.strip())
+    script = str(repo / "scripts" / "ab_commits.sh")
+    subprocess.run(["bash", script, "prepare", *shas], check=True, capture_output=True)
+    assert sorted(os.listdir(repo / "ab")) == sorted(shas)
+    assert (repo / "ab" / shas[0] / "epcomm" / "version.txt").read_text() == "1"
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").write_text(
+        '#!/bin/bash\n[ "$1" = "-c" ] && exit 0\nprev=""; for a in "$@"; do [ "$prev" = "--json" ] && j=$a; '
+        'prev=$a; done\necho "[]" > "$j"\n'
+        'echo "     normal   epcomm-cuda v=$(cat epcomm/version.txt) pct=${EPCOMM_COMBINE_SEND_SMS_PCT:-none} $*"\n')
+    (shim / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "AB_ENV_SETS": "s8=EPCOMM_COMBINE_SEND_SMS_PCT=33.4 s10=EPCOMM_COMBINE_SEND_SMS_PCT=41.7"}
+    out = subprocess.run(["bash", script, "run", "--", "--modes", "normal"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    runs = [line.split(":")[0] for line in out.splitlines() if "epcomm-cuda" in line]
+    a, b = sorted(shas)
+    assert runs == [f"{a}-s8-1", f"{a}-s10-1", f"{b}-s8-1", f"{b}-s10-1",
+                    f"{b}-s8-2", f"{b}-s10-2", f"{a}-s8-2", f"{a}-s10-2"], out
+    assert "v=1 pct=33.4" in out and "v=2 pct=41.7" in out and "--modes normal" in out
+    with tarfile.open(tmp_path / "out" / "ab.tgz") as tar:
+        assert sum(n.endswith(".json") for n in tar.getnames()) == 8
