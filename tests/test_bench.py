@@ -312,6 +312,7 @@ def test_compare_flags_slower_times_of_the_same_configurations(tmp_path, capsys)
     assert "combine_us" in capsys.readouterr().out
     assert compare.main([paths["old"], paths["new"], "--threshold-pct", "12"]) == 0
     assert compare.main([paths["old"], paths["new"], "--min-us", "30"]) == 0  # 28 us slower
+    assert compare.main([paths["old"], paths["new"], "--times", "dispatch_us"]) == 0  # the combine not compared
     assert compare.main([paths["old"], paths["old"]]) == 0
     assert compare.main([paths["old"], paths["other"]]) == 2  # another device kind
     assert compare.main([paths["old"], paths["no_common"]]) == 2  # nothing compared

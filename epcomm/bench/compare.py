@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("old")
     p.add_argument("new")
     p.add_argument("--threshold-pct", type=float, default=5.0, help="slowdown that fails the comparison [5]")
+    p.add_argument("--times", metavar="KEY[,KEY...]",
+                   help="compare only these times (e.g. cached_dispatch_us,combine_us: a fresh dispatch that reads its "
+                        "counts on the host varies by tens of us between runs) [all]")
     p.add_argument("--min-us", type=float, default=1.0,
                    help="a slowdown must also exceed this many microseconds (timer noise of short calls) [1]")
     args = p.parse_args(argv)
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{sorted(map(str, d_new))}): their times do not compare")
         return 2
     deltas, missing, only_old, only_new = compare(old, new)
+    if args.times:
+        keep = set(args.times.split(","))
+        deltas = [d for d in deltas if d.time in keep]
+        missing = [m for m in missing if m[1] in keep]
     if not deltas:
         print(f"compare: no configuration of {args.old} is in {args.new} (other shapes, SMs or dtypes): nothing "
               "compared")
