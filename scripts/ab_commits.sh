@@ -36,7 +36,7 @@ case $step in
     mkdir -p "$res"
     trap 'tar czf "$OUT/ab.tgz" -C "$(dirname "$res")" ab && echo "ab_commits: packed $OUT/ab.tgz"' EXIT
     trees=$(ls ab)
-    for t in $trees; do
+    for t in $trees; do  # (the -c form, not -m epcomm.backends.cuda.build: older trees lack that entry)
       (cd "ab/$t" && EPCOMM_CACHE_DIR=/tmp/ab-cache-$t PYTHONPATH=$PWD python3 -c "from epcomm.backends.cuda.build \
 import load_library, load_nvshmem_library; load_library(); load_nvshmem_library()" > "$res/build-$t.log" 2>&1 \
         || echo "ab_commits: $t did not build (build-$t.log)") &

@@ -29,8 +29,7 @@ for arg in "$@"; do
 done
 # Build once here, so a compile error shows plainly instead of inside every rank.
 # Nothing else can run without the kernels: stop here, with the compiler's message last.
-python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; load_library(); \
-load_nvshmem_library(); print('kernels built')" 2>&1 || { echo "gpu_check: the kernels did not build"; exit 1; }
+python3 -m epcomm.backends.cuda.build 2>&1 || { echo "gpu_check: the kernels did not build"; exit 1; }
 # -rA: the log names every test that passed, failed or was skipped (the record of what ran).
 K_ARGS=()
 [ -n "${TEST_K:-}" ] && K_ARGS=(-k "$TEST_K")

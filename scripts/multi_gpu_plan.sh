@@ -34,8 +34,7 @@ pack() {  # everything the step wrote, in one file
 }
 trap pack EXIT
 echo "multi_gpu_plan: step $step, $gpus GPUs, commit $sha"
-python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; load_library(); \
-load_nvshmem_library()" 2>&1 | tail -3 || exit 1
+python3 -m epcomm.backends.cuda.build 2>&1 | tail -3 || exit 1
 bench() {  # bench NAME ARGS...: the benchmark at every GPU, JSON and table into $out
   local name=$1
   shift

@@ -30,8 +30,7 @@ if [ -n "${SANITIZE_TESTS:-}" ]; then
 else
   read -r -a suites <<< "${SANITIZE_SUITES:-intranode low_latency hierarchical}"
 fi
-python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; load_library(); \
-load_nvshmem_library()" || exit 1
+python3 -m epcomm.backends.cuda.build || exit 1
 status=0
 for suite in "${suites[@]}"; do
   if [ -z "${FILES[$suite]:-}" ]; then

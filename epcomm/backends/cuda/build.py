@@ -132,3 +132,9 @@ def load_nvshmem_library() -> ctypes.CDLL:
         lib.epcomm_nvshmem_peer_ptr.argtypes = [ctypes.c_void_p, ctypes.c_int]
         _nvshmem_library = lib
     return _nvshmem_library
+
+
+if __name__ == "__main__":  # python -m epcomm.backends.cuda.build: both libraries built (or found cached)
+    load_library()
+    load_nvshmem_library()
+    print("epcomm: kernels built")

@@ -423,8 +423,7 @@ class CudaHierarchical:
         own = (ctypes.c_void_p * 6)(x.data_ptr(), scales.data_ptr() if scales is not None else None,
                                     idx.data_ptr() if idx is not None else None,
                                     topk_weights.data_ptr() if with_weights else None,
-                                    None if cached else _table(state, at, "slots").value,
-                                    _table(state, at, "region_tokens").value)
+                                    None if cached else table("slots").value, table("region_tokens").value)
         call = self._call_params(_OP_CACHED if cached else _OP_DISPATCH, (region_rows, *row1, kind), num_sms,
                                  stream, advance=cached)  # a fresh dispatch's number was taken by its notify
         code = self.nv.epcomm_hierarchical_dispatch(
