@@ -3,14 +3,14 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|normal|split|ll|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|ll|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
 #   tests2  the same for hierarchical, NVSHMEM, the drop-in patterns, backend="auto" on distinct
 #           GPUs and the MoE layer's autograd through the kernels                      #3 #5 #8
-#   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, then 512-16384 tokens at 24 SMs,
-#           BF16 and FP8, NCCL beside it                                               #3 #8
+#   normal  intranode normal mode: 8/16/24 SMs at 4096 tokens, BF16 and FP8, NCCL beside it  #3 #8
+#   tokens  the same at 24 SMs, 512-16384 tokens                                       #3 #8
 #   split   the SM split at 24 SMs: auto (the default), the fixed 50%/33% of before 2026-11-24,
 #           one sending SM more and fewer than auto (cached dispatch and combine), and two more and
 #           fewer for the combine (its sender/reducer rate ratio is from 2 ranks), and the combine
@@ -20,12 +20,15 @@
 #           receive forced off and on (the defaults of
 #           EPCOMM_LL_SHARE_MESSAGES / _COMBINE_PARTIALS and the auto rule of _BLOCK_RECEIVE come
 #           from it)                                                                   #4 #8
+#   llbase  low latency at the defaults only, 1-256 tokens (the issue's table; ll A/Bs all variants)  #4 #8
+#   tests4  the GPU tests at 4 ranks only (cases at 1, 2 and 8 ranks deselected: they ran on fewer GPUs):
+#           intranode, low latency, reliability, hierarchical, NVSHMEM                 #3 #4 #5
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
 #           2x4 and 4x2 on 8), direct and NVSHMEM-put transports, per-tier bytes       #5 #8
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, normal, split, ll or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, ll, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -48,6 +51,13 @@ case $step in
       tests/test_intranode_cuda.py tests/test_low_latency_cuda.py tests/test_reliability_cuda.py -k 'not fuzz' \
       2>&1 | tee "$out/tests.log" | tail -15 || status=1
     ;;
+  tests4)
+    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-540}" python3 -m pytest -q -rf -p no:cacheprovider \
+      tests/test_intranode_cuda.py tests/test_low_latency_cuda.py tests/test_reliability_cuda.py \
+      tests/test_hierarchical_cuda.py tests/test_nvshmem_cuda.py --durations=15 \
+      -k 'not -1] and not -2] and not -8] and not [1] and not [2] and not [8] and not fuzz' \
+      2>&1 | tee "$out/tests.log" | tail -40 || status=1
+    ;;
   tests2)
     EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-540}" python3 -m pytest -q -rf -p no:cacheprovider \
       tests/test_hierarchical_cuda.py tests/test_nvshmem_cuda.py tests/test_dropin.py tests/test_backend_choice.py \
@@ -55,6 +65,8 @@ case $step in
     ;;
   normal)
     bench sms --modes normal --num-sms 8,16,24 || status=1
+    ;;
+  tokens)
     bench tokens --modes normal --num-sms 24 --tokens 512,1024,2048,4096,8192,16384 || status=1
     ;;
   split)
@@ -94,6 +106,9 @@ p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}'
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1
     ;;
+  llbase)
+    bench ll --modes low_latency --ll-tokens 1,32,64,128,256 || status=1
+    ;;
   hier)
     # k ranks a domain: 2x2 on 4 GPUs, 4x2 and 2x4 on 8, 2x1 on 2 (one GPU: nothing to split)
     case $gpus in
@@ -109,7 +124,7 @@ p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}'
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, normal, split, ll, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, ll, llbase, hier)"
     exit 2
     ;;
 esac
