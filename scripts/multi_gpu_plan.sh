@@ -3,7 +3,7 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|ll|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|ll|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
@@ -23,12 +23,16 @@
 #   llbase  low latency at the defaults only, 1-256 tokens (the issue's table; ll A/Bs all variants)  #4 #8
 #   tests4  the GPU tests at 4 ranks only (cases at 1, 2 and 8 ranks deselected: they ran on fewer GPUs):
 #           intranode, low latency, reliability, hierarchical, NVSHMEM                 #3 #4 #5
+#   probe   where a normal-mode call's time goes at this rank count: NVLink rates by SMs (scripts/nvlink_rate.cu:
+#           push / push with a flag per row / push a peer per warp / pull, 16- and 128-byte-aligned slots,
+#           cudaMemcpyPeer beside), the kernels' times (scripts/normal_profile.py), and the bench at 24 SMs
+#           with the row slots 128-byte aligned (the trailer inside the rounding)            #3 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
 #           2x4 and 4x2 on 8), direct and NVSHMEM-put transports, per-tier bytes       #5 #8
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, ll, llbase or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, ll, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -106,6 +110,24 @@ p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}'
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1
     ;;
+  probe)
+    nvcc -O3 -std=c++17 -arch=sm_90 -o "$out/nvlink_rate" scripts/nvlink_rate.cu && timeout 120 "$out/nvlink_rate" \
+      | tee "$out/nvlink_rate.jsonl" || status=1
+    timeout 150 python3 scripts/normal_profile.py --ranks "$gpus" --tokens 4096 --num-sms 24 > "$out/profile.txt" 2>&1 \
+      || status=1
+    grep -iE "kernel|us" "$out/profile.txt" | head -40
+    cp epcomm/backends/cuda/intranode.py "$out/intranode.py.orig"
+    sed -i -e 's/^_ROW_ALIGN = 16$/_ROW_ALIGN = 128/' \
+      -e 's/num_scales \* 4, _ROW_ALIGN) + ROW_TRAILER_BYTES/num_scales * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)/' \
+      -e 's/num_topk \* 4, _ROW_ALIGN) + ROW_TRAILER_BYTES/num_topk * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)/' \
+      epcomm/backends/cuda/intranode.py
+    if [ "$(grep -c 'ROW_TRAILER_BYTES, _ROW_ALIGN)\|^_ROW_ALIGN = 128' epcomm/backends/cuda/intranode.py)" = 3 ]; then
+      bench align128 --modes normal --num-sms 24 || status=1
+    else
+      echo "multi_gpu_plan: the align128 edit did not apply"; status=1
+    fi
+    cp "$out/intranode.py.orig" epcomm/backends/cuda/intranode.py
+    ;;
   llbase)
     bench ll --modes low_latency --ll-tokens 1,32,64,128,256 || status=1
     ;;
@@ -124,7 +146,7 @@ p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}'
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, ll, llbase, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, ll, llbase, hier)"
     exit 2
     ;;
 esac
