@@ -26,6 +26,7 @@
 // one, so it never overwrites counts the slow one still reads.
 #include "../../include/epcomm/call_record.cuh"
 #include "../../include/epcomm/common.cuh"
+#include "../../include/epcomm/row_order.cuh"
 #include "../../include/epcomm/row_sum.cuh"
 #include "../../include/epcomm/tma.cuh"
 
@@ -757,7 +758,7 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
 // Receivers keep more loads in flight than senders (they hold fewer registers: no destination table).
 constexpr int kRecvUnroll = 8;
 
-// Receiver: one warp per output row, in output order. Rows of other ranks are copied out of the
+// Receiver: one warp per output row, the sources' rows round-robin (round_robin_row). Rows of other ranks are copied out of the
 // buffer as soon as their flag lands; this rank's own rows come straight from x when
 // `local_by_receiver`; num_worst_tokens padding rows are filled.
 __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_t seq, int64_t flag_value, int warp,
@@ -771,8 +772,18 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
     const int own_begin = min(s_layout[kLayRecvOff + me], a.num_out_rows);
     const int own_end = min(s_layout[kLayRecvOff + me + 1], a.num_out_rows);
     const int num_skip = a.local_by_receiver ? 0 : own_end - own_begin;  // rows the senders wrote
+    // Blocks: each source's rows (this rank's own passed over when the senders wrote them), then
+    // the num_worst_tokens padding.
+    auto begin_of = [&](int k) { return k < R ? min(s_layout[kLayRecvOff + k], a.num_out_rows) : num_valid; };
+    auto size_of = [&](int k) {
+        if (k == R) return a.num_out_rows - num_valid;
+        if (k == me && !a.local_by_receiver) return 0;
+        return min(s_layout[kLayRecvOff + k + 1], a.num_out_rows) - begin_of(k);
+    };
     for (int j = warp; j < a.num_out_rows - num_skip; j += num_warps) {
-        const int i = j < own_begin ? j : j + num_skip;
+        int idx;
+        const int src = round_robin_row(j, R + 1, size_of, idx);
+        const int i = begin_of(src) + idx;
         const int64_t p = i;
         int4* out = reinterpret_cast<int4*>(a.recv_x + p * a.x_bytes);
         if (i >= num_valid) {  // num_worst_tokens padding: x = 0, scales = 0, ids = -1, weights = 0
@@ -803,8 +814,6 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
             write_own_meta(a, t, p, meta, lane);
             continue;
         }
-        int src = 0;
-        while (src + 1 < R && i >= s_layout[kLayRecvOff + src + 1]) ++src;
         const uint8_t* r = mine + kRowsOffset + p * a.row_stride;
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
                            seq, a.timeout_ns, a.info, a.op, src))
@@ -918,15 +927,17 @@ struct CombineArgs {
     uint64_t timeout_ns;
 };
 
-// Combine row j of the rows this rank returns (its received rows of other ranks, in receive
-// order): its index i among the received rows and the slot it goes to in its source's buffer.
+// Combine row j of the rows this rank returns (its received rows of other ranks, the sources
+// round-robin: round_robin_row): its index i among the received rows and the slot it goes to in its
+// source's buffer.
 __device__ __forceinline__ uint8_t* combine_return_row(const CombineArgs& a, const int* s_layout, int j, int& i) {
-    const int R = a.num_ranks, me = a.rank;
-    const int own_begin = s_layout[kLayRecvOff + me], num_own = s_layout[kLayRecvOff + me + 1] - own_begin;
-    i = j < own_begin ? j : j + num_own;
-    int src = 0;
-    while (src + 1 < R && i >= s_layout[kLayRecvOff + src + 1]) ++src;
-    const int64_t pos = s_layout[kLayRetBase + src] + (i - s_layout[kLayRecvOff + src]);
+    const int me = a.rank;
+    int idx;
+    const int src = round_robin_row(j, a.num_ranks, [&](int k) {
+        return k == me ? 0 : s_layout[kLayRecvOff + k + 1] - s_layout[kLayRecvOff + k];
+    }, idx);
+    i = s_layout[kLayRecvOff + src] + idx;
+    const int64_t pos = s_layout[kLayRetBase + src] + idx;
     return a.peers.bufs[src] + kRowsOffset + pos * a.row_stride;
 }
 
