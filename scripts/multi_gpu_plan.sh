@@ -74,14 +74,14 @@ case $step in
     bench tokens --modes normal --num-sms 24 --tokens 512,1024,2048,4096,8192,16384 || status=1
     ;;
   split)
-    # the SM split: auto (send_share, the default) against the fixed 50% / 33% of before 2026-11-24,
+    # the SM split: auto (send_blocks, the default) against the fixed 50% / 33% of before 2026-11-24,
     # and one sender more and one fewer than auto gives at this rank count
     bench split-auto --modes normal --num-sms 24 || status=1
     EPCOMM_DISPATCH_SEND_SMS_PCT=50 EPCOMM_COMBINE_SEND_SMS_PCT=33 bench split-fixed --modes normal --num-sms 24 \
       || status=1
-    read -r more fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_share as s; \
-import torch; r = torch.cuda.device_count(); d, c = s('dispatch_fused', r), s('combine', r); \
-p = lambda share, k: min(23, max(1, round(24 * share) + k)) / 24 * 100; \
+    read -r more fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; \
+import torch; r = torch.cuda.device_count(); d, c = s('dispatch_fused', r, 24), s('combine', r, 24); \
+p = lambda blocks, k: min(23, max(1, blocks + k)) / 24 * 100; \
 print(f'{p(d, 1):.1f},{p(c, 1):.1f}', f'{p(d, -1):.1f},{p(c, -1):.1f}')")
     EPCOMM_DISPATCH_SEND_SMS_PCT=${more%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${more#*,} bench split-more --modes normal \
       --num-sms 24 || status=1
@@ -89,9 +89,9 @@ print(f'{p(d, 1):.1f},{p(c, 1):.1f}', f'{p(d, -1):.1f},{p(c, -1):.1f}')")
       --num-sms 24 || status=1
     # the combine's sender rate against its reducers' (_COMBINE_REDUCE_PER_SEND) was measured at 2 ranks only:
     # two senders more and fewer than auto too, BF16 (the combine is the same for both dtypes)
-    read -r more2 fewer2 < <(python3 -c "from epcomm.backends.cuda.intranode import send_share as s; \
-import torch; c = s('combine', torch.cuda.device_count()); \
-p = lambda k: min(23, max(1, round(24 * c) + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.1f}')")
+    read -r more2 fewer2 < <(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; \
+import torch; c = s('combine', torch.cuda.device_count(), 24); \
+p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.1f}')")
     EPCOMM_COMBINE_SEND_SMS_PCT=$more2 bench split-combine-more2 --modes normal --num-sms 24 --dtype bf16 || status=1
     EPCOMM_COMBINE_SEND_SMS_PCT=$fewer2 bench split-combine-fewer2 --modes normal --num-sms 24 --dtype bf16 || status=1
     # the combine senders' words in flight (kCombineSendUnroll 4 against 8), each at auto and two senders fewer

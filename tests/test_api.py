@@ -181,8 +181,9 @@ def test_send_sms_split():
     """EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT: a percentage in (0, 100) or auto (the default), which
     splits a call's SMs by the bytes each role moves (send_share): at 2 ranks 2/3 of a fused
     dispatch's SMs send, 1/3 of a split dispatch's, and 10 of a combine's 24 (its senders' NVLink
-    stores are slower than its reducers' sums); at one rank the side with nothing to move keeps one SM."""
-    from epcomm.backends.cuda.intranode import send_share
+    stores are slower than its reducers' sums); at one rank the side with nothing to move keeps one SM.
+    Above 2 ranks a fused dispatch's senders stop at the count that fills the links (send_blocks)."""
+    from epcomm.backends.cuda.intranode import send_blocks, send_share
 
     for name in ("EPCOMM_DISPATCH_SEND_SMS_PCT", "EPCOMM_COMBINE_SEND_SMS_PCT"):
         assert _env.send_sms_pct(name) is None
@@ -196,6 +197,9 @@ def test_send_sms_split():
     assert round(24 * send_share("combine", 2)) == 10
     assert [round(24 * send_share(w, 8)) for w in ("dispatch_fused", "dispatch_split", "combine")] == [13, 11, 13]
     assert send_share("dispatch_fused", 1) == 1.0 and send_share("combine", 1) == 0.0
+    assert [send_blocks("dispatch_fused", r, 24) for r in (1, 2, 4, 8)] == [23, 16, 11, 11]
+    assert [send_blocks("dispatch_fused", 4, n) for n in (8, 16)] == [5, 9]
+    assert [send_blocks("combine", r, 24) for r in (1, 2, 4)] == [1, 10, 12]
     with pytest.raises(ValueError, match="unknown work"):
         send_share("gather", 2)
 

@@ -87,6 +87,25 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 _COMBINE_REDUCE_PER_SEND = 1.43
 
 
+# Sending SMs past which a fused dispatch's senders gain nothing, at more than 2 ranks: their stores
+# to the peers are bound by the links, not by the SMs (4 x H100, 4 GPUs storing to each other:
+# 297 GB/s leave each GPU at 8 SMs, 313-330 at 16-32, scripts/nvlink_rate.cu,
+# bench/results/2026-11-27_ep4-nvlink-rate-*), so more senders only take SMs from the receivers. EP4,
+# 24 SMs, 4096 tokens, cached BF16 dispatch by senders: 9 629 us, 10 606, 11 598, 12 611, 14 637
+# (R/(2R-1)), 16 696 (`bench/results/2026-11-27_ep4-split-*`). At 2 ranks half the senders' bytes are
+# this rank's own rows (no link): 16 of 24 243 us, 12 281, 8 385, no cap. Measured at 4 ranks; 8 owed.
+_FUSED_DISPATCH_LINK_SENDERS = 11
+
+
+def send_blocks(work: str, num_ranks: int, num_sms: int) -> int:
+    """The SMs of a call that send by default: send_share's share of num_sms, a fused dispatch's
+    at most _FUSED_DISPATCH_LINK_SENDERS at more than 2 ranks, and at least one SM for each role."""
+    blocks = round(num_sms * send_share(work, num_ranks))
+    if work == "dispatch_fused" and num_ranks > 2:
+        blocks = min(blocks, _FUSED_DISPATCH_LINK_SENDERS)
+    return min(max(1, blocks), max(1, num_sms - 1))
+
+
 def send_share(work: str, num_ranks: int) -> float:
     """The share of a call's SMs that send when EPCOMM_*_SEND_SMS_PCT is auto: both roles busy for
     the same time. Per byte that a rank receives in dispatch (or sends back in combine), with R ranks:
@@ -232,15 +251,16 @@ class CudaIntranode:
     # ------------------------------------------------------------------ helpers
     def _send_blocks(self, num_sms: int, work: str) -> int:
         """SMs given to sending (the rest receive or reduce), at least one for each role: the share
-        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_share's for `work`. Memoised: it sits
+        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_blocks's for `work`. Memoised: it sits
         between a dispatch's count read and its receive launch, where every host microsecond is the
         GPU's too (3.5 us a call on the H100 host)."""
         key = (num_sms, work)
         blocks = self._send_blocks_memo.get(key)
         if blocks is None:
             pct = self.send_pct["combine" if work == "combine" else "dispatch"]
-            share = pct / 100 if pct is not None else send_share(work, self.num_ranks)
-            blocks = self._send_blocks_memo[key] = min(max(1, round(num_sms * share)), max(1, num_sms - 1))
+            blocks = (min(max(1, round(num_sms * pct / 100)), max(1, num_sms - 1)) if pct is not None
+                      else send_blocks(work, self.num_ranks, num_sms))
+            self._send_blocks_memo[key] = blocks
         return blocks
 
     def cap_rows(self, row_bytes: int) -> int:
