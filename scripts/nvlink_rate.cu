@@ -72,32 +72,22 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Peers pe
     }
 }
 
-// A warp per (token, peer), peers interleaved: each warp's stores go to one GPU.
-__global__ void __launch_bounds__(kThreads, 1) push_per_dst(const uint8_t* src, Peers peers, int me, int num_gpus,
-                                                            int stride) {
+// A warp per (token, peer), peers interleaved. kPull false (push-dst): the warp loads the token's
+// row and stores it into that peer's buffer (one GPU per warp); true (pull): GPU `me` reads the
+// row the peer holds for it (slot (me, t) of the peer's buffer) into its output.
+template <bool kPull>
+__global__ void __launch_bounds__(kThreads, 1) one_peer_per_warp(const uint8_t* src, Peers peers, uint8_t* out,
+                                                                 int me, int num_gpus, int stride) {
     const int lane = threadIdx.x % kWarpSize;
     const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
     const int num_warps = gridDim.x * (kThreads / kWarpSize);
     const int num_peers = num_gpus - 1;
     for (int r = warp; r < kTokens * num_peers; r += num_warps) {
-        const int t = r / num_peers, k = r % num_peers, d = k < me ? k : k + 1;
-        int4* dst[1] = {reinterpret_cast<int4*>(peers.p[d] + (static_cast<int64_t>(me) * kTokens + t) * stride)};
-        copy_row(dst, 1, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
-    }
-}
-
-// GPU `me` reads the rows every peer holds for it (slot (me, t) of the peer's buffer) into its output.
-__global__ void __launch_bounds__(kThreads, 1) pull(Peers peers, uint8_t* out, int me, int num_gpus, int stride) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
-    const int num_warps = gridDim.x * (kThreads / kWarpSize);
-    const int num_peers = num_gpus - 1;
-    for (int r = warp; r < kTokens * num_peers; r += num_warps) {
-        const int t = r / num_peers, k = r % num_peers, s = k < me ? k : k + 1;
-        int4* dst[1] = {reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * kRowBytes)};
-        const uint8_t* row = peers.p[s] + (static_cast<int64_t>(me) * kTokens + t) * stride;
-        // Plain loads: ld.global.nc is for data no one writes during the kernel, true here too.
-        copy_row(dst, 1, reinterpret_cast<const int4*>(row), lane);
+        const int t = r / num_peers, k = r % num_peers, peer = k < me ? k : k + 1;
+        uint8_t* slot = peers.p[peer] + (static_cast<int64_t>(me) * kTokens + t) * stride;
+        int4* dst[1] = {reinterpret_cast<int4*>(kPull ? out + static_cast<int64_t>(r) * kRowBytes : slot)};
+        // ld.global.nc for the pulled rows too: no one writes them during the kernel.
+        copy_row(dst, 1, reinterpret_cast<const int4*>(kPull ? slot : src + static_cast<int64_t>(t) * kRowBytes), lane);
     }
 }
 
@@ -204,10 +194,12 @@ int main() {
                                                                                ++flag);
                    }));
             report("push-dst", sms, stride, run_all([&](int g) {
-                       push_per_dst<<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus, stride);
+                       one_peer_per_warp<false><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, out[g], g,
+                                                                                            num_gpus, stride);
                    }));
             report("pull", sms, stride, run_all([&](int g) {
-                       pull<<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(peers, out[g], g, num_gpus, stride);
+                       one_peer_per_warp<true><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, out[g], g,
+                                                                                           num_gpus, stride);
                    }));
         }
     }

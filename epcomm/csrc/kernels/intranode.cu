@@ -758,9 +758,9 @@ __device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, in
 // Receivers keep more loads in flight than senders (they hold fewer registers: no destination table).
 constexpr int kRecvUnroll = 8;
 
-// Receiver: one warp per output row, the sources' rows round-robin (round_robin_row). Rows of other ranks are copied out of the
-// buffer as soon as their flag lands; this rank's own rows come straight from x when
-// `local_by_receiver`; num_worst_tokens padding rows are filled.
+// Receiver: one warp per output row, the sources' rows round-robin (round_robin_row). Rows of
+// other ranks are copied out of the buffer as soon as their flag lands; this rank's own rows come
+// straight from x when `local_by_receiver`; num_worst_tokens padding rows are filled.
 __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_t seq, int64_t flag_value, int warp,
                               int num_warps) {
     const int lane = threadIdx.x % kWarpSize;
