@@ -112,20 +112,21 @@ int main() {
         CHECK(cudaMalloc(&out[g], static_cast<int64_t>(kTokens) * (num_gpus - 1) * kRowBytes));
         CHECK(cudaMemset(src[g], 0x3c + g, static_cast<int64_t>(kTokens) * kRowBytes));  // not zeros
         CHECK(cudaMemset(buf[g], 0x5a, buf_bytes));
-        for (int s = 0; s < kMaxGpus; ++s) CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
+        for (int s = 0; s < kMaxGpus; ++s)
+            CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
     }
     Peers peers{};
     for (int g = 0; g < num_gpus; ++g) peers.p[g] = buf[g];
     const int64_t bytes = static_cast<int64_t>(kTokens) * (num_gpus - 1) * kRowBytes;  // per GPU, one way
 
     // Launch on every GPU, then wait for all: the slowest GPU's time by its own events.
+    std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventCreate(&a[g]));
+        CHECK(cudaEventCreate(&b[g]));
+    }
     auto run_all = [&](auto launch_on) -> double {
-        std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
-        for (int g = 0; g < num_gpus; ++g) {
-            CHECK(cudaSetDevice(g));
-            CHECK(cudaEventCreate(&a[g]));
-            CHECK(cudaEventCreate(&b[g]));
-        }
         std::vector<double> times;
         for (int it = 0; it < 13; ++it) {
             for (int g = 0; g < num_gpus; ++g) {
@@ -163,7 +164,8 @@ int main() {
         std::vector<cudaEvent_t> fork(num_gpus * kMaxGpus);
         for (int g = 0; g < num_gpus; ++g) {
             CHECK(cudaSetDevice(g));
-            for (int s = 0; s < kMaxGpus; ++s) CHECK(cudaEventCreateWithFlags(&fork[g * kMaxGpus + s], cudaEventDisableTiming));
+            for (int s = 0; s < kMaxGpus; ++s)
+                CHECK(cudaEventCreateWithFlags(&fork[g * kMaxGpus + s], cudaEventDisableTiming));
         }
         const double us = run_all([&](int g) {  // fork to a stream per peer and join back, inside the events
             cudaStream_t main_stream = streams[g * kMaxGpus];

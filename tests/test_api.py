@@ -200,6 +200,7 @@ def test_send_sms_split():
     assert [send_blocks("dispatch_fused", r, 24) for r in (1, 2, 4, 8)] == [23, 16, 11, 11]
     assert [send_blocks("dispatch_fused", 4, n) for n in (8, 16)] == [5, 9]
     assert [send_blocks("combine", r, 24) for r in (1, 2, 4)] == [1, 10, 12]
+    assert send_blocks("dispatch_fused", 4, 24, pct=66.7) == 16  # a set share is not capped
     with pytest.raises(ValueError, match="unknown work"):
         send_share("gather", 2)
 

@@ -97,12 +97,16 @@ _COMBINE_REDUCE_PER_SEND = 1.43
 _FUSED_DISPATCH_LINK_SENDERS = 11
 
 
-def send_blocks(work: str, num_ranks: int, num_sms: int) -> int:
-    """The SMs of a call that send by default: send_share's share of num_sms, a fused dispatch's
-    at most _FUSED_DISPATCH_LINK_SENDERS at more than 2 ranks, and at least one SM for each role."""
-    blocks = round(num_sms * send_share(work, num_ranks))
-    if work == "dispatch_fused" and num_ranks > 2:
-        blocks = min(blocks, _FUSED_DISPATCH_LINK_SENDERS)
+def send_blocks(work: str, num_ranks: int, num_sms: int, pct: float | None = None) -> int:
+    """The SMs of a call that send, at least one for each role: `pct` percent of num_sms when given
+    (EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT), else send_share's share, a fused dispatch's at most
+    _FUSED_DISPATCH_LINK_SENDERS at more than 2 ranks."""
+    if pct is not None:
+        blocks = round(num_sms * pct / 100)
+    else:
+        blocks = round(num_sms * send_share(work, num_ranks))
+        if work == "dispatch_fused" and num_ranks > 2:
+            blocks = min(blocks, _FUSED_DISPATCH_LINK_SENDERS)
     return min(max(1, blocks), max(1, num_sms - 1))
 
 
@@ -250,17 +254,15 @@ class CudaIntranode:
 
     # ------------------------------------------------------------------ helpers
     def _send_blocks(self, num_sms: int, work: str) -> int:
-        """SMs given to sending (the rest receive or reduce), at least one for each role: the share
-        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets, else send_blocks's for `work`. Memoised: it sits
-        between a dispatch's count read and its receive launch, where every host microsecond is the
-        GPU's too (3.5 us a call on the H100 host)."""
+        """SMs given to sending (the rest receive or reduce): send_blocks, with the share
+        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets. Memoised: it sits between a dispatch's count
+        read and its receive launch, where every host microsecond is the GPU's too (3.5 us a call on
+        the H100 host)."""
         key = (num_sms, work)
         blocks = self._send_blocks_memo.get(key)
         if blocks is None:
             pct = self.send_pct["combine" if work == "combine" else "dispatch"]
-            blocks = (min(max(1, round(num_sms * pct / 100)), max(1, num_sms - 1)) if pct is not None
-                      else send_blocks(work, self.num_ranks, num_sms))
-            self._send_blocks_memo[key] = blocks
+            blocks = self._send_blocks_memo[key] = send_blocks(work, self.num_ranks, num_sms, pct)
         return blocks
 
     def cap_rows(self, row_bytes: int) -> int:
