@@ -3,7 +3,7 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|ll|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|ll|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
@@ -27,12 +27,17 @@
 #           push / push with a flag per row / push a peer per warp / pull, 16- and 128-byte-aligned slots,
 #           cudaMemcpyPeer beside), the kernels' times (scripts/normal_profile.py), and the bench at 24 SMs
 #           with the row slots 128-byte aligned (the trailer inside the rounding)            #3 #8
+#   flags   the senders' flag batch (kFlagBatch rows published by one fence; 1 = a release per row, as
+#           before 2026-11-27 session 2) at 24 SMs, BF16 and FP8, and the hierarchical error-path tests
+#           that need ranks on distinct GPUs (a rank that raised early must not hold the others)  #3 #5
+#   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
+#           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
 #           2x4 and 4x2 on 8), direct and NVSHMEM-put transports, per-tier bytes       #5 #8
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, ll, llbase or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, ll, llpartials, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -128,6 +133,21 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     fi
     cp "$out/intranode.py.orig" epcomm/backends/cuda/intranode.py
     ;;
+  flags)
+    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -rf -p no:cacheprovider \
+      tests/test_hierarchical_cuda.py --durations=8 -k 'mismatched or given_up or refused' \
+      2>&1 | tee "$out/tests-hier-errors.log" | tail -15 || status=1
+    flag=epcomm/csrc/kernels/intranode.cu
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh 'batch4' \
+      "batch1|$flag|s/constexpr int kFlagBatch = 4;/constexpr int kFlagBatch = 1;/" \
+      "batch2|$flag|s/constexpr int kFlagBatch = 4;/constexpr int kFlagBatch = 2;/" \
+      "batch8|$flag|s/constexpr int kFlagBatch = 4;/constexpr int kFlagBatch = 8;/" \
+      -- --backend cuda --modes normal --num-sms 24 --commit "$sha" || status=1
+    ;;
+  llpartials)
+    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+      -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
+    ;;
   llbase)
     bench ll --modes low_latency --ll-tokens 1,32,64,128,256 || status=1
     ;;
@@ -146,7 +166,7 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, ll, llbase, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, ll, llpartials, llbase, hier)"
     exit 2
     ;;
 esac

@@ -67,11 +67,12 @@ constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | sh
 // Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
 // free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here),
 // notified[64] (the call whose counts row each rank delivered here), seq and notify_seq (this
-// rank's operation and notify counters, advance_kernel), sticky_error. Then the counts area
+// rank's operation and notify counters, advance_kernel), sticky_error, notify_gave_up (the last
+// call whose counts exchange gave up here: mate_to_send). Then the counts area
 // (notify_kernel), then the staging area (Call::stage_offset).
 constexpr int kMaxGroupRanks = 64;
 constexpr int64_t kSymHeaderBytes = 4096;
-static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks + 3) <= kSymHeaderBytes,
+static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks + 4) <= kSymHeaderBytes,
               "slow-tier header");
 // Fast-tier header (IPC, int64 words): ready[L] (a domain rank entered the call), flags[L][F] (a
 // domain rank's forwarder block finished with this rank's area).
@@ -100,6 +101,11 @@ __device__ __forceinline__ int64_t* sym_notify_seq(uint8_t* sym) { return sym_se
 // Set by every error report and never cleared (the Buffer must be destroyed after one): the next
 // notify tells every rank (kPendingError), whatever the host has read and cleared of `info`.
 __device__ __forceinline__ int64_t* sym_sticky_error(uint8_t* sym) { return sym_notify_seq(sym) + 1; }
+// The call whose counts exchange gave up on this rank. Every rank that finished that exchange saw
+// the same rows and gave up too, so no mate waits for this rank's chunks: mate_to_send need not wait
+// to tell it (a rank that raised early and went away would never come, and the wait would run to the
+// timeout).
+__device__ __forceinline__ int64_t* sym_notify_gave_up(uint8_t* sym) { return sym_sticky_error(sym) + 1; }
 __device__ __forceinline__ int64_t* dom_ready(uint8_t* buf, int i) { return reinterpret_cast<int64_t*>(buf) + i; }
 __device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
     return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
@@ -258,12 +264,15 @@ __device__ inline void finish_to_mate(const Call& c, int d, int j, int64_t count
 // call up). A rank that gave the call up still tells the mate so, in the chunk's done word, as soon
 // as the mate is in the call (within what is left of the timeout since `start`): the mate would
 // otherwise wait for the chunk to its timeout (a rank can give up after its domain peer's shape or
-// error while its mate, in another domain, saw nothing wrong). After a timeout of this call (code
-// 1: a rank is gone or stuck) it only looks once: waiting again would add a timeout to the call.
+// error while its mate, in another domain, saw nothing wrong). It only looks once after a timeout
+// of this call (code 1: a rank is gone or stuck; waiting again would add a timeout to the call) and
+// when the call's counts exchange gave up (every mate that finished it gave up as well; one that did
+// not may have left for good: its host raised the error of its previous call at once).
 __device__ inline bool mate_to_send(const Call& c, int d, int j, bool entered, uint64_t start) {
     if (entered && !c.aborted()) return true;
     if (!c.aborted()) return false;  // not entered and not given up: cannot be (wait_entered aborts)
-    const bool look_once = ld_volatile_int(c.info + kInfoError) == 1;
+    const bool look_once =
+        ld_volatile_int(c.info + kInfoError) == 1 || ld_volatile(sym_notify_gave_up(c.sym)) == c.call();
     const int64_t* word = sym_ready(c.sym, d);
     for (int spin = 0;; ++spin) {
         const int64_t v = ld_acquire_sys(word);

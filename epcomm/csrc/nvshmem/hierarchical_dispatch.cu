@@ -46,6 +46,7 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
             ok = false;
         }
     }
+    if (threadIdx.x == 0 && !ok) *sym_notify_gave_up(c.sym) = c.call();  // read by this call's dispatch kernel
     ok = __shfl_sync(kFullMask, ok, 0);
     for (int k = threadIdx.x; k < row_ints; k += kWarpSize)
         current[r * width + k] = ok ? ld_volatile_int(incoming + r * width + k) : 0;
