@@ -3,7 +3,7 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|ll|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|profile|ll|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
@@ -27,9 +27,12 @@
 #           push / push with a flag per row / push a peer per warp / pull, 16- and 128-byte-aligned slots,
 #           cudaMemcpyPeer beside), the kernels' times (scripts/normal_profile.py), and the bench at 24 SMs
 #           with the row slots 128-byte aligned (the trailer inside the rounding)            #3 #8
-#   flags   the senders' flag batch (kFlagBatch rows published by one fence; 1 = a release per row, as
-#           before 2026-11-27 session 2) at 24 SMs, BF16 and FP8, and the hierarchical error-path tests
-#           that need ranks on distinct GPUs (a rank that raised early must not hold the others)  #3 #5
+#   flags   the combine senders' flag batch (kCombineFlagBatch rows published by one fence; 1 = a release
+#           per row), the row slots 16-byte aligned against 128, at 24 SMs, BF16, and the hierarchical
+#           error-path tests that need ranks on distinct GPUs (a rank that raised early must not hold
+#           the others)                                                                 #3 #5
+#   profile where the time goes at this rank count: the low-latency phase timeline and kernels at 1 and
+#           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
 #   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
 #           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
@@ -37,7 +40,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, ll, llpartials, llbase or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llpartials, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -138,11 +141,26 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
       tests/test_hierarchical_cuda.py --durations=8 -k 'mismatched or given_up or refused' \
       2>&1 | tee "$out/tests-hier-errors.log" | tail -15 || status=1
     flag=epcomm/csrc/kernels/intranode.cu
-    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh 'batch4' \
-      "batch1|$flag|s/constexpr int kFlagBatch = 4;/constexpr int kFlagBatch = 1;/" \
-      "batch2|$flag|s/constexpr int kFlagBatch = 4;/constexpr int kFlagBatch = 2;/" \
-      "batch8|$flag|s/constexpr int kFlagBatch = 4;/constexpr int kFlagBatch = 8;/" \
-      -- --backend cuda --modes normal --num-sms 24 --commit "$sha" || status=1
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh 'combine-batch2' \
+      "combine-batch1|$flag|s/constexpr int kCombineFlagBatch = 2;/constexpr int kCombineFlagBatch = 1;/" \
+      "combine-batch4|$flag|s/constexpr int kCombineFlagBatch = 2;/constexpr int kCombineFlagBatch = 4;/" \
+      -- --backend cuda --modes normal --num-sms 24 --dtype bf16 --commit "$sha" || status=1
+    # the row slots 16-byte aligned (before 2026-11-27 session 2) against 128 (the default)
+    cp epcomm/backends/cuda/intranode.py "$out/intranode.py.orig"
+    sed -i -e 's/^_ROW_ALIGN = 128$/_ROW_ALIGN = 16/' epcomm/backends/cuda/intranode.py
+    if grep -q '^_ROW_ALIGN = 16$' epcomm/backends/cuda/intranode.py; then
+      bench align16 --modes normal --num-sms 24 --dtype bf16 || status=1
+    else
+      echo "multi_gpu_plan: the align16 edit did not apply"; status=1
+    fi
+    cp "$out/intranode.py.orig" epcomm/backends/cuda/intranode.py
+    ;;
+  profile)
+    timeout 200 python3 scripts/ll_profile.py --ranks "$gpus" --tokens 1,128 > "$out/ll_profile.txt" 2>&1 || status=1
+    grep -E "graph step|phase|  (dispatch|combine)|_fused|_send|_recv" "$out/ll_profile.txt" | grep "rank 0" | head -70
+    timeout 150 python3 scripts/normal_profile.py --ranks "$gpus" --tokens 4096 --num-sms 24 > "$out/normal_profile.txt" \
+      2>&1 || status=1
+    grep -E "rank 0 .*(us of kernels|median|activity)" "$out/normal_profile.txt" | head -30
     ;;
   llpartials)
     OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
@@ -166,7 +184,7 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, ll, llpartials, llbase, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llpartials, llbase, hier)"
     exit 2
     ;;
 esac

@@ -642,48 +642,6 @@ __device__ __forceinline__ int route_row_pos(const TokenRoute& r, const int* s_l
     return r.hit ? s_layout[kLayDstBase + lane] + r.slot : 0;
 }
 
-// Rows a sending warp publishes with one fence. A release per row (st.release.sys) holds the warp
-// until its row's stores are acknowledged across NVLink before it may load the next row: 4 GPUs
-// storing to each other at 8 SMs a GPU moved 309 GB/s without flags and 260 with one per row
-// (scripts/nvlink_rate.cu). Batched, the warp stalls once per kFlagBatch rows; a receiver sees a
-// row at most kFlagBatch - 1 of the warp's rows later.
-constexpr int kFlagBatch = 4;
-
-// The rows the warp has stored but not yet published, lane d's of destination d (-1 where a row did
-// not go there), as row numbers (registers: a pointer each spilled in the dispatch senders); `count`
-// is the same in every lane.
-struct PendingFlags {
-    int row[kFlagBatch];
-    int count = 0;
-
-    // Every lane of the warp calls it, with its row of the warp's latest token (or -1).
-    __device__ __forceinline__ void add(int r) {
-#pragma unroll
-        for (int k = 0; k < kFlagBatch; ++k)
-            if (k == count) row[k] = r;
-        ++count;
-    }
-    __device__ __forceinline__ bool full() const { return count == kFlagBatch; }
-
-    // After the warp's stores of these rows (every lane calls it): one fence, then each row's flag
-    // (flag_of(row)). The fence orders the other lanes' stores too, which __syncwarp made this lane
-    // observe first.
-    template <class FlagOf>
-    __device__ __forceinline__ void publish(int64_t value, FlagOf&& flag_of) {
-        __syncwarp();
-        bool any = false;
-#pragma unroll
-        for (int k = 0; k < kFlagBatch; ++k) any |= k < count && row[k] >= 0;
-        if (any) {
-            fence_sys();
-#pragma unroll
-            for (int k = 0; k < kFlagBatch; ++k)
-                if (k < count && row[k] >= 0) st_relaxed_sys(flag_of(row[k]), value);
-        }
-        count = 0;
-    }
-};
-
 // Sender: one warp per token; x is read once and stored to every destination. Rows to other
 // ranks go to their buffers (then a flag per row); the row to this rank goes straight to the
 // outputs unless the receivers do it (`local_by_receiver`).
@@ -692,11 +650,6 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
     const int me = a.rank;
     const int x_int4 = a.x_bytes / 16;
     TokenRoute next = load_route(a, warp, lane);
-    PendingFlags pending;
-    auto flag_of = [&](int pos) {  // of lane d's row at pos in destination d's buffer
-        return reinterpret_cast<int64_t*>(a.peers.bufs[lane] + kRowsOffset + static_cast<int64_t>(pos + 1) * a.row_stride -
-                                          kRowTrailerBytes);
-    };
     for (int t = warp; t < a.num_tokens; t += num_warps) {
         const TokenRoute route = next;
         next = load_route(a, t + num_warps, lane);
@@ -747,11 +700,18 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
             else
                 write_peer_meta(a, dst_row[d], d, t, route.meta, lane);
         }
-        // Lane d publishes the flag of destination d's row, with the warp's next rows' (PendingFlags).
-        pending.add(lane < kMaxRanks && lane != me && (mask >> lane & 1u) ? pos_lane : -1);
-        if (pending.full()) pending.publish(flag_value, flag_of);
+        // Publish: after the warp's stores, lane d releases the flag of destination d's row (a row at
+        // a time: batched, the receivers waited longer than the senders gained, see kCombineFlagBatch).
+        __syncwarp();
+        if (lane < kMaxRanks) {
+            uint8_t* r = nullptr;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d)
+                if (d == lane) r = dst_row[d];
+            if (r != nullptr)
+                st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+        }
     }
-    pending.publish(flag_value, flag_of);
 }
 
 // A sending warp's row ring: two rows loading while one is stored, and the stores of the last
@@ -992,6 +952,49 @@ __device__ __forceinline__ int combine_num_returned(const CombineArgs& a, const 
 // bench/results/2026-11-24_ep2-combine-bisect_nvidia-h200-x2.txt). 8 (as the dispatch senders) is
 // measured by scripts/multi_gpu_plan.sh STEP=split (variant send8).
 constexpr int kCombineSendUnroll = 4;
+
+// Rows a combine sender publishes with one fence. A release per row (st.release.sys) holds the warp
+// until its row's stores are acknowledged across NVLink before it may go on: 4 GPUs storing to each
+// other at 8 SMs a GPU moved 309 GB/s without flags and 260 with one per row (scripts/nvlink_rate.cu).
+// Batched, the warp stalls once per batch, but a receiver sees a row only after the warp's next
+// batch - 1 rows, and a sending warp moves only ~1.7 GB/s (176 warps share the links). Measured at
+// EP4 (4 x H100, 24 SMs, BF16, 3120115; batch 1 / 2 / 4 / 8): combine 690 / 615 / 617 / 650 us;
+// cached dispatch 581 / 589 / 609 / 658 us (its receivers wait for the rows): its senders keep a
+// release per row.
+constexpr int kCombineFlagBatch = 2;
+
+struct PendingFlags {
+    static constexpr int kFlagBatch = kCombineFlagBatch;
+    int row[kFlagBatch];
+    int count = 0;
+
+    // Every lane of the warp calls it, with its row of the warp's latest token (or -1).
+    __device__ __forceinline__ void add(int r) {
+#pragma unroll
+        for (int k = 0; k < kFlagBatch; ++k)
+            if (k == count) row[k] = r;
+        ++count;
+    }
+    __device__ __forceinline__ bool full() const { return count == kFlagBatch; }
+
+    // After the warp's stores of these rows (every lane calls it): one fence, then each row's flag
+    // (flag_of(row)). The fence orders the other lanes' stores too, which __syncwarp made this lane
+    // observe first.
+    template <class FlagOf>
+    __device__ __forceinline__ void publish(int64_t value, FlagOf&& flag_of) {
+        __syncwarp();
+        bool any = false;
+#pragma unroll
+        for (int k = 0; k < kFlagBatch; ++k) any |= k < count && row[k] >= 0;
+        if (any) {
+            fence_sys();
+#pragma unroll
+            for (int k = 0; k < kFlagBatch; ++k)
+                if (k < count && row[k] >= 0) st_relaxed_sys(flag_of(row[k]), value);
+        }
+        count = 0;
+    }
+};
 
 // Sender with register copies: every received row of another rank goes back to its source, at
 // the slot the source reduces from.
