@@ -35,8 +35,9 @@
 #           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
 #   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
 #           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
-#   hier    hierarchical normal mode on every split of the machine into domains (2x2 on 4 GPUs;
-#           2x4 and 4x2 on 8), direct and NVSHMEM-put transports, per-tier bytes       #5 #8
+#   hier    hierarchical normal mode on every split of the machine into domains (2x2 and 4x1 on 4
+#           GPUs; 2x4, 4x2 and 8x1 on 8; HIER_SPLITS='k ...' picks some), direct, node-limited to half
+#           of the domains, and NVSHMEM-put (HIER_PUT=0: not) transports, per-tier bytes  #5 #8
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
@@ -174,13 +175,16 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     case $gpus in
       1) echo "multi_gpu_plan: hier needs 2 or more GPUs"; exit 2 ;;
       2 | 3) splits=(1) ;;
-      4 | 5 | 6 | 7) splits=(2) ;;
-      *) splits=(2 4) ;;
+      4 | 5 | 6 | 7) splits=(2 1) ;;
+      *) splits=(2 4 1) ;;
     esac
-    for k in "${splits[@]}"; do
+    for k in ${HIER_SPLITS:-${splits[@]}}; do
       bench "split-k$k" --modes normal --strategies hierarchical --ranks-per-domain "$k" || status=1
-      EPCOMM_HIER_TRANSPORT=put bench "split-k$k-put" --modes normal --strategies hierarchical \
-        --ranks-per-domain "$k" || status=1
+      # node-limited routing (DeepSeek-V3's group-limited gating): each token's experts in half of the domains
+      bench "split-k$k-g$((gpus / k / 2))" --modes normal --strategies hierarchical --ranks-per-domain "$k" \
+        --groups $((gpus / k / 2)) || status=1
+      [ "${HIER_PUT:-1}" = 1 ] && { EPCOMM_HIER_TRANSPORT=put bench "split-k$k-put" --modes normal \
+        --strategies hierarchical --ranks-per-domain "$k" || status=1; }
     done
     ;;
   *)
