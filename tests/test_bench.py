@@ -117,6 +117,24 @@ def test_low_latency_checks_catch_a_wrong_row():
     assert checks.check_ll_combine("t", combined, mine)
 
 
+def test_low_latency_combine_check_allows_the_rounding_of_partial_sums():
+    """A combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS=1) rounds each rank's partial to bf16:
+    the check for it allows that rounding, the default one does not, and neither takes a wrong row."""
+    mine = _two_rank_inputs(tokens=64)[0]
+    valid = mine.topk_idx >= 0
+    w = torch.where(valid, mine.topk_weights, 0.0).double()
+    base = epcomm.per_token_cast_back(*epcomm.per_token_cast_to_fp8(mine.x)).double()
+    # Two ranks' partials (the first half of the top-k slots, the second), each rounded to bf16.
+    k = w.shape[1] // 2
+    partial = [(base * w[:, :k].sum(1, keepdim=True)).to(torch.bfloat16),
+               (base * w[:, k:].sum(1, keepdim=True)).to(torch.bfloat16)]
+    combined = (partial[0].double() + partial[1].double()).to(torch.bfloat16)
+    assert checks.check_ll_combine("t", combined, mine, partials=True) == []
+    assert checks.check_ll_combine("t", combined, mine)  # two roundings are more than one allows
+    combined[3, 7] = -combined[3, 7] - 1
+    assert checks.check_ll_combine("t", combined, mine, partials=True)
+
+
 @pytest.mark.parametrize("argv, option", [
     (["--num-ranks", "2", "--experts", "7"], "--experts"),
     (["--num-ranks", "2", "--hidden", "200"], "--hidden"),

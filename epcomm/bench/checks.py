@@ -169,10 +169,25 @@ def ll_combine_input(recv_x, recv_count: torch.Tensor, num_max_tokens: int, num_
     return out
 
 
-def check_ll_combine(tag: str, combined: torch.Tensor, mine: RankInputs) -> list[str]:
-    """Every selected expert returns the same dequantized row, so the sum is (sum of weights) x row."""
+def check_ll_combine(tag: str, combined: torch.Tensor, mine: RankInputs, partials: bool = False) -> list[str]:
+    """Every selected expert returns the same dequantized row, so the sum is (sum of weights) x row.
+
+    ``partials``: a combine by partial sums on several ranks (EPCOMM_LL_COMBINE_PARTIALS=1) rounds
+    each rank's partial to bf16 before the final sum, so the result is within bf16 rounding of the
+    partials' summed magnitude (at most sum |w| x |row|) plus that of the output, as its tests allow."""
     base = per_token_cast_back(*per_token_cast_to_fp8(mine.x)).double()
-    weight = torch.where(mine.topk_idx >= 0, mine.topk_weights, 0.0).double().sum(1, keepdim=True)
-    ok, err = _close_to_bf16(combined, base * weight)
-    return [] if ok else [f"{tag}: low-latency combined_x is not within BF16 rounding of the float64 "
-                          f"reference (max abs error {err:.3g})"]
+    valid = mine.topk_idx >= 0
+    weight = torch.where(valid, mine.topk_weights, 0.0).double().sum(1, keepdim=True)
+    ref = base * weight
+    if not partials:
+        ok, err = _close_to_bf16(combined, ref)
+    elif combined.shape != ref.shape:
+        ok, err = False, float("inf")
+    else:
+        magnitude = torch.where(valid, mine.topk_weights.abs(), 0.0).double().sum(1, keepdim=True) * base.abs()
+        error = (combined.double() - ref).abs()
+        ok = bool((error <= BF16_REL_TOL * (magnitude + ref.abs()) + ABS_TOL).all())
+        err = float(error.max()) if error.numel() else 0.0
+    what = "the bf16 rounding of its partials and of the result" if partials else "BF16 rounding"
+    return [] if ok else [f"{tag}: low-latency combined_x is not within {what} of the float64 reference "
+                          f"(max abs error {err:.3g})"]

@@ -275,9 +275,9 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
         return buf.low_latency_combine(y, mine.topk_idx, mine.topk_weights, handle,
                                        combine_wait_recv_cost_stats=wait_stats["combine"])
 
-    _guarded(failures, f"{tag} (first combine)", checks.check_ll_combine, combine()[0], mine)
+    _guarded(failures, f"{tag} (first combine)", checks.check_ll_combine, combine()[0], mine, _by_partials(buf))
     combine_s, last = _timed(combine, case, buf.device, before, samples, "combine", reset("combine"))
-    _guarded(failures, f"{tag} (timed combine)", checks.check_ll_combine, last[0], mine)
+    _guarded(failures, f"{tag} (timed combine)", checks.check_ll_combine, last[0], mine, _by_partials(buf))
 
     # The receive hook's split: the call (sends only) and hook() (the receive), timed apart.
     def dispatch_with_hook():
@@ -316,6 +316,12 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     return result
 
 
+def _by_partials(buf: Buffer) -> bool:
+    """Whether the Buffer's last low-latency combine summed partials per (token, rank) on the expert
+    side (EPCOMM_LL_COMBINE_PARTIALS=1): its result is checked within their rounding too."""
+    return bool(getattr(buf._cuda_ll, "last_combine_partials", False))
+
+
 def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combine: Callable[[], Any],
                     inputs: list[RankInputs], rank: int, tag: str, failures: list[str]) -> dict[str, float]:
     """The decode-step way to run the low-latency calls: each captured once in a CUDA graph and
@@ -333,7 +339,8 @@ def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combin
     recv_x, recv_count, handle = outputs["dispatch"][:3]
     _guarded(failures, f"{tag} (CUDA-graph dispatch)", checks.check_ll_dispatch, recv_x, recv_count, handle,
              inputs, rank, case.num_experts)
-    _guarded(failures, f"{tag} (CUDA-graph combine)", checks.check_ll_combine, outputs["combine"][0], inputs[rank])
+    _guarded(failures, f"{tag} (CUDA-graph combine)", checks.check_ll_combine, outputs["combine"][0], inputs[rank],
+             _by_partials(buf))
     return times
 
 
