@@ -3,7 +3,7 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|profile|ll|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|profile|ll|llab|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
@@ -33,6 +33,8 @@
 #           the others)                                                                 #3 #5
 #   profile where the time goes at this rank count: the low-latency phase timeline and kernels at 1 and
 #           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
+#   llab    low latency: the fused dispatch's balanced receive (kBalancedReceive) against the default,
+#           1-256 tokens, and the phase timeline of a combine by partial sums at 128 tokens   #4 #8
 #   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
 #           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 and 4x1 on 4
@@ -41,7 +43,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llpartials, llbase or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llab, llpartials, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -163,6 +165,16 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
       2>&1 || status=1
     grep -E "rank 0 .*(us of kernels|median|activity)" "$out/normal_profile.txt" | head -30
     ;;
+  llab)
+    # the fused dispatch's receive spread evenly over the grid (kBalancedReceive) against the per-unit
+    # batches, and where a combine by partial sums spends its time (its phase timeline at 128 tokens)
+    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base \
+      'balanced|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kBalancedReceive = false;/constexpr bool kBalancedReceive = true;/' \
+      -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
+    EPCOMM_LL_COMBINE_PARTIALS=1 timeout 150 python3 scripts/ll_profile.py --ranks "$gpus" --tokens 128 \
+      > "$out/ll_profile_partials.txt" 2>&1 || status=1
+    grep -E "graph step|phase|  (dispatch|combine)|_fused|_send|_recv" "$out/ll_profile_partials.txt" | grep "rank 0" | head -40
+    ;;
   llpartials)
     OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
@@ -188,7 +200,7 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llpartials, llbase, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llab, llpartials, llbase, hier)"
     exit 2
     ;;
 esac

@@ -818,6 +818,86 @@ __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t s
     }
 }
 
+// Experimental (measured next on 4 GPUs; kBalancedReceive in dispatch_fused): the receive with the
+// rows spread evenly over the whole grid instead of by (expert, source) unit. Every block waits for
+// all units' counts (the signals arrive within ~1 us of each other at EP4, 128 tokens), numbers
+// their messages' pieces in unit order, and takes an equal contiguous share of them. At EP4, 128
+// tokens (4 x H100, b28c2ea) the per-unit batches left the last block copying 2.8 us after the
+// median one (phase timeline: received 21.9 median, 24.7 last). Blocks must agree on every count,
+// so only without failed-rank masking (a rank masked mid-call reads as 0 to the blocks that look
+// later); a timeout or a shape mismatch gives the call up, whose outputs are invalid anyway.
+__device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, const Layout& lay) {
+    // The send role's per-expert counts (2 E ints of dynamic shared memory) are free now: they
+    // hold each unit's count, then, in place, the exclusive prefix of the units' pieces (E + 1).
+    extern __shared__ int pieces_before[];
+    __shared__ int warp_sums[kWarpsPerBlock];
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, E = a.num_experts, grid = static_cast<int>(gridDim.x);
+    const int pieces = num_pieces(a.data_bytes / 16);
+    uint8_t* mine = a.peers.bufs[a.rank];
+    __syncthreads();  // the send role's last reads of the counts
+    for (int u = tid; u < E; u += kThreads)  // one block's waits feed the wait-cost statistics
+        pieces_before[u] = pieces * wait_source_count(a, seq, lay, mine, u / R, blockIdx.x == 0 ? u % R : -1, u % R);
+    __syncthreads();
+    trace_point(a.trace, 0, kTraceArrived);
+    // Exclusive scan: thread i sums a contiguous segment of units, the warps scan the segment sums,
+    // warp 0 the warps' totals; each thread then rewrites its own segment.
+    const int per = (E + kThreads - 1) / kThreads, lo = min(E, tid * per), hi = min(E, lo + per);
+    int segment = 0;
+    for (int u = lo; u < hi; ++u) segment += pieces_before[u];
+    int inclusive = segment;
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, d);
+        if (lane >= d) inclusive += v;
+    }
+    if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < kWarpsPerBlock ? warp_sums[lane] : 0;
+        for (int d = 1; d < kWarpSize; d <<= 1) {
+            const int v = __shfl_up_sync(kFullMask, w, d);
+            if (lane >= d) w += v;
+        }
+        if (lane < kWarpsPerBlock) warp_sums[lane] = w;  // inclusive over the warps
+    }
+    __syncthreads();
+    int run = inclusive - segment + (warp > 0 ? warp_sums[warp - 1] : 0);
+    for (int u = lo; u < hi; ++u) {
+        const int own = pieces_before[u];
+        pieces_before[u] = run;
+        run += own;
+    }
+    if (tid == kThreads - 1) pieces_before[E] = run;  // its segment ends at E, or it is empty: run is the total
+    __syncthreads();
+    auto count_of = [&](int u) { return (pieces_before[u + 1] - pieces_before[u]) / pieces; };
+    const int64_t total = pieces_before[E];
+    const int first = static_cast<int>(total * blockIdx.x / grid);
+    const int last = static_cast<int>(total * (blockIdx.x + 1) / grid);
+    for (int f = first + warp; f < last; f += kWarpsPerBlock) {
+        int low = 0, high = E - 1;  // the unit holding piece f: the last whose pieces start at or before f
+        while (low < high) {
+            const int mid = (low + high + 1) / 2;
+            if (pieces_before[mid] <= f)
+                low = mid;
+            else
+                high = mid - 1;
+        }
+        const int local_e = low / R, src = low % R, within = f - pieces_before[low];
+        int begin = 0;
+        for (int j = 0; j < src; ++j) begin += count_of(local_e * R + j);
+        copy_received_piece(a, lay, mine, local_e, src, begin, within / pieces, within % pieces, lane);
+    }
+    __shared__ int counts[kMaxRanks];
+    for (int local_e = blockIdx.x; local_e < E / R; local_e += grid) {  // each expert's metadata, by one block
+        if (tid < R) counts[tid] = count_of(local_e * R + tid);
+        __syncthreads();
+        int sum = 0;
+        for (int j = 0; j < R; ++j) sum += counts[j];
+        complete_expert(a, local_e, counts, sum, tid, kThreads);
+        __syncthreads();  // counts[] is rewritten for the block's next expert
+    }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
 
 // The receive hook's kernel: one block per (local expert, source).
@@ -837,12 +917,19 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 // (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
 // cooperatively (every block resident at once; see the launcher). kBlockReceive: the receive role
 // of receive_dispatch_units_together instead of a warp group per unit.
+// receive_dispatch_balanced in place of receive_dispatch_units_together (EPCOMM_LL_BLOCK_RECEIVE's
+// block receive), where no failed-rank masking is on. Off until measured on several GPUs.
+constexpr bool kBalancedReceive = false;
+
 template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const int64_t seq = send_dispatch_messages(a);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     if constexpr (kBlockReceive) {
-        receive_dispatch_units_together(a, seq, lay);
+        if (kBalancedReceive && a.mask == nullptr)
+            receive_dispatch_balanced(a, seq, lay);
+        else
+            receive_dispatch_units_together(a, seq, lay);
     } else {
         // The units are split among groups of warps, enough groups that every unit has one at once
         // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a
