@@ -833,7 +833,7 @@ __device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, co
     __shared__ int warp_sums[kWarpsPerBlock];
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, E = a.num_experts, grid = static_cast<int>(gridDim.x);
-    const int pieces = num_pieces(a.data_bytes / 16);
+    const int pieces = max(1, num_pieces(a.data_bytes / 16));  // a count is recovered from its pieces
     uint8_t* mine = a.peers.bufs[a.rank];
     __syncthreads();  // the send role's last reads of the counts
     for (int u = tid; u < E; u += kThreads)  // one block's waits feed the wait-cost statistics
