@@ -953,11 +953,11 @@ __device__ __forceinline__ int combine_num_returned(const CombineArgs& a, const 
 // measured by scripts/multi_gpu_plan.sh STEP=split (variant send8).
 constexpr int kCombineSendUnroll = 4;
 
-// Rows a combine sender publishes with one fence. A release per row (st.release.sys) holds the warp
+// Rows a combine sender publishes with one fence (PendingFlags). A release per row (st.release.sys) holds the warp
 // until its row's stores are acknowledged across NVLink before it may go on: 4 GPUs storing to each
 // other at 8 SMs a GPU moved 309 GB/s without flags and 260 with one per row (scripts/nvlink_rate.cu).
 // Batched, the warp stalls once per batch, but a receiver sees a row only after the warp's next
-// batch - 1 rows, and a sending warp moves only ~1.7 GB/s (176 warps share the links). Measured at
+// batch - 1 rows, and a sending warp moves only ~1.5 GB/s (~190 warps share the links). Measured at
 // EP4 (4 x H100, 24 SMs, BF16, 3120115; batch 1 / 2 / 4 / 8): combine 690 / 615 / 617 / 650 us;
 // cached dispatch 581 / 589 / 609 / 658 us (its receivers wait for the rows): its senders keep a
 // release per row.
@@ -968,7 +968,7 @@ struct PendingFlags {
     int row[kFlagBatch];
     int count = 0;
 
-    // Every lane of the warp calls it, with its row of the warp's latest token (or -1).
+    // Every lane of the warp calls it, with the number of a row it stored last that needs a flag (or -1).
     __device__ __forceinline__ void add(int r) {
 #pragma unroll
         for (int k = 0; k < kFlagBatch; ++k)
