@@ -25,8 +25,8 @@
 #           intranode, low latency, reliability, hierarchical, NVSHMEM                 #3 #4 #5
 #   probe   where a normal-mode call's time goes at this rank count: NVLink rates by SMs (scripts/nvlink_rate.cu:
 #           push / push with a flag per row / push a peer per warp / pull, 16- and 128-byte-aligned slots,
-#           cudaMemcpyPeer beside), the kernels' times (scripts/normal_profile.py), and the bench at 24 SMs
-#           with the row slots 128-byte aligned (the trailer inside the rounding)            #3 #8
+#           cudaMemcpyPeer beside) and the kernels' times (scripts/normal_profile.py) (the slot
+#           alignment A/B it ran is in flags since 128 became the default)              #3 #8
 #   flags   the combine senders' flag batch (kCombineFlagBatch rows published by one fence; 1 = a release
 #           per row), the row slots 16-byte aligned against 128, at 24 SMs, BF16, and the hierarchical
 #           error-path tests that need ranks on distinct GPUs (a rank that raised early must not hold
@@ -127,17 +127,6 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     timeout 150 python3 scripts/normal_profile.py --ranks "$gpus" --tokens 4096 --num-sms 24 > "$out/profile.txt" 2>&1 \
       || status=1
     grep -iE "kernel|us" "$out/profile.txt" | head -40
-    cp epcomm/backends/cuda/intranode.py "$out/intranode.py.orig"
-    sed -i -e 's/^_ROW_ALIGN = 16$/_ROW_ALIGN = 128/' \
-      -e 's/num_scales \* 4, _ROW_ALIGN) + ROW_TRAILER_BYTES/num_scales * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)/' \
-      -e 's/num_topk \* 4, _ROW_ALIGN) + ROW_TRAILER_BYTES/num_topk * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)/' \
-      epcomm/backends/cuda/intranode.py
-    if [ "$(grep -c 'ROW_TRAILER_BYTES, _ROW_ALIGN)\|^_ROW_ALIGN = 128' epcomm/backends/cuda/intranode.py)" = 3 ]; then
-      bench align128 --modes normal --num-sms 24 || status=1
-    else
-      echo "multi_gpu_plan: the align128 edit did not apply"; status=1
-    fi
-    cp "$out/intranode.py.orig" epcomm/backends/cuda/intranode.py
     ;;
   flags)
     EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -rf -p no:cacheprovider \

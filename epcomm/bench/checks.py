@@ -61,11 +61,14 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(as_bytes(got), as_bytes(want))
 
 
-def _close_to_bf16(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+def _close_to_bf16(got: torch.Tensor, ref: torch.Tensor, rounded: torch.Tensor | None = None) -> tuple[bool, float]:
+    """Within bf16 rounding of ref, and of `rounded` too where given (the magnitude of intermediate
+    values that were rounded to bf16 on the way)."""
     if got.shape != ref.shape:
         return False, float("inf")
     err = (got.double() - ref).abs()
-    ok = bool((err <= ref.abs() * BF16_REL_TOL + ABS_TOL).all())
+    scale = ref.abs() if rounded is None else rounded + ref.abs()
+    ok = bool((err <= scale * BF16_REL_TOL + ABS_TOL).all())
     return ok, float(err.max()) if err.numel() else 0.0
 
 
@@ -178,16 +181,9 @@ def check_ll_combine(tag: str, combined: torch.Tensor, mine: RankInputs, partial
     base = per_token_cast_back(*per_token_cast_to_fp8(mine.x)).double()
     valid = mine.topk_idx >= 0
     weight = torch.where(valid, mine.topk_weights, 0.0).double().sum(1, keepdim=True)
-    ref = base * weight
-    if not partials:
-        ok, err = _close_to_bf16(combined, ref)
-    elif combined.shape != ref.shape:
-        ok, err = False, float("inf")
-    else:
-        magnitude = torch.where(valid, mine.topk_weights.abs(), 0.0).double().sum(1, keepdim=True) * base.abs()
-        error = (combined.double() - ref).abs()
-        ok = bool((error <= BF16_REL_TOL * (magnitude + ref.abs()) + ABS_TOL).all())
-        err = float(error.max()) if error.numel() else 0.0
+    partial_magnitude = (torch.where(valid, mine.topk_weights.abs(), 0.0).double().sum(1, keepdim=True) * base.abs()
+                         if partials else None)
+    ok, err = _close_to_bf16(combined, base * weight, partial_magnitude)
     what = "the bf16 rounding of its partials and of the result" if partials else "BF16 rounding"
     return [] if ok else [f"{tag}: low-latency combined_x is not within {what} of the float64 reference "
                           f"(max abs error {err:.3g})"]
