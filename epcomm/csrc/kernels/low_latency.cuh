@@ -1386,14 +1386,19 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     }
     __syncthreads();
     trace_point(a.trace, 0, kTraceArrived);
-    // A warp's task: one source's token, 64 16-byte words of the row (2 a lane); source s's tasks are
-    // [s * N * units, (s + 1) * N * units), whatever its token count (blocks that saw a source masked
-    // at different times then disagree on that source only), taken by the warps in turn: a token's
-    // units go to neighbouring warps of one block, which share its record in L1.
+    // A warp's task: one source's token, 64 16-byte words of the row (2 a lane). The sources are
+    // interleaved (task f's is (f + me) % R) and the tokens ascend: at any moment every rank writes
+    // to every rank. In source-major order every rank wrote to the same source at once, whose
+    // NVLink ingress then carried R - 1 senders while the others' idled. Every block sees the same
+    // task list up to the busiest source's tokens (blocks that saw a source masked at different times
+    // disagree on that source only); a token's units go to neighbouring warps of one block,
+    // which share its record in L1.
     const int units = (row_int4 + kSumSpan - 1) / kSumSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
-    for (int f = gwarp; f < R * N * units; f += grid_warps) {
-        const int src = f / (N * units), t = (f / units) % N, base = (f % units) * kSumSpan + lane;
+    int busiest = 0;  // the most tokens of a source (a source this block gave up on has none)
+    for (int r = 0; r < R; ++r) busiest = max(busiest, src_tokens[r]);
+    for (int f = gwarp; f < R * busiest * units; f += grid_warps) {
+        const int src = (f + me) % R, q = f / R, t = q / units, base = (q % units) * kSumSpan + lane;
         if (t >= src_tokens[src]) continue;
         const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
         const int n = min(*reinterpret_cast<const int*>(record), K);
