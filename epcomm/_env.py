@@ -40,11 +40,13 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                       "(its data crosses NVLink once per (token, rank), not once per expert; the "
                                       "receiver copies it for each expert); 0 = a message per (token, expert). "
                                       "Read when a Buffer is built; every rank must agree"),
-    "EPCOMM_LL_COMBINE_PARTIALS": ("0", "CUDA low-latency mode, IPC transport: 1 = a combine's expert side sums each "
-                                        "token's rows of its own experts and returns one row per (token, rank), "
-                                        "not one per (token, expert) (bf16 partials: within bf16 rounding of the "
-                                        "reference); 0 = a row per (token, expert), the reference's sum bitwise. "
-                                        "Read when a Buffer is built; every rank must agree"),
+    "EPCOMM_LL_COMBINE_PARTIALS": ("auto", "CUDA low-latency mode, IPC transport, combine without a receive hook: "
+                                           "1 = the expert side sums each token's rows of its own experts and "
+                                           "returns one row per (token, rank), not one per (token, expert) (bf16 "
+                                           "partials: within bf16 rounding of the reference); 0 = a row per "
+                                           "(token, expert), the reference's sum bitwise; auto = 1 for "
+                                           "num_max_dispatch_tokens_per_rank >= 64, else 0. Read when a Buffer is "
+                                           "built; every rank must agree"),
     "EPCOMM_LL_BLOCK_RECEIVE": ("auto", "CUDA low-latency mode, dispatch without a receive hook: 1 = each block "
                                         "waits for the counts of all of its (expert, source) units and its warps "
                                         "share their rows' copies; 0 = a group of warps per unit copies that "
@@ -110,8 +112,11 @@ def ll_block_receive() -> str:
     return value
 
 
-def ll_combine_partials() -> bool:
-    return _switch("EPCOMM_LL_COMBINE_PARTIALS")
+def ll_combine_partials() -> str:
+    value = env_str("EPCOMM_LL_COMBINE_PARTIALS")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"EPCOMM_LL_COMBINE_PARTIALS must be auto, 0 or 1, got {value!r}")
+    return value
 
 
 def device_choice() -> str:

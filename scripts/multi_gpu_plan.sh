@@ -33,9 +33,9 @@
 #           the others)                                                                 #3 #5
 #   profile where the time goes at this rank count: the low-latency phase timeline and kernels at 1 and
 #           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
-#   llab    low latency: the partial-sums tests at 4 ranks, then the fused dispatch's balanced receive
-#           (kBalancedReceive) and the combine by partial sums, each on and off, 1-256 tokens, and the
-#           phase timeline of a combine by partial sums at 128 tokens                          #4 #8
+#   llab    low latency: its tests at 4 ranks, then the defaults against the dispatch's L2 prefetch of
+#           its tokens (kPrefetchTokens), 1-256 tokens, and the phase timeline at 128 tokens   #4 #8
+#           (the balanced receive and partial-sums A/B it ran before: bench/results/*-llab-d178721*)
 #   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
 #           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 and 4x1 on 4
@@ -156,19 +156,18 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     grep -E "rank 0 .*(us of kernels|median|activity)" "$out/normal_profile.txt" | head -30
     ;;
   llab)
-    # the combine by partial sums against the tests first (its sources' order changed), then the fused
-    # dispatch's receive spread evenly over the grid (kBalancedReceive) against the per-unit batches,
-    # each with and without partial sums, and where a combine by partial sums spends its time (its
-    # phase timeline at 128 tokens)
-    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-150}" python3 -m pytest -q -rf -p no:cacheprovider \
-      tests/test_low_latency_cuda.py -k "partials and 4" 2>&1 | tee "$out/tests-partials.log" | tail -5 || status=1
-    balanced='epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kBalancedReceive = false;/constexpr bool kBalancedReceive = true;/'
-    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
-      "balanced|$balanced" "balanced-partials|$balanced|env|EPCOMM_LL_COMBINE_PARTIALS=1" \
+    # the low-latency tests at 4 ranks (partial sums by rounds, auto partials, balanced receive), then
+    # the defaults against the send role's L2 prefetch of its tokens (kPrefetchTokens), and the phase
+    # timeline at the defaults, 128 tokens
+    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-300}" python3 -m pytest -q -rf -p no:cacheprovider \
+      tests/test_low_latency_cuda.py --durations=5 \
+      -k 'not -1] and not -2] and not -8] and not [1] and not [2] and not [8] and not fuzz' \
+      2>&1 | tee "$out/tests-ll.log" | tail -12 || status=1
+    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base \
+      'prefetch|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kPrefetchTokens = false;/constexpr bool kPrefetchTokens = true;/' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
-    EPCOMM_LL_COMBINE_PARTIALS=1 timeout 150 python3 scripts/ll_profile.py --ranks "$gpus" --tokens 128 \
-      > "$out/ll_profile_partials.txt" 2>&1 || status=1
-    grep -E "graph step|phase|  (dispatch|combine)|_fused|_send|_recv" "$out/ll_profile_partials.txt" | grep "rank 0" | head -40
+    timeout 150 python3 scripts/ll_profile.py --ranks "$gpus" --tokens 128 > "$out/ll_profile.txt" 2>&1 || status=1
+    grep -E "graph step|phase|  (dispatch|combine)|_fused|_send|_recv" "$out/ll_profile.txt" | grep "rank 0" | head -40
     ;;
   llpartials)
     OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \

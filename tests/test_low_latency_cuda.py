@@ -2,11 +2,15 @@
 
 Dispatch must be bitwise equal (data, FP8 scales in every mode, src_info, layout, counts, and the
 receive statistics); combine sums in the reference's order (fp32, top-k slot order), so it must
-be bitwise equal too. Outputs start as garbage (the allocator is poisoned), so nothing passes by
-luck.
+be bitwise equal too, except by partial sums on several ranks (EPCOMM_LL_COMBINE_PARTIALS: 1, or
+auto from 64 tokens a rank): within the bf16 rounding of each partial. The shared-messages tests
+force the per-expert combine (0), so every case checks it bitwise too. Outputs start as garbage
+(the allocator is poisoned), so nothing passes by luck.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ from conftest import (
 from routing import make_inputs
 
 from epcomm import Buffer
-from epcomm.backends.cuda.low_latency import partials_fit
+from epcomm.backends.cuda.low_latency import PARTIALS_AUTO_MIN_TOKENS, partials_fit
 from epcomm.bench.checks import poison_, same_bits
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
@@ -70,6 +74,14 @@ def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
     return coef * x.float().abs() * 2
 
 
+def _auto_partials(buf, n: int, num_experts: int, hidden: int, num_topk: int) -> bool:
+    """Whether EPCOMM_LL_COMBINE_PARTIALS=auto (the default; unset) makes this Buffer's combines of
+    this shape (without a hook) go by partial sums: where the Buffer may (IPC transport, the send
+    kernel fits) and they fit, from PARTIALS_AUTO_MIN_TOKENS tokens a rank."""
+    return (os.environ.get("EPCOMM_LL_COMBINE_PARTIALS", "auto") == "auto" and buf._cuda_ll.combine_partials and
+            partials_fit(dist.get_world_size(), num_experts, hidden, num_topk) and n >= PARTIALS_AUTO_MIN_TOKENS)
+
+
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
                          use_ue8m0, use_hook, shrink_last, partials=False, hook_stream=False, num_sms=None,
                          beside_compute=False):
@@ -84,8 +96,6 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
     e_local = num_experts // num_ranks
     # By partial sums on several ranks: within bf16 rounding of the partials (bitwise on one rank).
     bound = None
-    if partials and num_ranks > 1 and not use_hook:
-        bound = _partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
     outs = {}
     # The hooks on a stream of their own (hook_stream): the receive waits for the send there.
     side = torch.cuda.Stream(dev) if hook_stream else torch.cuda.current_stream(dev)
@@ -94,6 +104,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         buf = _buffer(backend, n, hidden, num_experts, enable_shrink=shrink_last)
         if backend == "cuda" and partials:  # the mode is available (else the test would prove nothing)
             assert buf._cuda_ll.combine_partials and partials_fit(num_ranks, num_experts, hidden, num_topk), tag
+        if backend == "cuda":  # forced (partials), or by the auto rule where the Buffer may
+            by_partials = not use_hook and (partials or _auto_partials(buf, n, num_experts, hidden, num_topk))
         if backend == "cuda" and num_sms is not None:  # the dispatch's kernels on fewer blocks than SMs
             for call in buf._cuda_ll._dispatch_calls:  # the shape records copy these at the first call
                 call.context.num_sms = num_sms
@@ -126,8 +138,10 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
             with torch.cuda.stream(side):
                 hook()
         torch.cuda.synchronize()
-        if backend == "cuda":  # by partial sums exactly when asked for and without a hook
-            assert buf._cuda_ll.last_combine_partials == (partials and not use_hook), tag
+        if backend == "cuda":  # by partial sums exactly when asked for (or by auto) and without a hook
+            assert buf._cuda_ll.last_combine_partials == by_partials, tag
+            if by_partials and num_ranks > 1:
+                bound = _partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
         outs[backend] = dict(rows=_valid_rows(recv_x, recv_count), recv_count=recv_count.clone(),
                              layout_range=handle.layout_range.clone(), src_info=handle.src_info.clone(),
                              recv_stats=recv_stats, wait_stats=wait_stats, combined=combined.clone(),
@@ -225,8 +239,9 @@ def test_ll_cuda_hook_on_another_stream(ranks):
 def rank_ll_shared_messages(mode):
     """EPCOMM_LL_SHARE_MESSAGES forced either way (the other tests run the default, 1): 1, a token's
     pairs to one rank share a message (send_unit's aliases); 0, a message per (token, expert).
-    Every case in every format, one with a hook, and the graph."""
-    with env_var("EPCOMM_LL_SHARE_MESSAGES", mode):
+    Every case in every format, one with a hook, and the graph; the combine per (token, expert)
+    (EPCOMM_LL_COMBINE_PARTIALS=0): every case's combine bitwise the reference's."""
+    with env_var("EPCOMM_LL_SHARE_MESSAGES", mode), env_var("EPCOMM_LL_COMBINE_PARTIALS", 0):
         probe = _buffer("cuda", 8, 512, 2 * dist.get_world_size())
         assert probe._cuda_ll.share_messages == (mode == "1")  # the switch took
         probe.destroy()

@@ -13,9 +13,10 @@ step captured in a CUDA graph replays with new inputs; there is no host sync any
 Outputs follow the API's layout exactly as the reference backend builds it: expert e's rows hold
 the blocks of sources 0..R-1 in rank order, each in ascending (token, top-k slot) order, so the
 receive side is bitwise equal to the reference (FP8 casts included), and combine sums in fp32 in
-top-k slot order, as the reference does. With EPCOMM_LL_COMBINE_PARTIALS=1 (IPC only) the expert
-side returns one bf16 partial sum per (token, rank) instead (combine_partials_send): the same at
-one rank, within bf16 rounding on more.
+top-k slot order, as the reference does. A combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS: 1,
+or auto from 64 tokens a rank; IPC only, no hook) has the expert side return one bf16 partial sum
+per (token, rank) instead (combine_partials_send): the same at one rank, within bf16 rounding on
+more.
 
 Errors found by the kernels are written to pinned host memory, one record per slot, and raised
 without a host sync in the common case:
@@ -90,6 +91,14 @@ def request_bytes(num_topk: int) -> int:
     """A combine-by-partials request record: the pair count (and a spare int32), then per pair the
     local expert * N + row and the weight (combine_partials_send)."""
     return _round_up(8 + 8 * num_topk, 16)
+
+
+# EPCOMM_LL_COMBINE_PARTIALS=auto combines by partial sums from this num_max_dispatch_tokens_per_rank
+# (every rank passes the same N; a rank's token count may differ). At EP4 (4 x H100, 288 experts,
+# H 7168, N = tokens, d1787213) the combine took 19.1 -> 26.4 us at 1 token, 27.8 -> 30.9 at 32,
+# 36.3 -> 35.6 at 64, 54.0 -> 46.3 at 128, 94.0 -> 65.4 at 256: the second exchange (requests, then
+# partials) costs ~4-7 us that the fewer bytes over NVLink repay from about 64 tokens.
+PARTIALS_AUTO_MIN_TOKENS = 64
 
 
 def partials_fit(num_ranks: int, num_experts: int, hidden: int, num_topk: int) -> bool:
@@ -218,6 +227,7 @@ class CudaLowLatency:
         self._captured = False  # a call was captured in a CUDA graph: its replays record errors too
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
+        self.combine_partials_mode = _env.ll_combine_partials()  # auto, 0 or 1
         self.combine_partials = self._combine_partials_agreed(group)
         self.last_combine_partials = False  # whether the last combine was by partial sums (tests)
 
@@ -239,17 +249,27 @@ class CudaLowLatency:
         dist.barrier(group=group)
 
     def _combine_partials_agreed(self, group: dist.ProcessGroup) -> bool:
-        """EPCOMM_LL_COMBINE_PARTIALS where every rank can: its kernels store into each peer's slot
-        (every peer mapped: the IPC transport) and its send kernel fits one block per SM (a
-        cooperative launch). Collective (every rank builds its Buffer): ranks whose switches
-        disagree are named here, not left to wait for each other in the kernels."""
-        wanted = _env.ll_combine_partials()
-        able = wanted and self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
-        flags = torch.tensor([int(wanted), -int(wanted), int(able)], dtype=torch.int32, device=self.device)
+        """Whether combines may go by partial sums (EPCOMM_LL_COMBINE_PARTIALS not 0; which ones:
+        combine_by_partials): where every rank can, its kernels storing into each peer's slot (every
+        peer mapped: the IPC transport) and its send kernel fitting one block per SM (a cooperative
+        launch). Collective (every rank builds its Buffer): ranks whose switches disagree are named
+        here, not left to wait for each other in the kernels."""
+        wanted = ("0", "1", "auto").index(self.combine_partials_mode)
+        able = wanted != 0 and self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
+        flags = torch.tensor([wanted, -wanted, int(able)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
         if int(flags[0]) != -int(flags[1]):
             raise ValueError("EPCOMM_LL_COMBINE_PARTIALS differs across ranks; every rank must set the same value")
         return bool(flags[2].item())
+
+    def combine_by_partials(self, num_experts: int, hidden: int, num_max_tokens: int, num_topk: int,
+                            hook: bool) -> bool:
+        """Whether a combine of this shape goes by partial sums: allowed (combine_partials), without a
+        hook (its send kernel waits for every peer's requests, which a hook's send must not: no SM
+        held while data is in flight), where its rows and records fit (partials_fit), and asked for
+        (1) or, with auto, from PARTIALS_AUTO_MIN_TOKENS tokens a rank. The same on every rank."""
+        return (self.combine_partials and not hook and partials_fit(self.num_ranks, num_experts, hidden, num_topk) and
+                (self.combine_partials_mode == "1" or num_max_tokens >= PARTIALS_AUTO_MIN_TOKENS))
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
         """Have the following calls record their phase timeline (scripts/ll_profile.py): per op
@@ -546,11 +566,8 @@ class _CombineShape:
 
     def __init__(self, backend: CudaLowLatency, hidden: int, num_experts: int, num_max_tokens: int, num_topk: int,
                  hook: bool) -> None:
-        # By partial sums only without a hook: its send kernel waits for every peer's requests, which
-        # a hook's send must not (no SM held while data is in flight; a late hook on another stream
-        # could not even start). Tagged with K, which sizes its records.
-        self.partials = partials = (backend.combine_partials and not hook and
-                                    partials_fit(backend.num_ranks, num_experts, hidden, num_topk))
+        # Tagged with K, which sizes its records.
+        self.partials = partials = backend.combine_by_partials(num_experts, hidden, num_max_tokens, num_topk, hook)
         self.records = []
         for record in backend._combine_calls:
             call = LLCombineCall.from_buffer_copy(record)

@@ -499,6 +499,11 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
     return alias != 0 ? -1 : static_cast<int>(offset / 16);
 }
 
+// The send role asks L2 for its tokens' rows first: their loads (after the counts, the rows and the
+// plans, ~2 us in) then hit L2 instead of waiting for HBM (phase timeline at EP4, 128 tokens: rows
+// planned 4.2 us, first unit cast 5.3).
+constexpr bool kPrefetchTokens = false;
+
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
@@ -536,6 +541,12 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int first = static_cast<int>(blockIdx.x) / parts * a.chunk_tokens;
     const int last = min(a.num_tokens, first + a.chunk_tokens);
     const int num_pairs = max(0, last - first) * K;
+    if (kPrefetchTokens) {  // this part's units of the block's tokens (1 KB = 8 lines a unit)
+        const int lines = a.hidden * 2 / 128;
+        for (int i = tid; i < (last - first) * lines; i += kThreads)
+            if (i % lines / 8 % parts == part)
+                prefetch_l2(a.x + static_cast<int64_t>(first + i / lines) * a.hidden + i % lines * 64);
+    }
 
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
     if (tid < R) bufs[tid] = a.peers.bufs[tid];
@@ -818,12 +829,14 @@ __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t s
     }
 }
 
-// Experimental (measured next on 4 GPUs; kBalancedReceive in dispatch_fused): the receive with the
-// rows spread evenly over the whole grid instead of by (expert, source) unit. Every block waits for
-// all units' counts (the signals arrive within ~1 us of each other at EP4, 128 tokens), numbers
-// their messages' pieces in unit order, and takes an equal contiguous share of them. At EP4, 128
-// tokens (4 x H100, b28c2ea) the per-unit batches left the last block copying 2.8 us after the
-// median one (phase timeline: received 21.9 median, 24.7 last). Blocks must agree on every count,
+// The block receive of the fused dispatch (kBalancedReceive in dispatch_fused): the rows spread
+// evenly over the whole grid instead of by (expert, source) unit. Every block waits for all units'
+// counts (the signals arrive within ~1 us of each other at EP4, 128 tokens), numbers their
+// messages' pieces in unit order, and takes an equal contiguous share of them. At EP4, 128 tokens
+// (4 x H100, b28c2ea) the per-unit batches left the last block copying 2.8 us after the median one
+// (phase timeline: received 21.9 median, 24.7 last); spread evenly (d1787213, same run): dispatch
+// 35.5 -> 33.4 us at 128 tokens (kernel 31.0 -> 29.1), 49.4 -> 47.3 at 256, unchanged at 1-64
+// (those take the unit path: EPCOMM_LL_BLOCK_RECEIVE=auto). Blocks must agree on every count,
 // so only without failed-rank masking (a rank masked mid-call reads as 0 to the blocks that look
 // later); a timeout or a shape mismatch gives the call up, whose outputs are invalid anyway.
 __device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, const Layout& lay) {
@@ -918,8 +931,8 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 // cooperatively (every block resident at once; see the launcher). kBlockReceive: the receive role
 // of receive_dispatch_units_together instead of a warp group per unit.
 // receive_dispatch_balanced in place of receive_dispatch_units_together (EPCOMM_LL_BLOCK_RECEIVE's
-// block receive), where no failed-rank masking is on. Off until measured on several GPUs.
-constexpr bool kBalancedReceive = false;
+// block receive), where no failed-rank masking is on (measured above).
+constexpr bool kBalancedReceive = true;
 
 template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
@@ -1342,8 +1355,9 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     if (__syncthreads_or(differs) && tid == 0) atomicOr(a.counters + kPartialsDiffers, 1);
     trace_point(a.trace, 0, kTraceReady);
 
-    // Requests: a warp per token; lane k holds pair k (K <= 32); for each rank, the pairs there are
-    // stored in slot order (their rank among the ballot's lanes).
+    // Requests: a warp per token; lane k holds pair k (K <= 32); for each peer, the pairs there are
+    // stored in slot order (their rank among the ballot's lanes). This rank's own pairs need none
+    // (its round 0 below reads the same arrays), only the signal, which carries the verdict.
     for (int t = gwarp; t < a.num_tokens; t += grid_warps) {
         const int64_t i = static_cast<int64_t>(t) * K + lane;
         const int64_t e = lane < K ? a.topk_idx[i] : -1;
@@ -1351,7 +1365,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         const float w = lane < K ? a.topk_weights[i] : 0.f;
         const int dst = e >= 0 && e < E && row >= 0 ? static_cast<int>(e / experts_per_rank) : -1;
         for (int r = 0; r < R; ++r) {
-            if (skip_dst[r]) continue;
+            if (skip_dst[r] || r == me) continue;
             const unsigned pairs = __ballot_sync(kFullMask, dst == r);
             uint8_t* record = a.peers.bufs[r] + requests + (static_cast<int64_t>(me) * N + t) * a.request_bytes;
             if (lane == 0) *reinterpret_cast<int*>(record) = __popc(pairs);
@@ -1373,69 +1387,102 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     }
     trace_point(a.trace, 0, kTraceWritten);
 
-    // Partials: every source's requests first (thread s waits for source s's signal).
-    if (tid < R) {
-        int count = -1;
-        if (!skip_dst[tid]) {  // masked or timed out (reported): nothing to serve, and no signal
-            count = wait_signal(signals + tid, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
-                                kOpCombine, nullptr);
-            count = count < 0 ? -1 : min(count, N);
-        }
-        src_tokens[tid] = count;
-        if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << tid);  // released by this block's count below
-    }
-    __syncthreads();
-    trace_point(a.trace, 0, kTraceArrived);
-    // A warp's task: one source's token, 64 16-byte words of the row (2 a lane). The sources are
-    // interleaved (task f's is (f + me) % R) and the tokens ascend: at any moment every rank writes
-    // to every rank. In source-major order every rank wrote to the same source at once, whose
-    // NVLink ingress then carried R - 1 senders while the others' idled. Every block sees the same
-    // task list up to the busiest source's tokens (blocks that saw a source masked at different times
-    // disagree on that source only); a token's units go to neighbouring warps of one block,
-    // which share its record in L1.
+    // Partials in rounds: round k serves source (me + k) % R, so in each round every rank writes into
+    // another rank's slot (one sender per NVLink ingress; in source-major order all ranks wrote into
+    // the same one). Round 0 is this rank's own tokens, planned from the caller's arrays (no request
+    // to wait for) while the peers' requests travel; a block then waits for each peer's requests in
+    // turn (thread 0), not for all of them first.
     const int units = (row_int4 + kSumSpan - 1) / kSumSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
-    int busiest = 0;  // the most tokens of a source (a source this block gave up on has none)
-    for (int r = 0; r < R; ++r) busiest = max(busiest, src_tokens[r]);
-    for (int f = gwarp; f < R * busiest * units; f += grid_warps) {
-        const int src = (f + me) % R, q = f / R, t = q / units, base = (q % units) * kSumSpan + lane;
-        if (t >= src_tokens[src]) continue;
-        const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
-        const int n = min(*reinterpret_cast<const int*>(record), K);
-        if (n == 0) continue;
-        int64_t x_row = -1;  // lane j: pair j's row of x, -1: none (outside the dispatch's layout)
-        float w = 0.f;
-        if (lane < n) {
-            const int2 entry = reinterpret_cast<const int2*>(record + 8)[lane];
-            const int local_e = entry.x / N, row = entry.x % N;
-            w = __int_as_float(entry.y);
-            if (entry.x >= 0 && local_e < experts_per_rank) {
+    for (int k = 0; k < R; ++k) {
+        const int src = (me + k) % R;
+        if (k > 0) {
+            if (tid == 0) {
+                int count = -1;
+                if (!skip_dst[src]) {  // masked or timed out (reported): nothing to serve, and no signal
+                    count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info,
+                                        gave_up_word(mine), kOpCombine, nullptr);
+                    count = count < 0 ? -1 : min(count, N);
+                }
+                src_tokens[src] = count;
+                if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << src);  // released by this block's count below
+            }
+            __syncthreads();
+            if (k == 1) trace_point(a.trace, 0, kTraceArrived);
+        }
+        const int tokens = k > 0 ? src_tokens[src] : skip_dst[me] ? 0 : a.num_tokens;
+        // A warp's task: one token's 64 16-byte words (2 a lane); a token's units go to neighbouring
+        // warps of one block, which share its record in L1.
+        for (int f = gwarp; f < tokens * units; f += grid_warps) {
+            const int t = f / units, base = (f % units) * kSumSpan + lane;
+            // Lane j < n: pair j's place among the token's pairs here (local expert * N + row), weight
+            int n, entry = -1;
+            float w = 0.f;
+            if (k == 0) {  // from the caller's arrays, as the requests are made
+                const int64_t i = static_cast<int64_t>(t) * K + lane;
+                const int64_t e = lane < K ? a.topk_idx[i] : -1;
+                const int row = lane < K ? a.slot_map[i] : -1;
+                const float weight = lane < K ? a.topk_weights[i] : 0.f;
+                const bool here = e >= 0 && e < E && row >= 0 && static_cast<int>(e / experts_per_rank) == me;
+                const unsigned pairs = __ballot_sync(kFullMask, here);
+                n = __popc(pairs);
+                // lane j takes the lane of the (j + 1)-th pair (slot order, as a record keeps them)
+                const int from = lane < n ? static_cast<int>(__fns(pairs, 0, lane + 1)) : 0;
+                const int place = here ? static_cast<int>(e % experts_per_rank) * N + row : -1;
+                entry = __shfl_sync(kFullMask, place, from);
+                w = __shfl_sync(kFullMask, weight, from);
+                if (lane >= n) entry = -1;
+            } else {
+                const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
+                n = min(*reinterpret_cast<const int*>(record), K);
+                if (lane < n) {
+                    const int2 pair = reinterpret_cast<const int2*>(record + 8)[lane];
+                    entry = pair.x;
+                    w = __int_as_float(pair.y);
+                }
+            }
+            if (n == 0) continue;
+            int64_t x_row = -1;  // lane j: pair j's row of x, -1: none (outside the dispatch's layout)
+            if (entry >= 0 && entry / N < experts_per_rank) {
+                const int local_e = entry / N, row = entry % N;
                 const int2 place = layout[local_e * R + src];
                 if (row < place.y) x_row = static_cast<int64_t>(local_e) * N * R + place.x + row;
             }
-        }
-        float acc[kSumColumns][8] = {};
-        for (int k0 = 0; k0 < n; k0 += kSumBatch) {
-            int4 v[kSumBatch][kSumColumns];
+            float acc[kSumColumns][8] = {};
+            for (int k0 = 0; k0 < n; k0 += kSumBatch) {
+                int4 v[kSumBatch][kSumColumns];
 #pragma unroll
-            for (int d = 0; d < kSumBatch; ++d) {
-                const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
+                for (int d = 0; d < kSumBatch; ++d) {
+                    const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
 #pragma unroll
-                for (int h = 0; h < kSumColumns; ++h) {
-                    const int col = base + h * kWarpSize;
-                    v[d][h] = k0 + d < n && xr >= 0 && col < row_int4 ? x[xr * row_int4 + col] : make_int4(0, 0, 0, 0);
+                    for (int h = 0; h < kSumColumns; ++h) {
+                        const int col = base + h * kWarpSize;
+                        v[d][h] = k0 + d < n && xr >= 0 && col < row_int4 ? x[xr * row_int4 + col] : make_int4(0, 0, 0, 0);
+                    }
+                }
+#pragma unroll
+                for (int d = 0; d < kSumBatch; ++d) {
+                    const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
+                    const float wd = __shfl_sync(kFullMask, w, min(k0 + d, kWarpSize - 1));
+                    if (k0 + d < n && xr >= 0) add_weighted_row(acc, v[d], wd);
                 }
             }
-#pragma unroll
-            for (int d = 0; d < kSumBatch; ++d) {
-                const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
-                const float wd = __shfl_sync(kFullMask, w, min(k0 + d, kWarpSize - 1));
-                if (k0 + d < n && xr >= 0) add_weighted_row(acc, v[d], wd);
-            }
+            store_bf16_row(reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
+                                                   (static_cast<int64_t>(me) * N + t) * a.hidden * 2),
+                           acc, base, row_int4);
         }
-        store_bf16_row(reinterpret_cast<int4*>(a.peers.bufs[src] + lay.combine_data +
-                                               (static_cast<int64_t>(me) * N + t) * a.hidden * 2),
-                       acc, base, row_int4);
+    }
+    // This rank's own requests signal (sent with the peers'): it carries the call's verdict on the
+    // inputs, which every rank records alike.
+    if (tid == 0) {
+        int count = -1;
+        if (!skip_dst[me]) {
+            count = wait_signal(signals + me, seq, a.shape_tag, me, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                                kOpCombine, nullptr);
+            count = count < 0 ? -1 : min(count, N);
+        }
+        src_tokens[me] = count;
+        if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << me);
     }
     // The last block to finish its partials signals every source it served (one whose requests
     // never came is not: it times out or masks this rank, rather than adding stale rows).
