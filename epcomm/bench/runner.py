@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import Buffer, per_token_cast_to_fp8
 from ..utils.launch import group_device
 from . import checks, metrics
-from .timing import cold_start, l2_flush_buffer, time_samples
+from .timing import HEAD_START_CYCLES, cold_start, l2_flush_buffer, time_samples
 from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
@@ -349,13 +349,21 @@ def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) 
     epcomm::ll; a combine's two are summed), from torch.profiler over ``case.iters`` calls with the
     L2 flushed before each: how DeepEP's test reports its per-operation times (bench_kineto), so
     they compare directly. The event spans (``dispatch_us``) add the launch floor to them: ~4 us
-    of a tiny kernel's span on one H100 (scripts/launch_floor.py)."""
+    of a tiny kernel's span on one H100 (scripts/launch_floor.py).
+
+    The GPU first sleeps long enough for the host to queue every call (~0.5 ms a call allowed):
+    otherwise a rank whose host queued its calls more slowly (the profiler's overhead) made the
+    peers' kernels wait for its data inside their span, which then timed the hosts (EP4, 4 x H100,
+    72b7c05: a 274 us median for a 35 us dispatch, 54 us at 32 tokens for 26)."""
     flush = l2_flush_buffer(device)
     for _ in range(case.warmup):
         call()
     torch.cuda.synchronize(device)
     iters = max(case.iters, 1)
+    # the ranks' sleeps start together; the first call absorbs what skew is left
+    dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(HEAD_START_CYCLES * (1 + iters * 5 // 2))
         for _ in range(iters):
             flush.zero_()
             call()
