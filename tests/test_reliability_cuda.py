@@ -287,13 +287,15 @@ def test_dead_peer_is_named_within_the_timeout(how, when):
     _check_survivor(outcome, timeout_s)
 
 
-def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "ipc"):
+def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "ipc", n: int = 16):
     """Low latency without masking: rank 1 dies after its send; rank 0's receive gives up within the
     timeout and its next low-latency call raises RuntimeError naming rank 1. ``transport`` "nvshmem"
-    treats the peer as remote, so the survivor's sends and waits go through NVSHMEM."""
+    treats the peer as remote, so the survivor's sends and waits go through NVSHMEM. From 64 tokens
+    (``n``) the combine goes by partial sums (EPCOMM_LL_COMBINE_PARTIALS=auto): the survivor waits
+    for the dead rank's requests instead of its rows."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    hidden, num_experts = 512, 4 * num_ranks
     with peer_timeout(timeout_s), env_var("EPCOMM_LL_TRANSPORT", transport), \
             env_var("EPCOMM_LL_REMOTE_RANKS", "all" if transport == "nvshmem" else ""):
         buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
@@ -314,6 +316,7 @@ def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "i
     except RuntimeError as error:
         outcome["error"] = str(error)
     outcome["raised_after_s"] = time.monotonic() - start
+    outcome["partials"] = buf._cuda_ll.last_combine_partials
     outcome["context_usable"] = _context_is_usable()  # synchronizes: every kernel has ended
     outcome["idle_after_s"] = time.monotonic() - start
     buf.destroy()  # does not wait for the dead peer
@@ -330,6 +333,18 @@ def test_ll_dead_peer_is_named_within_the_timeout(how):
         with pytest.raises(RankFailure) as failure:
             cluster(2).run(rank_ll_dead_peer, timeout_s, path, how, timeout_s=60)
         outcome = _survivor_outcome(failure.value, path)
+    _check_survivor(outcome, timeout_s)
+    assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
+
+
+def test_ll_dead_peer_in_a_combine_by_partial_sums_is_named_within_the_timeout():
+    timeout_s = 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.json")
+        with pytest.raises(RankFailure) as failure:
+            cluster(2).run(rank_ll_dead_peer, timeout_s, path, "non-zero exit", n=64, timeout_s=60)
+        outcome = _survivor_outcome(failure.value, path)
+    assert outcome["partials"], outcome  # else this would test the per-expert combine again
     _check_survivor(outcome, timeout_s)
     assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
 

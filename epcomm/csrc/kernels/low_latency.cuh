@@ -499,11 +499,6 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
     return alias != 0 ? -1 : static_cast<int>(offset / 16);
 }
 
-// The send role asks L2 for its tokens' rows first: their loads (after the counts, the rows and the
-// plans, ~2 us in) then hit L2 instead of waiting for HBM (phase timeline at EP4, 128 tokens: rows
-// planned 4.2 us, first unit cast 5.3).
-constexpr bool kPrefetchTokens = false;
-
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
@@ -541,12 +536,6 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int first = static_cast<int>(blockIdx.x) / parts * a.chunk_tokens;
     const int last = min(a.num_tokens, first + a.chunk_tokens);
     const int num_pairs = max(0, last - first) * K;
-    if (kPrefetchTokens) {  // this part's units of the block's tokens (1 KB = 8 lines a unit)
-        const int lines = a.hidden * 2 / 128;
-        for (int i = tid; i < (last - first) * lines; i += kThreads)
-            if (i % lines / 8 % parts == part)
-                prefetch_l2(a.x + static_cast<int64_t>(first + i / lines) * a.hidden + i % lines * 64);
-    }
 
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
     if (tid < R) bufs[tid] = a.peers.bufs[tid];
@@ -1387,12 +1376,15 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     }
     trace_point(a.trace, 0, kTraceWritten);
 
+    // A warp's task: kPartialsColumns 16-byte words a lane of one token's partial, whose rows it loads
+    // kPartialsBatch at a time (a token has ~2-3 pairs on a rank at top-8 of 288: few batches).
+    constexpr int kPartialsColumns = 2, kPartialsBatch = 8, kPartialsSpan = kPartialsColumns * kWarpSize;
     // Partials in rounds: round k serves source (me + k) % R, so in each round every rank writes into
     // another rank's slot (one sender per NVLink ingress; in source-major order all ranks wrote into
     // the same one). Round 0 is this rank's own tokens, planned from the caller's arrays (no request
     // to wait for) while the peers' requests travel; a block then waits for each peer's requests in
     // turn (thread 0), not for all of them first.
-    const int units = (row_int4 + kSumSpan - 1) / kSumSpan;
+    const int units = (row_int4 + kPartialsSpan - 1) / kPartialsSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
     for (int k = 0; k < R; ++k) {
         const int src = (me + k) % R;
@@ -1411,10 +1403,9 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
             if (k == 1) trace_point(a.trace, 0, kTraceArrived);
         }
         const int tokens = k > 0 ? src_tokens[src] : skip_dst[me] ? 0 : a.num_tokens;
-        // A warp's task: one token's 64 16-byte words (2 a lane); a token's units go to neighbouring
-        // warps of one block, which share its record in L1.
+        // A token's units go to neighbouring warps of one block, which share its record in L1.
         for (int f = gwarp; f < tokens * units; f += grid_warps) {
-            const int t = f / units, base = (f % units) * kSumSpan + lane;
+            const int t = f / units, base = (f % units) * kPartialsSpan + lane;
             // Lane j < n: pair j's place among the token's pairs here (local expert * N + row), weight
             int n, entry = -1;
             float w = 0.f;
@@ -1448,20 +1439,20 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
                 const int2 place = layout[local_e * R + src];
                 if (row < place.y) x_row = static_cast<int64_t>(local_e) * N * R + place.x + row;
             }
-            float acc[kSumColumns][8] = {};
-            for (int k0 = 0; k0 < n; k0 += kSumBatch) {
-                int4 v[kSumBatch][kSumColumns];
+            float acc[kPartialsColumns][8] = {};
+            for (int k0 = 0; k0 < n; k0 += kPartialsBatch) {
+                int4 v[kPartialsBatch][kPartialsColumns];
 #pragma unroll
-                for (int d = 0; d < kSumBatch; ++d) {
+                for (int d = 0; d < kPartialsBatch; ++d) {
                     const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
 #pragma unroll
-                    for (int h = 0; h < kSumColumns; ++h) {
+                    for (int h = 0; h < kPartialsColumns; ++h) {
                         const int col = base + h * kWarpSize;
                         v[d][h] = k0 + d < n && xr >= 0 && col < row_int4 ? x[xr * row_int4 + col] : make_int4(0, 0, 0, 0);
                     }
                 }
 #pragma unroll
-                for (int d = 0; d < kSumBatch; ++d) {
+                for (int d = 0; d < kPartialsBatch; ++d) {
                     const int64_t xr = __shfl_sync(kFullMask, x_row, min(k0 + d, kWarpSize - 1));
                     const float wd = __shfl_sync(kFullMask, w, min(k0 + d, kWarpSize - 1));
                     if (k0 + d < n && xr >= 0) add_weighted_row(acc, v[d], wd);

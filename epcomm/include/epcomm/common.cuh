@@ -59,10 +59,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
-// Ask L2 for the 128-byte line holding `ptr` (no register waits for it): a later load of it then
-// costs an L2 hit instead of an HBM round trip.
-__device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
-
 // Streaming 16-byte load of data no one writes during the kernel (the caller's input tensors):
 // read-only path, no L1 allocation, so the copy does not evict what the waits poll.
 __device__ __forceinline__ int4 ld_nc_int4(const int4* ptr) {
