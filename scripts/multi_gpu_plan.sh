@@ -33,8 +33,7 @@
 #           the others)                                                                 #3 #5
 #   profile where the time goes at this rank count: the low-latency phase timeline and kernels at 1 and
 #           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
-#   llab    the reliability tests, then the partial sums' task shape (kPartialsColumns, kPartialsBatch)
-#           at 64-256 tokens                                                                     #4 #8
+#   llab    the partial sums' tests, the LL benchmark at the defaults and the phase timeline     #4 #8
 #           (the balanced receive and partial-sums A/B it ran before: bench/results/*-llab-d178721*)
 #   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
 #           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
@@ -156,15 +155,14 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     grep -E "rank 0 .*(us of kernels|median|activity)" "$out/normal_profile.txt" | head -30
     ;;
   llab)
-    # the reliability tests (a dead peer in a combine by partial sums among them), then the partial
-    # sums' task shape: 16-byte words a lane (kPartialsColumns) and rows in flight (kPartialsBatch),
-    # at the token counts that take them (auto: 64 and more), the defaults last
-    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-300}" python3 -m pytest -q -rf -p no:cacheprovider \
-      tests/test_reliability_cuda.py --durations=5 2>&1 | tee "$out/tests-reliability.log" | tail -12 || status=1
-    shape='epcomm/csrc/kernels/low_latency.cuh|s/kPartialsColumns = 2, kPartialsBatch = 8/kPartialsColumns'
-    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh "c2b4|$shape = 2, kPartialsBatch = 4/" \
-      "c4b2|$shape = 4, kPartialsBatch = 2/" base \
-      -- --backend cuda --modes low_latency --ll-tokens 64,128,256 --commit "$sha" || status=1
+    # the combine by partial sums' tests at every rank count and the reference cases at 4, then the
+    # low-latency benchmark at the defaults, 1-256 tokens, and the phase timeline at 128 tokens
+    EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-200}" python3 -m pytest -q -rf -p no:cacheprovider \
+      tests/test_low_latency_cuda.py -k 'partials or (matches_reference and -4])' 2>&1 | tee "$out/tests-ll.log" \
+      | tail -5 || status=1
+    bench ll --modes low_latency --ll-tokens 1,32,64,128,256 || status=1
+    timeout 100 python3 scripts/ll_profile.py --ranks "$gpus" --tokens 128 > "$out/ll_profile.txt" 2>&1 || status=1
+    grep -E "graph step|phase|  (dispatch|combine)|_fused|_send|_recv" "$out/ll_profile.txt" | grep "rank 0" | head -40
     ;;
   llpartials)
     OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \

@@ -1377,8 +1377,11 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     trace_point(a.trace, 0, kTraceWritten);
 
     // A warp's task: kPartialsColumns 16-byte words a lane of one token's partial, whose rows it loads
-    // kPartialsBatch at a time (a token has ~2-3 pairs on a rank at top-8 of 288: few batches).
-    constexpr int kPartialsColumns = 2, kPartialsBatch = 8, kPartialsSpan = kPartialsColumns * kWarpSize;
+    // kPartialsBatch at a time (a token has ~2-3 pairs on a rank at top-8 of 288: few batches). EP4
+    // (4 x H100, b80a093, events / kernel us) at 64, 128, 256 tokens: 2 and 4 rows 34.2/29.6,
+    // 43.7/38.8, 63.1/58.4; 2 and 8 (as the per-expert sums; 16 bytes of spills) 36.9/31.2,
+    // 47.6/40.2, 64.9/59.4; 4 words and 2 rows 39.1/33.6, 45.8/40.5, 63.9/58.5.
+    constexpr int kPartialsColumns = 2, kPartialsBatch = 4, kPartialsSpan = kPartialsColumns * kWarpSize;
     // Partials in rounds: round k serves source (me + k) % R, so in each round every rank writes into
     // another rank's slot (one sender per NVLink ingress; in source-major order all ranks wrote into
     // the same one). Round 0 is this rank's own tokens, planned from the caller's arrays (no request
