@@ -175,7 +175,7 @@ def ll_combine_input(recv_x, recv_count: torch.Tensor, num_max_tokens: int, num_
 def check_ll_combine(tag: str, combined: torch.Tensor, mine: RankInputs, partials: bool = False) -> list[str]:
     """Every selected expert returns the same dequantized row, so the sum is (sum of weights) x row.
 
-    ``partials``: a combine by partial sums on several ranks (EPCOMM_LL_COMBINE_PARTIALS=1) rounds
+    ``partials``: a combine by partial sums on several ranks (EPCOMM_LL_COMBINE_PARTIALS) rounds
     each rank's partial to bf16 before the final sum, so the result is within bf16 rounding of the
     partials' summed magnitude (at most sum |w| x |row|) plus that of the output, as its tests allow."""
     base = per_token_cast_back(*per_token_cast_to_fp8(mine.x)).double()

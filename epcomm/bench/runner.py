@@ -318,7 +318,8 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
 
 def _by_partials(buf: Buffer) -> bool:
     """Whether the Buffer's last low-latency combine summed partials per (token, rank) on the expert
-    side (EPCOMM_LL_COMBINE_PARTIALS=1): its result is checked within their rounding too."""
+    side (EPCOMM_LL_COMBINE_PARTIALS: 1, or auto from 64 tokens a rank): its result is checked
+    within their rounding too."""
     return bool(getattr(buf._cuda_ll, "last_combine_partials", False))
 
 

@@ -21,12 +21,13 @@ Strategies (rows per rank per tier; the local copy of a token moves over no link
     sent once to every rank it reaches, over whichever tier separates the two ranks.
     intra ``T (g-1) p_r``, inter ``T (R-g) p_r``. Latency: one hop of the slowest tier used.
 
-``per_expert`` -- the low-latency (decode) layout of DeepEP and of epcomm's combine by default: a
+``per_expert`` -- the low-latency (decode) layout of DeepEP and of epcomm's combine under 64 tokens: a
     message per (token, expert) pair, so a token reaching several experts of one rank crosses the
     link once per expert: intra ``T K (g-1)/R``, inter ``T K (R-g)/R`` messages of ``b + 16`` bytes
     in dispatch (data, scales and 16 bytes of metadata), ``2H`` in combine. ``flat`` counts what a
     message per (token, rank) moves (epcomm's dispatch by default, ``EPCOMM_LL_SHARE_MESSAGES=1``,
-    and its combine with ``EPCOMM_LL_COMBINE_PARTIALS=1``). Latency: one hop. Its logical
+    and its combine by partial sums, ``EPCOMM_LL_COMBINE_PARTIALS``: auto from 64 tokens a rank).
+    Latency: one hop. Its logical
     bytes follow BENCHMARK.md's low-latency metric (per pair: ``T K (b + 16)``, ``T K 2H``). Buffer:
     ``Config``'s ``low_latency_size_hint`` (a receive area for every expert's worst case, two slots).
     Estimated only when asked for (``strategies=``), not among the defaults.
