@@ -15,11 +15,11 @@
 #           one sending SM more and fewer than auto (cached dispatch and combine), and two more and
 #           fewer for the combine (its sender/reducer rate ratio is from 2 ranks), and the combine
 #           senders' words in flight (kCombineSendUnroll 4 or 8)                       #3 #8
-#   ll      low latency, 1-256 tokens: base (the defaults), per-expert messages, partial sums, shared
-#           messages + partial sums (one kernel, the default, and two: kFusedPartials off), block
-#           receive forced off and on (the defaults of
-#           EPCOMM_LL_SHARE_MESSAGES / _COMBINE_PARTIALS and the auto rule of _BLOCK_RECEIVE come
-#           from it)                                                                   #4 #8
+#   ll      low latency, 1-256 tokens: base (the defaults: partial sums from 64 tokens), per-expert
+#           messages, the combine per expert and by partial sums at every token count, partial sums
+#           in two kernels (kFusedPartials off), block receive forced off and on (the defaults of
+#           EPCOMM_LL_SHARE_MESSAGES and the auto rules of _COMBINE_PARTIALS and _BLOCK_RECEIVE
+#           come from it)                                                              #4 #8
 #   llbase  low latency at the defaults only, 1-256 tokens (the issue's table; ll A/Bs all variants)  #4 #8
 #   tests4  the GPU tests at 4 ranks only (cases at 1, 2 and 8 ranks deselected: they ran on fewer GPUs):
 #           intranode, low latency, reliability, hierarchical, NVSHMEM                 #3 #4 #5
@@ -33,10 +33,11 @@
 #           the others)                                                                 #3 #5
 #   profile where the time goes at this rank count: the low-latency phase timeline and kernels at 1 and
 #           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
-#   llab    the partial sums' tests, the LL benchmark at the defaults and the phase timeline     #4 #8
+#   llab    the partial sums' tests (a dead peer in one too) and the LL benchmark at the defaults  #4 #8
 #           (the balanced receive and partial-sums A/B it ran before: bench/results/*-llab-d178721*)
-#   llpartials  low latency at the defaults against EPCOMM_LL_COMBINE_PARTIALS=1 (partial sums per
-#           (token, rank): fewer combine bytes over NVLink), 1-256 tokens                      #4 #8
+#   llpartials  low latency with the combine per expert (EPCOMM_LL_COMBINE_PARTIALS=0) against by
+#           partial sums per (token, rank) (=1: fewer bytes over NVLink) at every token count, 1-256
+#           (the default, auto, takes partial sums from 64 tokens)                             #4 #8
 #   hier    hierarchical normal mode on every split of the machine into domains (2x2 and 4x1 on 4
 #           GPUs; 2x4, 4x2 and 8x1 on 8; HIER_SPLITS='k ...' picks some), direct, node-limited to half
 #           of the domains, and NVSHMEM-put (HIER_PUT=0: not) transports, per-tier bytes  #5 #8
@@ -115,9 +116,8 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     ;;
   ll)
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \
-      'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
-      'both|env|EPCOMM_LL_SHARE_MESSAGES=1|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
-      'both-two-kernels|env|EPCOMM_LL_COMBINE_PARTIALS=1|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kFusedPartials = true;/constexpr bool kFusedPartials = false;/' \
+      'combine-per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+      'partials-two-kernels|env|EPCOMM_LL_COMBINE_PARTIALS=1|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kFusedPartials = true;/constexpr bool kFusedPartials = false;/' \
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1
     ;;
@@ -155,17 +155,16 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
     grep -E "rank 0 .*(us of kernels|median|activity)" "$out/normal_profile.txt" | head -30
     ;;
   llab)
-    # the combine by partial sums' tests at every rank count and the reference cases at 4, then the
-    # low-latency benchmark at the defaults, 1-256 tokens, and the phase timeline at 128 tokens
+    # the combine by partial sums' tests at every rank count, the reliability test of a dead peer in
+    # one, and the low-latency benchmark at the defaults, 1-256 tokens
     EPCOMM_TEST_BACKEND=nccl timeout -s INT -k 30 "${TEST_TIMEOUT_S:-200}" python3 -m pytest -q -rf -p no:cacheprovider \
-      tests/test_low_latency_cuda.py -k 'partials or (matches_reference and -4])' 2>&1 | tee "$out/tests-ll.log" \
+      tests/test_low_latency_cuda.py tests/test_reliability_cuda.py -k 'partial' 2>&1 | tee "$out/tests-ll.log" \
       | tail -5 || status=1
     bench ll --modes low_latency --ll-tokens 1,32,64,128,256 || status=1
-    timeout 100 python3 scripts/ll_profile.py --ranks "$gpus" --tokens 128 > "$out/ll_profile.txt" 2>&1 || status=1
-    grep -E "graph step|phase|  (dispatch|combine)|_fused|_send|_recv" "$out/ll_profile.txt" | grep "rank 0" | head -40
     ;;
   llpartials)
-    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh base 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh 'per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' \
+      'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
     ;;
   llbase)

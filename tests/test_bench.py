@@ -118,7 +118,7 @@ def test_low_latency_checks_catch_a_wrong_row():
 
 
 def test_low_latency_combine_check_allows_the_rounding_of_partial_sums():
-    """A combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS=1) rounds each rank's partial to bf16:
+    """A combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS) rounds each rank's partial to bf16:
     the check for it allows that rounding, the default one does not, and neither takes a wrong row."""
     mine = _two_rank_inputs(tokens=64)[0]
     valid = mine.topk_idx >= 0

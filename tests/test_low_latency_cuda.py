@@ -10,8 +10,6 @@ force the per-expert combine (0), so every case checks it bitwise too. Outputs s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,7 +61,7 @@ def _combined_matches(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor 
 
 
 def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
-    """What the partials of a combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS=1) can add up to,
+    """What the partials of a combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS) can add up to,
     per channel: sum over the token's pairs of |w| * |expert output|, the output being the
     dispatched row times expert_scale(local expert) (x, or its FP8 round trip: under twice |x|, FP8
     subnormals included) rounded to bf16. Each rank's partial is rounded to bf16 once (2^-8 of
@@ -78,7 +76,7 @@ def _auto_partials(buf, n: int, num_experts: int, hidden: int, num_topk: int) ->
     """Whether EPCOMM_LL_COMBINE_PARTIALS=auto (the default; unset) makes this Buffer's combines of
     this shape (without a hook) go by partial sums: where the Buffer may (IPC transport, the send
     kernel fits) and they fit, from PARTIALS_AUTO_MIN_TOKENS tokens a rank."""
-    return (os.environ.get("EPCOMM_LL_COMBINE_PARTIALS", "auto") == "auto" and buf._cuda_ll.combine_partials and
+    return (buf._cuda_ll.combine_partials_mode == "auto" and buf._cuda_ll.combine_partials and
             partials_fit(dist.get_world_size(), num_experts, hidden, num_topk) and n >= PARTIALS_AUTO_MIN_TOKENS)
 
 

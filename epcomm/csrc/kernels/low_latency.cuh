@@ -1283,12 +1283,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 }
 
 // ------------------------------------------------------------------ combine by partial sums
-// EPCOMM_LL_COMBINE_PARTIALS=1, with every peer mapped (the IPC transport). The expert side sums,
+// EPCOMM_LL_COMBINE_PARTIALS (1, or auto from 64 tokens a rank), with every peer mapped (the IPC
+// transport), without a receive hook. The expert side sums,
 // per (source, token), weight * row over its own experts of the token and returns one bf16 row
 // per (token, rank), not one per (token, expert): at EP8 with top-8 of 288 experts 5.3 rows a
 // token cross NVLink instead of 8 (-34%), at one rank one instead of 8. The weights are the
-// combine's, so each source first stores, per (token, rank), the list of its pairs there (local
-// expert * N + row, weight; in top-k slot order) into that rank's slot and signals the rank once.
+// combine's, so each source first stores, per (token, peer), the list of its pairs there (local
+// expert * N + row, weight; in top-k slot order) into that peer's slot and signals every rank once
+// (itself too: the signal carries the verdict on its inputs; its own pairs it reads from its arrays).
 // The expert side sums in fp32 in that order and rounds to bf16; the source adds its ranks'
 // partials in rank order in fp32. One rank: bitwise the reference's sum; more: within the bf16
 // rounding of each partial (the issue's tolerance for combine).
@@ -1387,15 +1389,19 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     // the same one). Round 0 is this rank's own tokens, planned from the caller's arrays (no request
     // to wait for) while the peers' requests travel; a block then waits for each peer's requests in
     // turn (thread 0), not for all of them first.
+    // The waits share one deadline, as when they ran side by side: with failed-rank masking (a
+    // timeout masks the source and the call goes on) d dead peers would otherwise cost d timeouts.
     const int units = (row_int4 + kPartialsSpan - 1) / kPartialsSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
+    const uint64_t waits_start = global_timer_ns();
+    auto time_left = [&]() { return a.timeout_ns - min(a.timeout_ns, global_timer_ns() - waits_start); };
     for (int k = 0; k < R; ++k) {
         const int src = (me + k) % R;
         if (k > 0) {
             if (tid == 0) {
                 int count = -1;
                 if (!skip_dst[src]) {  // masked or timed out (reported): nothing to serve, and no signal
-                    count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info,
+                    count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, time_left(), a.info,
                                         gave_up_word(mine), kOpCombine, nullptr);
                     count = count < 0 ? -1 : min(count, N);
                 }
@@ -1471,7 +1477,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     if (tid == 0) {
         int count = -1;
         if (!skip_dst[me]) {
-            count = wait_signal(signals + me, seq, a.shape_tag, me, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+            count = wait_signal(signals + me, seq, a.shape_tag, me, a.mask, time_left(), a.info, gave_up_word(mine),
                                 kOpCombine, nullptr);
             count = count < 0 ? -1 : min(count, N);
         }
