@@ -86,3 +86,12 @@ def test_combine_partials_fit_the_slot():
     assert low_latency.partials_fit(1, 2, 512, 2)
     assert not low_latency.partials_fit(8, 8, 7168, 8)  # E = R
     assert not low_latency.partials_fit(4, 8, 64, 32)  # records (272 bytes) larger than a row (128)
+
+
+def test_combine_by_partial_sums_is_asked_for_from_64_tokens_by_default():
+    """EPCOMM_LL_COMBINE_PARTIALS=auto takes partial sums from 64 tokens a rank (EP4 measured: slower
+    below, from the second exchange's latency; faster from 64), 1 always, 0 never."""
+    assert low_latency.PARTIALS_AUTO_MIN_TOKENS == 64
+    assert [low_latency.partials_asked("auto", n) for n in (1, 32, 63, 64, 128, 256)] == [False] * 3 + [True] * 3
+    assert all(low_latency.partials_asked("1", n) for n in (1, 64, 4096))
+    assert not any(low_latency.partials_asked("0", n) for n in (1, 64, 4096))

@@ -101,6 +101,12 @@ def request_bytes(num_topk: int) -> int:
 PARTIALS_AUTO_MIN_TOKENS = 64
 
 
+def partials_asked(mode: str, num_max_tokens: int) -> bool:
+    """Whether EPCOMM_LL_COMBINE_PARTIALS (``mode``: auto, 0 or 1) asks for partial sums at this
+    num_max_dispatch_tokens_per_rank (where the Buffer can and the shape allows: combine_by_partials)."""
+    return mode == "1" or (mode == "auto" and num_max_tokens >= PARTIALS_AUTO_MIN_TOKENS)
+
+
 def partials_fit(num_ranks: int, num_experts: int, hidden: int, num_topk: int) -> bool:
     """Whether a combine by partial sums fits a slot's combine area ([E][N] rows) and signals ([E]):
     partial rows [R][N] and request records [R][N], and 2R signals."""
@@ -269,7 +275,7 @@ class CudaLowLatency:
         held while data is in flight), where its rows and records fit (partials_fit), and asked for
         (1) or, with auto, from PARTIALS_AUTO_MIN_TOKENS tokens a rank. The same on every rank."""
         return (self.combine_partials and not hook and partials_fit(self.num_ranks, num_experts, hidden, num_topk) and
-                (self.combine_partials_mode == "1" or num_max_tokens >= PARTIALS_AUTO_MIN_TOKENS))
+                partials_asked(self.combine_partials_mode, num_max_tokens))
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
         """Have the following calls record their phase timeline (scripts/ll_profile.py): per op
