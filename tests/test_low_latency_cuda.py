@@ -26,7 +26,7 @@ from conftest import (
 from routing import make_inputs
 
 from epcomm import Buffer
-from epcomm.backends.cuda.low_latency import PARTIALS_AUTO_MIN_TOKENS, partials_fit
+from epcomm.backends.cuda.low_latency import partials_asked, partials_fit
 from epcomm.bench.checks import poison_, same_bits
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
@@ -72,12 +72,12 @@ def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
     return coef * x.float().abs() * 2
 
 
-def _auto_partials(buf, n: int, num_experts: int, hidden: int, num_topk: int) -> bool:
-    """Whether EPCOMM_LL_COMBINE_PARTIALS=auto (the default; unset) makes this Buffer's combines of
-    this shape (without a hook) go by partial sums: where the Buffer may (IPC transport, the send
-    kernel fits) and they fit, from PARTIALS_AUTO_MIN_TOKENS tokens a rank."""
-    return (buf._cuda_ll.combine_partials_mode == "auto" and buf._cuda_ll.combine_partials and
-            partials_fit(dist.get_world_size(), num_experts, hidden, num_topk) and n >= PARTIALS_AUTO_MIN_TOKENS)
+def _partials_expected(buf, n: int, num_experts: int, hidden: int, num_topk: int) -> bool:
+    """Whether this Buffer's combines of this shape without a hook go by partial sums: where the
+    Buffer may (IPC transport, the send kernel fits), they fit, and EPCOMM_LL_COMBINE_PARTIALS asks
+    for them (1; or auto, the default, from 64 tokens a rank: partials_asked, pinned by the CPU tests)."""
+    return (buf._cuda_ll.combine_partials and partials_fit(dist.get_world_size(), num_experts, hidden, num_topk) and
+            partials_asked(buf._cuda_ll.combine_partials_mode, n))
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
@@ -102,8 +102,8 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         buf = _buffer(backend, n, hidden, num_experts, enable_shrink=shrink_last)
         if backend == "cuda" and partials:  # the mode is available (else the test would prove nothing)
             assert buf._cuda_ll.combine_partials and partials_fit(num_ranks, num_experts, hidden, num_topk), tag
-        if backend == "cuda":  # forced (partials), or by the auto rule where the Buffer may
-            by_partials = not use_hook and (partials or _auto_partials(buf, n, num_experts, hidden, num_topk))
+        if backend == "cuda":  # forced (partials: asserted available above), or by the auto rule
+            by_partials = not use_hook and _partials_expected(buf, n, num_experts, hidden, num_topk)
         if backend == "cuda" and num_sms is not None:  # the dispatch's kernels on fewer blocks than SMs
             for call in buf._cuda_ll._dispatch_calls:  # the shape records copy these at the first call
                 call.context.num_sms = num_sms

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import Buffer, per_token_cast_to_fp8
 from ..utils.launch import group_device
 from . import checks, metrics
-from .timing import HEAD_START_CYCLES, cold_start, l2_flush_buffer, time_samples
+from .timing import HEAD_START_CYCLES, cold_start, gpu_barrier, l2_flush_buffer, time_samples
 from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
@@ -78,7 +78,7 @@ def _straggle(case: Case, rank: int, device: torch.device) -> Callable[[], None]
     def before() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+            gpu_barrier(device)
             torch.cuda.synchronize(device)
         if delay_s:
             time.sleep(delay_s)
@@ -362,7 +362,7 @@ def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) 
     torch.cuda.synchronize(device)
     iters = max(case.iters, 1)
     # the ranks' sleeps start together; the first call absorbs what skew is left
-    dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+    gpu_barrier(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(HEAD_START_CYCLES * (1 + iters * 5 // 2))
         for _ in range(iters):

@@ -37,6 +37,11 @@ def l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return _flush_buffer
 
 
+def gpu_barrier(device: torch.device) -> None:
+    """dist.barrier on the NCCL group, bound to ``device`` (NCCL otherwise guesses the GPU)."""
+    dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+
+
 def cold_start(flush: torch.Tensor, before: Callable[[], None] | None = None) -> None:
     """Queue what precedes a timed span on the GPU: the L2 flush (``flush``, from
     :func:`l2_flush_buffer`), then, after the host work ``before`` if any, the head start."""
@@ -103,7 +108,7 @@ def _time_cuda(fn: Callable[[], Any], warmup: int, iters: int, device: torch.dev
             before()
         result = fn()
     torch.cuda.synchronize(device)
-    dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+    gpu_barrier(device)
     if on_start is not None:
         on_start()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
