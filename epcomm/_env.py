@@ -36,10 +36,6 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_HIER_TRANSPORT": ("auto", "CUDA hierarchical mode, between domains: auto (NVSHMEM puts; direct stores "
                                       "to a mate NVSHMEM maps over NVLink) or put (NVSHMEM puts to every mate: the "
                                       "path to other hosts, tested on one)"),
-    "EPCOMM_LL_SHARE_MESSAGES": ("1", "CUDA low-latency mode: 1 = a token's pairs to one rank share one message "
-                                      "(its data crosses NVLink once per (token, rank), not once per expert; the "
-                                      "receiver copies it for each expert); 0 = a message per (token, expert). "
-                                      "Read when a Buffer is built; every rank must agree"),
     "EPCOMM_LL_COMBINE_PARTIALS": ("auto", "CUDA low-latency mode, IPC transport, combine without a receive hook: "
                                            "1 = the expert side sums each token's rows of its own experts and "
                                            "returns one row per (token, rank), not one per (token, expert) (bf16 "
@@ -99,10 +95,6 @@ def timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be > 0, got {value}")
     return value
-
-
-def ll_share_messages() -> bool:
-    return _switch("EPCOMM_LL_SHARE_MESSAGES")
 
 
 def ll_block_receive() -> str:

@@ -3,7 +3,7 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|profile|ll|llab|lltails|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|probe|flags|profile|ll|llab|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
@@ -15,11 +15,10 @@
 #           one sending SM more and fewer than auto (cached dispatch and combine), and two more and
 #           fewer for the combine (its sender/reducer rate ratio is from 2 ranks), and the combine
 #           senders' words in flight (kCombineSendUnroll 4 or 8)                       #3 #8
-#   ll      low latency, 1-256 tokens: base (the defaults: partial sums from 64 tokens), per-expert
-#           messages, the combine per expert and by partial sums at every token count, partial sums
-#           in two kernels (kFusedPartials off), block receive forced off and on (the defaults of
-#           EPCOMM_LL_SHARE_MESSAGES and the auto rules of _COMBINE_PARTIALS and _BLOCK_RECEIVE
-#           come from it)                                                              #4 #8
+#   ll      low latency, 1-256 tokens: base (the defaults: partial sums from 64 tokens), the
+#           combine per expert and by partial sums at every token count, partial sums in two
+#           kernels (kFusedPartials off), block receive forced off and on (the auto rules of
+#           EPCOMM_LL_COMBINE_PARTIALS and _BLOCK_RECEIVE come from it)                #4 #8
 #   llbase  low latency at the defaults only, 1-256 tokens (the issue's table; ll A/Bs all variants)  #4 #8
 #   tests4  the GPU tests at 4 ranks only (cases at 1, 2 and 8 ranks deselected: they ran on fewer GPUs):
 #           intranode, low latency, reliability, hierarchical, NVSHMEM                 #3 #4 #5
@@ -35,8 +34,6 @@
 #           128 tokens (scripts/ll_profile.py), the normal-mode kernels at 4096 (normal_profile.py)  #3 #4
 #   llab    the partial sums' tests (a dead peer in one too) and the LL benchmark at the defaults  #4 #8
 #           (the balanced receive and partial-sums A/B it ran before: bench/results/*-llab-d178721*)
-#   lltails the dispatch's message tails stored after its data (kTailsAfterData, off): its tests, then the
-#           LL benchmark against the defaults, 1-256 tokens                                    #4 #8
 #   llpartials  low latency with the combine per expert (EPCOMM_LL_COMBINE_PARTIALS=0) against by
 #           partial sums per (token, rank) (=1: fewer bytes over NVLink) at every token count, 1-256
 #           (the default, auto, takes partial sums from 64 tokens)                             #4 #8
@@ -46,7 +43,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llab, lltails, llpartials, llbase or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llab, llpartials, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -117,8 +114,7 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
       -- --backend cuda --modes normal --num-sms 24 --dtype bf16 --commit "$sha" || status=1
     ;;
   ll)
-    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'per-expert|env|EPCOMM_LL_SHARE_MESSAGES=0' \
-      'combine-per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'combine-per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       'partials-two-kernels|env|EPCOMM_LL_COMBINE_PARTIALS=1|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kFusedPartials = true;/constexpr bool kFusedPartials = false;/' \
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1
@@ -164,17 +160,6 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
       | tail -5 || status=1
     bench ll --modes low_latency --ll-tokens 1,32,64,128,256 || status=1
     ;;
-  lltails)
-    # the dispatch's message tails stored after the data (kTailsAfterData): its tests (reference cases and
-    # shared messages, every rank count the machine has), then the benchmark against the defaults (last)
-    tails='epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kTailsAfterData = false;/constexpr bool kTailsAfterData = true;/'
-    OUT=$out VARIANT_TIMEOUT_S=240 VARIANT_CMD="EPCOMM_TEST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider \
-tests/test_low_latency_cuda.py -k 'matches_reference or shared_messages or block_receive'" \
-      bash scripts/variants.sh "tails-tests|$tails" || status=1
-    tail -3 "$out/variant-tails-tests.txt"
-    OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh "tails|$tails" base \
-      -- --backend cuda --modes low_latency --ll-tokens 1,32,64,128,256 --commit "$sha" || status=1
-    ;;
   llpartials)
     OUT=$out VARIANT_TIMEOUT_S=150 bash scripts/variants.sh 'per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' \
       'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
@@ -201,7 +186,7 @@ tests/test_low_latency_cuda.py -k 'matches_reference or shared_messages or block
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llab, lltails, llpartials, llbase, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, probe, flags, profile, ll, llab, llpartials, llbase, hier)"
     exit 2
     ;;
 esac

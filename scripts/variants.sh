@@ -10,7 +10,7 @@
 #     'unroll8|epcomm/csrc/kernels/intranode.cu|s/constexpr int kUnroll = 4;/constexpr int kUnroll = 8;/' \
 #     -- --backend cuda --modes normal --num-sms 24
 # A pair 'env|VAR=VALUE' sets an environment variable for that variant instead (A/B of a runtime
-# switch, e.g. 'shared|env|EPCOMM_LL_SHARE_MESSAGES=1'). VARIANT_CMD='...' runs that command per
+# switch, e.g. 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1'). VARIANT_CMD='...' runs that command per
 # variant instead of the bench (its output goes to $OUT/variant-NAME.txt), e.g.
 #   VARIANT_CMD='python3 scripts/ll_profile.py --ranks 1 --tokens 1,128' bash scripts/variants.sh ...
 # Writes $OUT/variant-NAME.json per variant and prints each variant's table rows; a sed edit that

@@ -138,11 +138,6 @@ def test_low_latency_transport_settings():
     with env_var("EPCOMM_LL_TRANSPORT", "rdma"), pytest.raises(ValueError, match="auto, ipc or nvshmem"):
         _env.ll_transport()
     assert _env.env_str("EPCOMM_LL_TRANSPORT") == "auto"
-    assert _env.ll_share_messages() is True
-    with env_var("EPCOMM_LL_SHARE_MESSAGES", "0"):
-        assert _env.ll_share_messages() is False
-    with env_var("EPCOMM_LL_SHARE_MESSAGES", "yes"), pytest.raises(ValueError, match="must be 0 or 1"):
-        _env.ll_share_messages()
     assert _env.ll_block_receive() == "auto"
     with env_var("EPCOMM_LL_BLOCK_RECEIVE", "on"), pytest.raises(ValueError, match="auto, 0 or 1"):
         _env.ll_block_receive()

@@ -234,33 +234,28 @@ def test_ll_cuda_hook_on_another_stream(ranks):
                        round_scale=False, use_ue8m0=False, use_hook=True, shrink_last=False, hook_stream=True)
 
 
-def rank_ll_shared_messages(mode):
-    """EPCOMM_LL_SHARE_MESSAGES forced either way (the other tests run the default, 1): 1, a token's
-    pairs to one rank share a message (send_unit's aliases); 0, a message per (token, expert).
-    Every case in every format, one with a hook, and the graph; the combine per (token, expert)
-    (EPCOMM_LL_COMBINE_PARTIALS=0): every case's combine bitwise the reference's."""
-    with env_var("EPCOMM_LL_SHARE_MESSAGES", mode), env_var("EPCOMM_LL_COMBINE_PARTIALS", 0):
-        probe = _buffer("cuda", 8, 512, 2 * dist.get_world_size())
-        assert probe._cuda_ll.share_messages == (mode == "1")  # the switch took
-        probe.destroy()
+def rank_ll_combine_per_expert():
+    """The combine per (token, expert) forced (EPCOMM_LL_COMBINE_PARTIALS=0; auto sums partials
+    from 64 tokens): every case in every format, one with a hook, and the graph, every case's
+    combine bitwise the reference's. The dispatches' tokens pick several experts of one rank
+    (their one message there then fills several rows)."""
+    with env_var("EPCOMM_LL_COMBINE_PARTIALS", 0):
         for i, case in enumerate(LL_CASES):
-            for mode_ in MODES:
-                rank_ll_case(case, mode_, hook=i == 1, seed=70 + i)
+            for mode in MODES:
+                rank_ll_case(case, mode, hook=i == 1, seed=70 + i)
         rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)
 
 
-@pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("ranks", RANKS)
-def test_ll_cuda_shared_messages_match_reference(ranks, mode):
-    cluster(ranks).run(rank_ll_shared_messages, mode, timeout_s=400)
+def test_ll_cuda_combine_per_expert_matches_reference(ranks):
+    cluster(ranks).run(rank_ll_combine_per_expert, timeout_s=400)
 
 
 def rank_ll_block_receive(mode):
     """EPCOMM_LL_BLOCK_RECEIVE forced either way (auto picks per call, so each path would see only
     some cases): 1, the fused dispatch's blocks receive their units together (their warps share the
     copies); 0, a group of warps per unit. Every case in every format; on 1 and 3 blocks (a block's
-    units in several batches of 8, and fewer blocks than ranks); with shared messages; a masked
-    rank; the graph."""
+    units in several batches of 8, and fewer blocks than ranks); a masked rank; the graph."""
     num_ranks = dist.get_world_size()
     with env_var("EPCOMM_LL_BLOCK_RECEIVE", mode):
         probe = _buffer("cuda", 8, 512, 2 * num_ranks)
@@ -276,8 +271,6 @@ def rank_ll_block_receive(mode):
         if num_ranks > 2:
             rank_ll_vs_reference([8], 8, 512, 4 * num_ranks, 3, "random", seed=165, use_fp8=True, round_scale=False,
                                  use_ue8m0=False, use_hook=False, shrink_last=True)
-        with env_var("EPCOMM_LL_SHARE_MESSAGES", 1):
-            rank_ll_case(LL_CASES[0], "fp8", hook=False, seed=149)
         rank_ll_graph(32, 1024, 8 * dist.get_world_size(), 4)
 
 
@@ -287,19 +280,19 @@ def test_ll_cuda_block_receive_matches_reference(ranks, mode):
     cluster(ranks).run(rank_ll_block_receive, mode, timeout_s=400)
 
 
-def rank_ll_shared_messages_nvshmem():
-    """The same over NVSHMEM with rank 1 remote: pairs to it keep their own messages, mapped ones alias."""
-    with env_var("EPCOMM_LL_SHARE_MESSAGES", 1), env_var("EPCOMM_LL_TRANSPORT", "nvshmem"), \
-            env_var("EPCOMM_LL_REMOTE_RANKS", "1"):
+def rank_ll_token_messages_nvshmem():
+    """Over NVSHMEM with rank 1 remote: a token's message and its pairs' index entries are put to it
+    from staging, and stored straight into the mapped ranks."""
+    with env_var("EPCOMM_LL_TRANSPORT", "nvshmem"), env_var("EPCOMM_LL_REMOTE_RANKS", "1"):
         for case, mode, hook in NVSHMEM_CASES:
             rank_ll_case(case, mode, hook, seed=90)
 
 
 @pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
 @pytest.mark.parametrize("ranks", [r for r in RANKS if r > 2])  # rank 1 remote, others mapped
-def test_ll_cuda_shared_messages_over_nvshmem_match_reference(ranks):
+def test_ll_cuda_token_messages_over_nvshmem_match_reference(ranks):
     with fresh_cluster(ranks) as fresh:  # NVSHMEM: initialized once per process
-        fresh.run(rank_ll_shared_messages_nvshmem, timeout_s=400)
+        fresh.run(rank_ll_token_messages_nvshmem, timeout_s=400)
 
 
 def rank_ll_combine_partials():
@@ -396,14 +389,23 @@ def test_ll_cuda_graph_replay_as_serving_engines_capture(ranks, pattern):
     cluster(ranks).run(rank_ll_graph, 32, 1024, 8 * ranks, 4, pattern=pattern)
 
 
-def rank_ll_trace(use_hook):
+def rank_ll_trace(use_hook, partials):
     """The phase timeline (CudaLowLatency.trace, read by scripts/ll_profile.py): every block of every
-    kernel stamps its points in order, and the receive kernels' stamps follow the sends'."""
+    kernel stamps its points in order, and the receive kernels' stamps follow the sends'. The send
+    role of a combine by partial sums passes kTraceArrived (its first peer's requests) before
+    kTraceSignalled (its partials)."""
+    with env_var("EPCOMM_LL_COMBINE_PARTIALS", int(partials)):
+        _ll_trace(use_hook, partials)
+
+
+def _ll_trace(use_hook, partials):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     n, hidden, num_experts = 32, 1024, 4 * num_ranks
     x, idx, w = (t.to(dev) for t in make_inputs(5, rank, n, hidden, num_experts, 4, num_ranks, "random"))
     buf = _buffer("cuda", n, hidden, num_experts)
+    # the mode taken (else the partial sums' order below would go untested)
+    assert buf._cuda_ll.combine_by_partials(num_experts, hidden, n, 4, use_hook) == partials
     traces = buf._cuda_ll.trace()
     recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True,
                                                           return_recv_hook=use_hook)
@@ -423,7 +425,9 @@ def rank_ll_trace(use_hook):
             if name == "receive" and op == "dispatch" and not use_hook and used.shape[0] == 0:
                 continue
             assert used.shape[0] > 0, f"rank {rank} {op} {name}: no block stamped"
+            order = [0, 1, 2, 3, 4, 5, 7, 6, 8, 9] if partials and op == "combine" and name == "send" else range(10)
             for block in used:
+                block = block[list(order)]
                 passed = block[block > 0]
                 assert bool((passed[1:] >= passed[:-1]).all()), f"rank {rank} {op} {name}: stamps out of order {block}"
         if (recvs > 0).any():
@@ -434,9 +438,9 @@ def rank_ll_trace(use_hook):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("use_hook", [False, True])
-def test_ll_cuda_phase_timeline(ranks, use_hook):
-    cluster(ranks).run(rank_ll_trace, use_hook)
+@pytest.mark.parametrize("use_hook, partials", [(False, False), (True, False), (False, True)])
+def test_ll_cuda_phase_timeline(ranks, use_hook, partials):
+    cluster(ranks).run(rank_ll_trace, use_hook, partials)
 
 
 # The NVSHMEM transport: the Buffer in the symmetric heap, with every peer (all), one peer (1) or

@@ -25,8 +25,8 @@ Strategies (rows per rank per tier; the local copy of a token moves over no link
     message per (token, expert) pair, so a token reaching several experts of one rank crosses the
     link once per expert: intra ``T K (g-1)/R``, inter ``T K (R-g)/R`` messages of ``b + 16`` bytes
     in dispatch (data, scales and 16 bytes of metadata), ``2H`` in combine. ``flat`` counts what a
-    message per (token, rank) moves (epcomm's dispatch by default, ``EPCOMM_LL_SHARE_MESSAGES=1``,
-    and its combine by partial sums, ``EPCOMM_LL_COMBINE_PARTIALS``: auto from 64 tokens a rank).
+    message per (token, rank) moves (epcomm's dispatch, and its combine by partial sums,
+    ``EPCOMM_LL_COMBINE_PARTIALS``: auto from 64 tokens a rank).
     Latency: one hop. Its logical
     bytes follow BENCHMARK.md's low-latency metric (per pair: ``T K (b + 16)``, ``T K 2H``). Buffer:
     ``Config``'s ``low_latency_size_hint`` (a receive area for every expert's worst case, two slots).

@@ -72,16 +72,17 @@ def _round_up(n: int, a: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int, int]:
-    """(data bytes, scale columns, message bytes) of one dispatched (token, expert) pair."""
+    """(data bytes, scale columns, message bytes) of one dispatched token's message to a rank."""
     data = hidden if use_fp8 else hidden * 2
     cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
-    return data, cols, _round_up(data + cols * 4 + 8, 16)  # + the token index and the alias (plan_message)
+    return data, cols, _round_up(data + cols * 4, 16)
 
 
 def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of one of the two slots: signals, acks, the dispatch area (sized for BF16 messages), the
-    combine area."""
-    dispatch = num_experts * num_max_tokens * message_bytes(hidden, False, False)[2]
+    """Bytes of one of the two slots: signals, acks, the dispatch area (sized as the size hint's
+    messages, one per (expert, row) of 2H + 16 bytes: the kernels' messages [R][N] and index
+    [E_local][R][N] take part of it), the combine area."""
+    dispatch = num_experts * num_max_tokens * (hidden * 2 + 16)
     combine = num_experts * num_max_tokens * hidden * 2
     return num_experts * 16 + _round_up(num_ranks * 8, 16) + dispatch + combine
 
@@ -143,7 +144,7 @@ class LLDispatchCall(ctypes.Structure):
                 *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
-                                        "share_messages block_receive")]
+                                        "block_receive spare")]
 
 
 class LLCombineCall(ctypes.Structure):
@@ -197,7 +198,6 @@ class CudaLowLatency:
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
-        self.share_messages = _env.ll_share_messages()  # in every call's shape tag: ranks that disagree are named
         self.block_receive = _env.ll_block_receive()  # auto, 0 or 1; the receive side only: ranks may differ
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
@@ -551,9 +551,8 @@ class _DispatchShape:
             call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
             call.num_max_tokens = num_max_tokens
             call.shape_tag = shape_digest(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
-                                          int(backend.share_messages), bits=8)  # the signals carry 8 bits
+                                          bits=8)  # the signals carry 8 bits
             call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
-            call.share_messages = int(backend.share_messages)
             call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
             if use_fp8:
                 call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides

@@ -149,7 +149,8 @@ enum TracePoint {  // in the order a block passes them
     kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
     kTraceSignalled = 6,  // the block's counts are signalled
-    kTraceArrived = 7,    // the receive's (first) signals arrived
+    kTraceArrived = 7,    // the receive's (first) signals arrived (a combine by partial sums: the first
+                          // peer's requests, which come before its kTraceSignalled)
     kTraceReceived = 8,   // the receive's copies or sums are done
     kTraceEnd = 9,
 };
@@ -191,7 +192,8 @@ struct Layout {  // where things live inside one slot
         dispatch_signals = acks + (num_ranks * 8 + 15) / 16 * 16;
         combine_signals = dispatch_signals + num_experts * 8;
         data = combine_signals + num_experts * 8;
-        // The largest dispatch message (BF16: 2H data + the token index and alias, padded to 16 bytes).
+        // The dispatch area: what a message per (expert, row) would take at 2H + 16 bytes (the size
+        // hint's message), of which the messages [R][N] and the index [E_local][R][N] take a part.
         combine_data = data + static_cast<int64_t>(num_experts) * num_max_tokens * (hidden * 2 + 16);
     }
 };
@@ -373,9 +375,8 @@ struct DispatchArgs {
     const __nv_bfloat16* x;   // [T, H]
     const int64_t* topk_idx;  // [T, K]
     CastMode mode;
-    int data_bytes, msg_bytes;  // message: data | scales | int32 token | int32 alias | padding to 16
+    int data_bytes, msg_bytes;  // message: data | scales | padding to 16
     int num_scale_cols;         // scale words (4 bytes) of a message
-    bool share_messages;        // a token's pairs to one mapped rank share one message (plan_message)
     int slot;
     int64_t slot_bytes;
     int chunk_tokens;         // tokens per block of the send kernel
@@ -447,66 +448,58 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
     if (stamp) trace_point(a.trace, 0, kTraceStored);
 }
 
-// Where pair j of the block (token first + j / K) has its data written, once every pair's row is
-// known: in rank `rank`'s buffer at byte 16 * the value returned (layouts are 16-byte aligned; the
-// host keeps buffers under 32 GiB), -1 for nowhere. That is the expert's message at the pair's row
-// in the peer's buffer; for a remote peer, the token's staging message in this rank's (its first
-// remote pair only: the send kernel then puts it to each); nowhere when the pair is not sent. The
-// message's tail (token index, alias) is stored here (by the token's part 0), once.
-// With share_messages, a token's pairs to one mapped rank share a message: the first of them with a
-// row (the holder) gets the data; the others only their tail, whose alias names the holder's
-// message there (its local expert * N + row + 1; 0: the message holds its own data), from which
-// the receiver copies. The holder's stores are the same block's, so the count that releases the
-// aliasing pair releases them too. What crosses NVLink: once per (token, rank), not per expert.
+// Messages are token-major: a token's data crosses to a rank once, whatever number of that rank's
+// experts it picked, into the rank's message [me][t] (dispatch area: [R][N] messages of msg_bytes),
+// and each of its pairs names it by the token in the rank's index [E_local][R][N] (int32, after the
+// messages: dispatch_index), at the pair's row. The receiver copies row i of (local expert, source)
+// from message [source][index[local expert][source][i]]. Dense, the messages of one source fill
+// ~N x 7 KB of a peer's buffer, where a message per (expert, row) spread them over E_local blocks of
+// N rows each (a 2 MB page for every expert or two: one address translation each on both sides).
+__device__ __forceinline__ int64_t dispatch_index(const Layout& lay, int num_ranks, int n, int msg_bytes) {
+    return lay.data + static_cast<int64_t>(num_ranks) * n * msg_bytes;
+}
+
+// For remote ranks, in this rank's combine area (no peer writes it during a dispatch: see the
+// staging note at the top): the token's staged message [t] (N of them), then each pair's index
+// entry [T][K], which the send kernel puts to the pair's rank with the message.
+__device__ __forceinline__ int64_t remote_index_staging(const DispatchArgs& a, const Layout& lay) {
+    return lay.combine_data + static_cast<int64_t>(a.num_max_tokens) * a.msg_bytes;
+}
+
+// Where pair j of the block (token t = first + j / K) has its data written, once every pair's row
+// is known: in rank `rank`'s buffer at byte 16 * the value returned (layouts are 16-byte aligned;
+// the host keeps buffers under 32 GiB), -1 for nowhere. The token's first pair with a row at a
+// mapped rank (the holder) gets the token's message there; for a remote rank, the token's first
+// remote pair gets its staging message in this rank's buffer (the send kernel puts it to each
+// remote rank); the other pairs, and those not sent, nothing. With `write_index`, the pair's index
+// entry is stored too (mapped rank), or staged for its put (remote: [T][K] after the staged messages).
 // Computed by one thread per pair instead of by each of a token's warps for each of its messages
 // (with divisions and peer-table lookups on every warp's way to its stores).
 __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout& lay, uint8_t* const* bufs,
                                             const int* pair_expert, const int* pair_row, int first, int j,
-                                            bool write_tail, uint8_t& rank) {
+                                            bool write_index, uint8_t& rank) {
     const int K = a.num_topk, R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
     const int row = pair_row[j], e = pair_expert[j];
     rank = 0;
     if (row < 0) return -1;
     const int dst = e / experts_per_rank, token_begin = j - j % K, t = first + j / K;
-    int64_t offset;
-    int alias = 0;
+    const int64_t entry = dispatch_index(lay, R, N, a.msg_bytes) +
+                          ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4;
     if (is_remote(a.peers, dst)) {
+        if (write_index)
+            reinterpret_cast<int*>(bufs[me] + remote_index_staging(a, lay))[static_cast<int64_t>(first) * K + j] = t;
         for (int i = token_begin; i < j; ++i)  // an earlier remote pair of the token has it staged
             if (pair_row[i] >= 0 && is_remote(a.peers, pair_expert[i] / experts_per_rank)) return -1;
-        offset = lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes;  // this rank's staging area
-        if (write_tail) {
-            int* tail = reinterpret_cast<int*>(bufs[me] + offset + a.data_bytes + a.num_scale_cols * 4);
-            tail[0] = t;
-            tail[1] = 0;
-        }
         rank = static_cast<uint8_t>(me);
-        return static_cast<int>(offset / 16);
+        return static_cast<int>((lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes) / 16);
     }
-    offset = lay.data + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * a.msg_bytes;
-    for (int i = token_begin; a.share_messages && i < j; ++i) {
-        if (pair_row[i] >= 0 && pair_expert[i] / experts_per_rank == dst) {
-            alias = (pair_expert[i] % experts_per_rank) * N + pair_row[i] + 1;
-            break;
-        }
-    }
-    if (write_tail) {
-        int* tail = reinterpret_cast<int*>(bufs[dst] + offset + a.data_bytes + a.num_scale_cols * 4);
-        tail[0] = t;
-        tail[1] = alias;
-    }
+    if (write_index) *reinterpret_cast<int*>(bufs[dst] + entry) = t;
+    for (int i = token_begin; i < j; ++i)  // an earlier pair of the token holds its message at dst
+        if (pair_row[i] >= 0 && pair_expert[i] / experts_per_rank == dst) return -1;
     rank = static_cast<uint8_t>(dst);
-    return alias != 0 ? -1 : static_cast<int>(offset / 16);
+    return static_cast<int>((lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes) / 16);
 }
-
-// Experimental (off until measured on several GPUs): the messages' tails (token, alias) stored after
-// the data instead of with the plans. At EP4, 128 tokens (4 x H100) a block spent ~2 us between its
-// counts and its plans (phase timeline: ready 2.2, rows 4.2), whose only remote accesses are the tail
-// stores, against 0.4 us at 1 token, where the median block stores none: the first store to a
-// peer's page may wait for its address translation, which the data's stores would then wait for
-// instead, behind the loads of x. The receiver reads a tail only after the count that releases the
-// block's stores, so either order is correct.
-constexpr bool kTailsAfterData = false;
 
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
@@ -615,7 +608,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     __syncthreads();  // every pair's row is known
     for (int j = tid; j < num_pairs; j += kThreads)
         pair_offset16[j] =
-            plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0 && !kTailsAfterData, pair_rank[j]);
+            plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
     __syncthreads();
     trace_point(a.trace, 0, kTraceRows);
 
@@ -628,22 +621,22 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
                   v == warp, lane);
     }
-    if (kTailsAfterData && part == 0) {  // the same plans again, this time storing the tails
-        for (int j = tid; j < num_pairs; j += kThreads) {
-            uint8_t rank;
-            plan_message(a, lay, bufs, pair_expert, pair_row, first, j, true, rank);
-        }
-    }
     __syncthreads();
-    if constexpr (Net::kRemote) {  // a warp puts each staged message to each remote pair's peer
+    if constexpr (Net::kRemote) {
+        // A warp puts each remote pair's index entry to its rank, and the token's staged message
+        // there with the token's first pair at that rank.
+        const int64_t index = dispatch_index(lay, R, N, a.msg_bytes), index_staging = remote_index_staging(a, lay);
         bool put = false;
         for (int j = warp; j < num_pairs; j += kWarpsPerBlock) {
-            const int row = pair_row[j], e = pair_expert[j];
-            if (row < 0 || !is_remote(a.peers, e / experts_per_rank)) continue;
-            const int64_t offset =
-                lay.data + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * a.msg_bytes;
-            Net::put_warp(mine + offset, staging + static_cast<int64_t>(first + j / K) * a.msg_bytes, a.msg_bytes,
-                          e / experts_per_rank);
+            const int row = pair_row[j], e = pair_expert[j], dst = e / experts_per_rank, t = first + j / K;
+            if (row < 0 || !is_remote(a.peers, dst)) continue;
+            Net::put_warp(mine + index + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4,
+                          mine + index_staging + (static_cast<int64_t>(first) * K + j) * 4, 4, dst);
+            bool holder = true;
+            for (int i = j - j % K; i < j; ++i) holder &= pair_row[i] < 0 || pair_expert[i] / experts_per_rank != dst;
+            if (holder)
+                Net::put_warp(mine + lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes,
+                              staging + static_cast<int64_t>(t) * a.msg_bytes, a.msg_bytes, dst);
             put = true;
         }
         if (__syncthreads_or(put) && tid == 0) Net::quiet();  // delivered before any count is signalled
@@ -685,40 +678,31 @@ struct WarpGroup {
     }
 };
 
-// Piece `piece` of message i of (local expert, source)'s block, copied into row begin + i of the
-// expert's packed rows; piece 0 also its scales and src_info. This and the two helpers below are
-// the steps of both receive paths (a warp group per unit, or a block's units together).
+// Piece `piece` of row i of (local expert, source)'s block, copied from the source's message of the
+// row's token (its index entry) into row begin + i of the expert's packed rows; piece 0 also its
+// scales and src_info. This and the two helpers below are the steps of both receive paths (a warp
+// group per unit, or a block's units together).
 __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const Layout& lay, const uint8_t* mine,
                                                     int local_e, int src, int begin, int i, int piece, int lane) {
     const int R = a.num_ranks, N = a.num_max_tokens;
     const int rows_per_expert = N * R;
-    const uint8_t* block = mine + lay.data + (static_cast<int64_t>(local_e) * R + src) * N * a.msg_bytes;
-    const int data_int4 = a.data_bytes / 16;
-    const int64_t tail = a.data_bytes + a.num_scale_cols * 4;  // token index, alias (plan_message)
-    const uint8_t* msg = block + static_cast<int64_t>(i) * a.msg_bytes;
-    const uint8_t* data = msg;  // where the data is: here, or in the message the alias names
-    if (a.share_messages) {
-        // An address read from the buffer is bounded before use: a peer that made a call of
-        // another shape (reported: its signals carry its shape tag) may have written over this
-        // rank's own messages with its layout, and a count that is valid can then come with a
-        // tail that is not. Its rows are garbage then, but the call raises and nothing faults.
-        const int alias = reinterpret_cast<const int*>(msg + tail)[1];
-        if (alias > 0 && alias <= a.num_experts / R * N)
-            data = mine + lay.data + ((static_cast<int64_t>((alias - 1) / N) * R + src) * N + (alias - 1) % N) *
-                                         a.msg_bytes;
-    }
+    const int* index = reinterpret_cast<const int*>(mine + dispatch_index(lay, R, N, a.msg_bytes));
+    // A token read from the buffer is bounded before use: a peer that made a call of another shape
+    // (reported: its signals carry its shape tag) may have written over this rank's index with its
+    // layout, and a count that is valid can then come with an entry that is not. Its rows are
+    // garbage then, but the call raises and nothing faults.
+    const int token = index[(static_cast<int64_t>(local_e) * R + src) * N + i];
+    const bool valid = token >= 0 && token < N;
+    const uint8_t* data = mine + lay.data + (static_cast<int64_t>(src) * N + (valid ? token : 0)) * a.msg_bytes;
     const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
     copy_piece(reinterpret_cast<int4*>(a.recv_data + row * a.data_bytes), reinterpret_cast<const int4*>(data),
-               data_int4, piece, lane);
+               a.data_bytes / 16, piece, lane);
     if (piece != 0) return;
     for (int c = lane; c < a.num_scale_cols; c += kWarpSize)
         reinterpret_cast<uint32_t*>(a.recv_scales)[local_e * a.scale_stride_e + (begin + i) * a.scale_stride_row +
                                                    c * a.scale_stride_col] =
             reinterpret_cast<const uint32_t*>(data + a.data_bytes)[c];
-    if (lane == 0) {  // bounded too: callers index tokens with it (see the alias above)
-        const int token = *reinterpret_cast<const int*>(msg + tail);
-        a.src_info[row] = token >= 0 && token < N ? token : -1;
-    }
+    if (lane == 0) a.src_info[row] = valid ? token : -1;
 }
 
 // Thread j (< R) waits for source j's count of `local_e` and returns it: 0 when masked (or timed
@@ -858,34 +842,19 @@ __device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, co
         pieces_before[u] = pieces * wait_source_count(a, seq, lay, mine, u / R, blockIdx.x == 0 ? u % R : -1, u % R);
     __syncthreads();
     trace_point(a.trace, 0, kTraceArrived);
-    // Exclusive scan: thread i sums a contiguous segment of units, the warps scan the segment sums,
-    // warp 0 the warps' totals; each thread then rewrites its own segment.
+    // Exclusive scan: thread i sums a contiguous segment of units, the block scans the segment
+    // sums; each thread then rewrites its own segment.
     const int per = (E + kThreads - 1) / kThreads, lo = min(E, tid * per), hi = min(E, lo + per);
     int segment = 0;
     for (int u = lo; u < hi; ++u) segment += pieces_before[u];
-    int inclusive = segment;
-    for (int d = 1; d < kWarpSize; d <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, inclusive, d);
-        if (lane >= d) inclusive += v;
-    }
-    if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < kWarpsPerBlock ? warp_sums[lane] : 0;
-        for (int d = 1; d < kWarpSize; d <<= 1) {
-            const int v = __shfl_up_sync(kFullMask, w, d);
-            if (lane >= d) w += v;
-        }
-        if (lane < kWarpsPerBlock) warp_sums[lane] = w;  // inclusive over the warps
-    }
-    __syncthreads();
-    int run = inclusive - segment + (warp > 0 ? warp_sums[warp - 1] : 0);
+    int all_pieces;
+    int run = block_exclusive_sum<kWarpsPerBlock>(segment, warp_sums, all_pieces);
     for (int u = lo; u < hi; ++u) {
         const int own = pieces_before[u];
         pieces_before[u] = run;
         run += own;
     }
-    if (tid == kThreads - 1) pieces_before[E] = run;  // its segment ends at E, or it is empty: run is the total
+    if (tid == 0) pieces_before[E] = all_pieces;
     __syncthreads();
     auto count_of = [&](int u) { return (pieces_before[u + 1] - pieces_before[u]) / pieces; };
     const int64_t total = pieces_before[E];
@@ -1410,20 +1379,23 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     const int units = (row_int4 + kPartialsSpan - 1) / kPartialsSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
     const uint64_t waits_start = global_timer_ns();
-    auto time_left = [&]() { return a.timeout_ns - min(a.timeout_ns, global_timer_ns() - waits_start); };
+    // Thread 0: source src's requests signal, its token count into src_tokens (-1: nothing to
+    // serve, and no partials signal: masked, or timed out and reported).
+    auto wait_requests = [&](int src) {
+        int count = -1;
+        if (!skip_dst[src]) {
+            const uint64_t left = a.timeout_ns - min(a.timeout_ns, global_timer_ns() - waits_start);
+            count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, left, a.info, gave_up_word(mine),
+                                kOpCombine, nullptr);
+            count = count < 0 ? -1 : min(count, N);
+        }
+        src_tokens[src] = count;
+        if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << src);  // released by the block's count below
+    };
     for (int k = 0; k < R; ++k) {
         const int src = (me + k) % R;
         if (k > 0) {
-            if (tid == 0) {
-                int count = -1;
-                if (!skip_dst[src]) {  // masked or timed out (reported): nothing to serve, and no signal
-                    count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, time_left(), a.info,
-                                        gave_up_word(mine), kOpCombine, nullptr);
-                    count = count < 0 ? -1 : min(count, N);
-                }
-                src_tokens[src] = count;
-                if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << src);  // released by this block's count below
-            }
+            if (tid == 0) wait_requests(src);
             __syncthreads();
             if (k == 1) trace_point(a.trace, 0, kTraceArrived);
         }
@@ -1490,16 +1462,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     }
     // This rank's own requests signal (sent with the peers'): it carries the call's verdict on the
     // inputs, which every rank records alike.
-    if (tid == 0) {
-        int count = -1;
-        if (!skip_dst[me]) {
-            count = wait_signal(signals + me, seq, a.shape_tag, me, a.mask, time_left(), a.info, gave_up_word(mine),
-                                kOpCombine, nullptr);
-            count = count < 0 ? -1 : min(count, N);
-        }
-        src_tokens[me] = count;
-        if (count < 0) atomicOr(a.counters + kPartialsUnserved, 1 << me);
-    }
+    if (tid == 0) wait_requests(me);
     // The last block to finish its partials signals every source it served (one whose requests
     // never came is not: it times out or masks this rank, rather than adding stale rows).
     __syncthreads();
@@ -1644,7 +1607,7 @@ struct LLDispatchCall {
     int64_t scale_stride_e, scale_stride_row, scale_stride_col;
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
     int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
-    int32_t share_messages, block_receive;
+    int32_t block_receive, spare;  // spare: the record has no implicit padding (call_record.cuh)
 };
 
 struct LLCombineCall {
@@ -1677,8 +1640,8 @@ constexpr auto fields_of<ll::LLDispatchCall>() {
                       EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
                       EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
                       EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
-                      EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(share_messages),
-                      EPCOMM_FIELD(block_receive)};
+                      EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(block_receive),
+                      EPCOMM_FIELD(spare)};
 }
 template <>
 constexpr auto fields_of<ll::LLCombineCall>() {
@@ -1786,7 +1749,6 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     a.data_bytes = c.data_bytes;
     a.msg_bytes = c.msg_bytes;
     a.num_scale_cols = c.num_scale_cols;
-    a.share_messages = c.share_messages != 0;
     set_ptr(a.sent_pairs, c.sent_pairs);
     set_ptr(a.slot_map, c.slot_map);
     set_ptr(a.topk_copy, c.topk_copy);

@@ -112,7 +112,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
     constexpr int kWarps = kPlanThreads / kWarpSize;
     __shared__ int s_warp[kWarps];
     const int col = blockIdx.x, R = a.num_ranks, D = a.num_domains;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     // Each thread takes a contiguous segment of tokens; a block-wide scan of the segments' counts
     // gives each segment's first index.
     const int64_t per = (a.num_tokens + kPlanThreads - 1) / kPlanThreads;
@@ -120,24 +119,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
     const int64_t lo = min(num_tokens, static_cast<int64_t>(threadIdx.x) * per), hi = min(num_tokens, lo + per);
     int count = 0;
     for (int64_t t = lo; t < hi; ++t) count += plan_column(a, col, t);
-    int inclusive = count;
-    for (int o = 1; o < kWarpSize; o <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, inclusive, o);
-        if (lane >= o) inclusive += v;
-    }
-    if (lane == kWarpSize - 1) s_warp[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < kWarps ? s_warp[lane] : 0;
-        for (int o = 1; o < kWarpSize; o <<= 1) {
-            const int v = __shfl_up_sync(kFullMask, w, o);
-            if (lane >= o) w += v;
-        }
-        if (lane < kWarps) s_warp[lane] = w;
-    }
-    __syncthreads();
-    int index = inclusive - count + (warp > 0 ? s_warp[warp - 1] : 0);
-    const int total = s_warp[kWarps - 1];
+    int total;
+    int index = block_exclusive_sum<kWarps>(count, s_warp, total);
     for (int64_t t = lo; t < hi; ++t) {
         const bool set = plan_column(a, col, t);
         if (col < R) {

@@ -87,6 +87,32 @@ __device__ __forceinline__ void warp_copy_int4(int4* dst, const int4* src, int n
     }
 }
 
+// Exclusive prefix sum of one value per thread over a block of kWarps warps (all of them call it);
+// `total` gets the block's sum. Two barriers; `scratch` is kWarps ints of shared memory, free again
+// once the call returns (a caller that reuses it right away needs a barrier first).
+template <int kWarps>
+__device__ __forceinline__ int block_exclusive_sum(int value, int* scratch, int& total) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    int inclusive = value;
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, inclusive, d);
+        if (lane >= d) inclusive += v;
+    }
+    if (lane == kWarpSize - 1) scratch[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {  // the warps' totals, scanned in place
+        int w = lane < kWarps ? scratch[lane] : 0;
+        for (int d = 1; d < kWarpSize; d <<= 1) {
+            const int v = __shfl_up_sync(kFullMask, w, d);
+            if (lane >= d) w += v;
+        }
+        if (lane < kWarps) scratch[lane] = w;
+    }
+    __syncthreads();
+    total = scratch[kWarps - 1];
+    return inclusive - value + (warp > 0 ? scratch[warp - 1] : 0);
+}
+
 // A launch whose blocks all run at once (or is refused): blocks that wait for one another, through
 // a grid barrier or each other's signals, would otherwise wait for blocks not yet scheduled.
 template <class Args>
