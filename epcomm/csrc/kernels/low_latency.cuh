@@ -399,9 +399,12 @@ struct DispatchArgs {
     int64_t* trace;           // [2, kTraceBlocks, kTracePoints] phase timeline, or nullptr
 };
 
+// A UE8M0 scale (a power of two) as its exponent byte.
+__device__ __forceinline__ uint32_t ue8m0_byte(float scale) { return (__float_as_uint(scale) >> 23) & 0xff; }
+
 __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int group, float scale, bool ue8m0) {
     if (ue8m0)  // group g in byte g of the packed words (little-endian, 4 per int32)
-        msg[data_bytes + group] = static_cast<uint8_t>((__float_as_int(scale) >> 23) & 0xff);
+        msg[data_bytes + group] = static_cast<uint8_t>(ue8m0_byte(scale));
     else
         reinterpret_cast<float*>(msg + data_bytes)[group] = scale;
 }
@@ -419,11 +422,17 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
     const int4 r0 = v0 ? ld_nc_int4(x + i0) : make_int4(0, 0, 0, 0);
     const int4 r1 = v1 ? ld_nc_int4(x + i1) : make_int4(0, 0, 0, 0);
     uint2 q0 = {}, q1 = {};
-    float s0 = 0.f, s1 = 0.f;
+    float s0 = 0.f, s1 = 0.f, s0_high = 0.f, s1_high = 0.f;
     if (a.mode.fp8) {
         q0 = cast_fp8x8(r0, v0, a.mode, s0);
         q1 = cast_fp8x8(r1, v1, a.mode, s1);
+        // The unit's four scales (groups 4 unit .. 4 unit + 3: s0 of lanes 0 and 16, then s1) in lane
+        // 0, which stores them with one 16-byte write (UE8M0: one 4-byte word) instead of four
+        // 4-byte ones: over NVLink each small write is a packet of its own.
+        s0_high = __shfl_sync(kFullMask, s0, 16);
+        s1_high = __shfl_sync(kFullMask, s1, 16);
     }
+    const bool whole_unit = (unit + 1) * 2 * kWarpSize <= num_int4;  // all four groups (H % 512 == 0)
     const bool stamp = a.trace != nullptr && first_unit;  // the warp's first (thread 0 stamps)
     if (stamp) {  // the stamp waits for the cast values
         asm volatile("" ::"r"(q0.x), "r"(q1.x), "r"(r0.x), "r"(r1.x));
@@ -436,7 +445,15 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
         if (a.mode.fp8) {
             if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
             if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
-            if (lane % 16 == 0) {
+            if (whole_unit) {
+                if (lane == 0) {
+                    if (a.mode.ue8m0)
+                        reinterpret_cast<uint32_t*>(msg + a.data_bytes)[unit] =
+                            ue8m0_byte(s0) | ue8m0_byte(s0_high) << 8 | ue8m0_byte(s1) << 16 | ue8m0_byte(s1_high) << 24;
+                    else
+                        reinterpret_cast<float4*>(msg + a.data_bytes)[unit] = make_float4(s0, s0_high, s1, s1_high);
+                }
+            } else if (lane % 16 == 0) {
                 if (v0) store_scale(msg, a.data_bytes, i0 / 16, s0, a.mode.ue8m0);
                 if (v1) store_scale(msg, a.data_bytes, i1 / 16, s1, a.mode.ue8m0);
             }
