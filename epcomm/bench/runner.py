@@ -352,10 +352,13 @@ def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) 
     they compare directly. The event spans (``dispatch_us``) add the launch floor to them: ~4 us
     of a tiny kernel's span on one H100 (scripts/launch_floor.py).
 
-    The GPU first sleeps long enough for the host to queue every call (~0.5 ms a call allowed):
+    The GPU first sleeps long enough for the host to queue every call (~1.1 ms a call allowed):
     otherwise a rank whose host queued its calls more slowly (the profiler's overhead) made the
     peers' kernels wait for its data inside their span, which then timed the hosts (EP4, 4 x H100,
-    72b7c05: a 274 us median for a 35 us dispatch, 54 us at 32 tokens for 26)."""
+    72b7c05: a 274 us median for a 35 us dispatch, 54 us at 32 tokens for 26). The sleep is queued
+    right after the barrier, before the profiler starts: started inside it, the ranks' sleeps began
+    as far apart as their profilers' start-up (milliseconds), and with ~0.5 ms a call the median
+    still timed the hosts (35de328: 51-94 us for 25-34 us dispatches at 1-128 tokens)."""
     flush = l2_flush_buffer(device)
     for _ in range(case.warmup):
         call()
@@ -363,8 +366,8 @@ def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) 
     iters = max(case.iters, 1)
     # the ranks' sleeps start together; the first call absorbs what skew is left
     gpu_barrier(device)
+    torch.cuda._sleep(HEAD_START_CYCLES * (40 + iters * 5))  # ~9 ms for the profiler's start, ~1.1 ms a call
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.cuda._sleep(HEAD_START_CYCLES * (1 + iters * 5 // 2))
         for _ in range(iters):
             flush.zero_()
             call()

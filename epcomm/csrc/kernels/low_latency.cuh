@@ -415,9 +415,6 @@ __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int gr
         reinterpret_cast<float*>(msg + data_bytes)[group] = scale;
 }
 
-// Experimental (off until measured): FP8 data stored 16 bytes a lane (see send_unit).
-constexpr bool kPairedFp8Stores = false;
-
 // Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
 // 0-15 of each half hold one group): loaded once, cast once, and stored into each of the token's
 // messages that holds data, which plan_message named for its K pairs (`offsets16`, `ranks`). The
@@ -441,19 +438,6 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
         s0_high = __shfl_sync(kFullMask, s0, 16);
         s1_high = __shfl_sync(kFullMask, s1, 16);
     }
-    // kPairedFp8Stores: the unit's 512 FP8 bytes as one 16-byte store a lane (lane l: bytes 16 l ..
-    // 16 l + 15, the words of lanes 2 l and 2 l + 1, from q0 in lanes 0-15 and q1 in 16-31) instead
-    // of two 8-byte ones. Every H % 128 == 0 keeps a pair of 8-byte words whole or past the end.
-    int4 paired = {};
-    if (kPairedFp8Stores && a.mode.fp8) {
-        const int from = (2 * lane) % kWarpSize;
-        const uint32_t w[4] = {__shfl_sync(kFullMask, q0.x, from), __shfl_sync(kFullMask, q0.y, from),
-                               __shfl_sync(kFullMask, q0.x, from + 1), __shfl_sync(kFullMask, q0.y, from + 1)};
-        const uint32_t u[4] = {__shfl_sync(kFullMask, q1.x, from), __shfl_sync(kFullMask, q1.y, from),
-                               __shfl_sync(kFullMask, q1.x, from + 1), __shfl_sync(kFullMask, q1.y, from + 1)};
-        paired = lane < kWarpSize / 2 ? make_int4(w[0], w[1], w[2], w[3]) : make_int4(u[0], u[1], u[2], u[3]);
-    }
-    const bool paired_valid = unit * 2 * kWarpSize + 2 * lane < num_int4;
     const bool whole_unit = (unit + 1) * 2 * kWarpSize <= num_int4;  // all four groups (H % 512 == 0)
     const bool stamp = a.trace != nullptr && first_unit;  // the warp's first (thread 0 stamps)
     if (stamp) {  // the stamp waits for the cast values
@@ -465,12 +449,10 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
         if (offset16 < 0) continue;
         uint8_t* msg = bufs[ranks[k]] + static_cast<int64_t>(offset16) * 16;
         if (a.mode.fp8) {
-            if (kPairedFp8Stores) {
-                if (paired_valid) reinterpret_cast<int4*>(msg)[unit * kWarpSize + lane] = paired;
-            } else {
-                if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
-                if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
-            }
+            // (16 bytes a lane, two lanes' words each, measured no faster: 33.8 / 44.2 us at EP4,
+            // 128 tokens, against 33.7 / 45.1; bench/results/*-ll-paired-fp8-stores-35de328*)
+            if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
+            if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
             if (whole_unit) {
                 if (lane == 0) {
                     if (a.mode.ue8m0)
