@@ -1,6 +1,6 @@
 // Low-latency (decode) kernels. A peer whose buffer is mapped into this process (CUDA IPC, or an
-// NVSHMEM symmetric heap reachable over NVLink) gets each (token, expert) message stored straight
-// into its buffer; a peer that is not (another node, or one the EPCOMM_LL_REMOTE_RANKS switch
+// NVSHMEM symmetric heap reachable over NVLink) gets each token's message (one per (token, rank))
+// and its pairs' index entries stored straight into its buffer; a peer that is not (another node, or one the EPCOMM_LL_REMOTE_RANKS switch
 // treats as remote) gets it by NVSHMEM puts from a staging copy, and its signals by NVSHMEM signal
 // operations. The transport is the class ll::Net, defined by the file that includes this one:
 // kernels/low_latency.cu (direct stores only, the IPC library) and nvshmem/low_latency.cu (the
@@ -12,15 +12,16 @@
 //         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
 //         range), which gives each of its pairs the row it takes in the expert's block without any
 //         inter-block traffic: rows follow ascending (token, slot), so outputs are deterministic and
-//         equal to the reference backend's. One thread per pair plans its message (plan_message);
-//         each warp then loads 512 channels of a token once, casts them (FP8 per 128 channels)
-//         once, and stores them into every message of the token (with fewer tokens than blocks, a
-//         token's 512-channel units are split among several blocks of the fused kernel). A
-//         per-expert counter of written pairs names the last writer, which stores the block's count
-//         (+ the call counter) with one release: the receiver's signal.
+//         equal to the reference backend's. One thread per pair plans its message and stores its
+//         index entry (plan_message); each warp then loads 512 channels of a token once, casts
+//         them (FP8 per 128 channels) once, and stores them into the token's message at each of
+//         its ranks (with fewer tokens than blocks, a token's 512-channel units are split among
+//         several blocks of the fused kernel). A per-expert counter of written pairs names the
+//         last writer, which stores the block's count (+ the call counter) with one release: the
+//         receiver's signal.
 //   recv: one block per (local expert, source): waits for the counts of the sources up to its own
-//         (the packed layout puts sources in rank order), then copies its rows out; the last
-//         source's block writes recv_count and layout_range.
+//         (the packed layout puts sources in rank order), then copies its rows out of the messages
+//         their index entries name; the last source's block writes recv_count and layout_range.
 // Combine mirrors it: a block per (local expert, source) returns the rows to the source, and the
 // receive kernel sums, per token, weight * row over its top-k slots in slot order, in fp32 (the
 // reference's order), with warps splitting the hidden dimension.
@@ -33,8 +34,9 @@
 // Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
 // Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
 // (double buffering). In a slot: acks int64[R] (first: their place must not depend on the call's
-// shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area [E_local][R][N]
-// messages (sized for BF16 ones), then the combine area [E][N] rows.
+// shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area (sized for a
+// BF16 message per (expert, row), of which the messages [R][N] and the index [E_local][R][N] of
+// int32 take part: plan_message), then the combine area [E][N] rows.
 // Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
 // counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
 // that peer has acknowledged the previous call that used the slot (ranks drift apart when hooks are
@@ -47,7 +49,7 @@
 // Staging for remote peers reuses areas of this rank's own slot that no peer writes during the
 // call (peers write into a slot only after this rank acknowledged the slot's previous call, which
 // it does after its receive, after its puts were completed by a quiet): a dispatch stages each
-// token's message once in its own combine area, a combine stages the rows for a source in its own
+// token's message once, and its pairs' index entries, in its own combine area, a combine stages the rows for a source in its own
 // dispatch area.
 #pragma once
 #include <cuda_bf16.h>
