@@ -1,25 +1,24 @@
 // Low-latency (decode) kernels. A peer whose buffer is mapped into this process (CUDA IPC, or an
 // NVSHMEM symmetric heap reachable over NVLink) gets each token's message (one per (token, rank))
-// and its pairs' index entries stored straight into its buffer; a peer that is not (another node,
-// or one the EPCOMM_LL_REMOTE_RANKS switch treats as remote) gets them by NVSHMEM puts from a
-// staging copy, and its signals by NVSHMEM signal operations. The transport is the class ll::Net, defined by the file that includes this one:
+// and its pairs' index entries stored straight into its buffer; a peer that is not (another node, or one the EPCOMM_LL_REMOTE_RANKS switch
+// treats as remote) gets it by NVSHMEM puts from a staging copy, and its signals by NVSHMEM signal
+// operations. The transport is the class ll::Net, defined by the file that includes this one:
 // kernels/low_latency.cu (direct stores only, the IPC library) and nvshmem/low_latency.cu (the
 // NVSHMEM library, relocatable device code). A remote peer is one whose entry in the peer table is
 // null; receivers always read their own buffer, so only the sending side differs.
 //
 // With the receive hook a call is two kernels, so that no SM is held while data is in flight:
-//   send: block b owns a contiguous range of this rank's tokens. A token's message goes to [me][t]
-//         at each of its ranks, so the data goes first: one thread per pair plans where
-//         (plan_message), then each warp loads 512 channels of a token once, casts them (FP8 per
-//         128 channels) once, and stores them into the token's message at each of its ranks (with
-//         fewer tokens than blocks, a token's 512-channel units are split among several blocks of
-//         the fused kernel). While that data crosses NVLink, every block counts, in shared memory,
-//         the (token, top-k slot) pairs of each expert (all of them, and those before its range),
-//         which gives each of its pairs the row it takes in the expert's block without any
+//   send: block b owns a contiguous range of this rank's tokens. Every block counts, in shared
+//         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
+//         range), which gives each of its pairs the row it takes in the expert's block without any
 //         inter-block traffic: rows follow ascending (token, slot), so outputs are deterministic and
-//         equal to the reference backend's; each pair's index entry names its token at its row. A
-//         per-expert counter of written pairs names the last writer, which stores the block's
-//         count (+ the call counter) with one release: the receiver's signal.
+//         equal to the reference backend's. One thread per pair plans its message and stores its
+//         index entry (plan_message); each warp then loads 512 channels of a token once, casts
+//         them (FP8 per 128 channels) once, and stores them into the token's message at each of
+//         its ranks (with fewer tokens than blocks, a token's 512-channel units are split among
+//         several blocks of the fused kernel). A per-expert counter of written pairs names the
+//         last writer, which stores the block's count (+ the call counter) with one release: the
+//         receiver's signal.
 //   recv: one block per (local expert, source): waits for the counts of the sources up to its own
 //         (the packed layout puts sources in rank order), then copies its rows out of the messages
 //         their index entries name; the last source's block writes recv_count and layout_range.
@@ -50,8 +49,8 @@
 // Staging for remote peers reuses areas of this rank's own slot that no peer writes during the
 // call (peers write into a slot only after this rank acknowledged the slot's previous call, which
 // it does after its receive, after its puts were completed by a quiet): a dispatch stages each
-// token's message once, and its pairs' index entries, in its own combine area, a combine stages
-// the rows for a source in its own dispatch area.
+// token's message once, and its pairs' index entries, in its own combine area, a combine stages the rows for a source in its own
+// dispatch area.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -145,12 +144,11 @@ constexpr int kOpDispatch = 5, kOpCombine = 6;
 constexpr int kTracePoints = 10, kTraceBlocks = 4096;
 enum TracePoint {  // in the order a block passes them
     kTraceStart = 0,
-    kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the block's pairs loaded)
-    kTraceRows = 2,       // dispatch: the block's messages planned (the data is next, then the rows)
+    kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
+    kTraceRows = 2,       // dispatch: the rows of the block's pairs are known and planned (the data is next)
     kTraceCast = 3,       // dispatch, thread 0 alone: its first unit's channels loaded and cast
     kTraceStored = 4,     // dispatch, thread 0 alone: its stores of them issued
-    kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: then every pair counted and
-                          // the block's index entries stored, remote ones put too; a
+    kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
     kTraceSignalled = 6,  // the block's counts are signalled
     kTraceArrived = 7,    // the receive's (first) signals arrived (a combine by partial sums: the first
@@ -495,62 +493,39 @@ __device__ __forceinline__ int64_t remote_index_staging(const DispatchArgs& a, c
     return lay.combine_data + static_cast<int64_t>(a.num_max_tokens) * a.msg_bytes;
 }
 
-// Whether pair j of the block holds its token's message at its rank: the token's first pair with an
-// expert there (for remote ranks: its first pair with an expert at any remote rank, whose staging
-// copy is put to each). Only the token's own experts and skip_dst decide it, not the rows: the
-// data goes out before the pairs are counted. (A pair dropped for want of room, past N rows of
-// its expert, comes only with invalid inputs, which the call reports; its message is in bounds.)
-__device__ __forceinline__ bool holds_message(const DispatchArgs& a, const int* pair_expert, const bool* skip_dst,
-                                              int j) {
-    const int K = a.num_topk, experts_per_rank = a.num_experts / a.num_ranks;
-    const int e = pair_expert[j];
-    if (e < 0 || skip_dst[e / experts_per_rank]) return false;
-    const int dst = e / experts_per_rank;
-    const bool remote = is_remote(a.peers, dst);
-    for (int i = j - j % K; i < j; ++i) {
-        const int other = pair_expert[i];
-        if (other < 0 || skip_dst[other / experts_per_rank]) continue;
-        if (remote ? is_remote(a.peers, other / experts_per_rank) : other / experts_per_rank == dst) return false;
-    }
-    return true;
-}
-
-// Where pair j of the block (token t = first + j / K) has its data written: in rank `rank`'s buffer
-// at byte 16 * the value returned (layouts are 16-byte aligned; the host keeps buffers under
-// 32 GiB), -1 for nowhere (holds_message: the token's message at a mapped rank, or its staging
-// message in this rank's buffer for the remote ones). Computed by one thread per pair instead of
-// by each of a token's warps for each of its messages.
-__device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout& lay, const int* pair_expert,
-                                            const bool* skip_dst, int first, int j, uint8_t& rank) {
-    const int K = a.num_topk, me = a.rank, N = a.num_max_tokens;
-    const int experts_per_rank = a.num_experts / a.num_ranks;
-    rank = 0;
-    if (!holds_message(a, pair_expert, skip_dst, j)) return -1;
-    const int dst = pair_expert[j] / experts_per_rank, t = first + j / K;
-    if (is_remote(a.peers, dst)) {
-        rank = static_cast<uint8_t>(me);
-        return static_cast<int>((lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes) / 16);
-    }
-    rank = static_cast<uint8_t>(dst);
-    return static_cast<int>((lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes) / 16);
-}
-
-// Pair j's index entry (its token, at its row of its expert's block from this rank), once its row
-// is known: stored into a mapped rank's index, or staged for its put (remote_index_staging).
-__device__ __forceinline__ void store_index_entry(const DispatchArgs& a, const Layout& lay, uint8_t* const* bufs,
-                                                  const int* pair_expert, const int* pair_row, int first, int j) {
+// Where pair j of the block (token t = first + j / K) has its data written, once every pair's row
+// is known: in rank `rank`'s buffer at byte 16 * the value returned (layouts are 16-byte aligned;
+// the host keeps buffers under 32 GiB), -1 for nowhere. The token's first pair with a row at a
+// mapped rank (the holder) gets the token's message there; for a remote rank, the token's first
+// remote pair gets its staging message in this rank's buffer (the send kernel puts it to each
+// remote rank); the other pairs, and those not sent, nothing. With `write_index`, the pair's index
+// entry is stored too (mapped rank), or staged for its put (remote: [T][K] after the staged messages).
+// Computed by one thread per pair instead of by each of a token's warps for each of its messages
+// (with divisions and peer-table lookups on every warp's way to its stores).
+__device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout& lay, uint8_t* const* bufs,
+                                            const int* pair_expert, const int* pair_row, int first, int j,
+                                            bool write_index, uint8_t& rank) {
     const int K = a.num_topk, R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
     const int row = pair_row[j], e = pair_expert[j];
-    if (row < 0) return;
-    const int dst = e / experts_per_rank, t = first + j / K;
-    if (is_remote(a.peers, dst)) {
-        reinterpret_cast<int*>(bufs[me] + remote_index_staging(a, lay))[static_cast<int64_t>(first) * K + j] = t;
-        return;
-    }
+    rank = 0;
+    if (row < 0) return -1;
+    const int dst = e / experts_per_rank, token_begin = j - j % K, t = first + j / K;
     const int64_t entry = dispatch_index(lay, R, N, a.msg_bytes) +
                           ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4;
-    *reinterpret_cast<int*>(bufs[dst] + entry) = t;
+    if (is_remote(a.peers, dst)) {
+        if (write_index)
+            reinterpret_cast<int*>(bufs[me] + remote_index_staging(a, lay))[static_cast<int64_t>(first) * K + j] = t;
+        for (int i = token_begin; i < j; ++i)  // an earlier remote pair of the token has it staged
+            if (pair_row[i] >= 0 && is_remote(a.peers, pair_expert[i] / experts_per_rank)) return -1;
+        rank = static_cast<uint8_t>(me);
+        return static_cast<int>((lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes) / 16);
+    }
+    if (write_index) *reinterpret_cast<int*>(bufs[dst] + entry) = t;
+    for (int i = token_begin; i < j; ++i)  // an earlier pair of the token holds its message at dst
+        if (pair_row[i] >= 0 && pair_expert[i] / experts_per_rank == dst) return -1;
+    rank = static_cast<uint8_t>(dst);
+    return static_cast<int>((lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes) / 16);
 }
 
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
@@ -578,7 +553,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     // 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the other SMs idle.
     // The fused kernel has a block per SM; the hook's send kernel a block per token range (parts 1).
     // Every block computes the same `parts` (its counts depend on it).
-    // Every part plans the token's pairs alike; part 0 writes the handle's records and the index.
+    // Every part plans the token's pairs alike; part 0 writes the handle's records and the tails.
     // Not with remote peers: a staged message is put whole, once every unit of it is written.
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
     bool any_remote = false;
@@ -594,57 +569,35 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
     if (tid < R) bufs[tid] = a.peers.bufs[tid];
     __syncthreads();
-    // Data first: a token's message goes to [me][t] at each of its ranks whatever the rows of its
-    // pairs, so only the block's own pairs' experts and the acknowledgements gate it; the count of
-    // every pair (rows, index entries, signals) follows while the data crosses NVLink. Warp 0
-    // waits for the acknowledgements while the other warps load the block's own pairs.
+    // Warp 0 waits for the acknowledgements while the other warps count: the two waits overlap.
+    bool bad = false;
     if (warp == 0) {
         if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
             skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
     } else {
-        for (int j = tid - kWarpSize; j < num_pairs; j += kThreads - kWarpSize) {
-            const int64_t e = __ldg(a.topk_idx + static_cast<int64_t>(first) * K + j);
-            pair_expert[j] = e >= 0 && e < E ? static_cast<int>(e) : -1;
-            if (part == 0) a.topk_copy[static_cast<int64_t>(first) * K + j] = e;  // the handle's copy
-        }
-    }
-    __syncthreads();
-    trace_point(a.trace, 0, kTraceReady);
-    for (int j = tid; j < num_pairs; j += kThreads)
-        pair_offset16[j] = plan_message(a, lay, pair_expert, skip_dst, first, j, pair_rank[j]);
-    __syncthreads();
-    trace_point(a.trace, 0, kTraceRows);
-
-    // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
-    // into every message of the token: x read once.
-    uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
-    const int block_units = (units_per_token - part + parts - 1) / parts;  // units of each token here
-    for (int v = warp; v < (last - first) * block_units; v += kWarpsPerBlock) {
-        const int c = v / block_units;
-        send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
-                  v == warp, lane);
-    }
-
-    // Every pair of the call counted per expert (all of them, and those before this block's
-    // range), in batches of kCountBatch loads in flight per thread (a load, then its atomics, one
-    // at a time would cost a memory round trip per pair).
-    bool bad = false;
-    {
-        constexpr int kCountBatch = 4;
+        // Every pair, in batches of kCountBatch loads in flight per thread (a load, then its atomics,
+        // one at a time would cost a memory round trip per pair); this block's own pairs' experts
+        // are kept on the way.
+        constexpr int kCounters = kThreads - kWarpSize, kCountBatch = 4;
         const int num_all = a.num_tokens * K, own_begin = first * K;
-        for (int base = tid; base < num_all; base += kCountBatch * kThreads) {
+        for (int base = tid - kWarpSize; base < num_all; base += kCountBatch * kCounters) {
             int64_t ids[kCountBatch];
 #pragma unroll
             for (int u = 0; u < kCountBatch; ++u) {
-                const int i = base + u * kThreads;
+                const int i = base + u * kCounters;
                 ids[u] = i < num_all ? __ldg(a.topk_idx + i) : -1;
             }
 #pragma unroll
             for (int u = 0; u < kCountBatch; ++u) {
-                const int i = base + u * kThreads;
+                const int i = base + u * kCounters;
                 const int64_t e = ids[u];
                 if (e < -1 || e >= E) bad = true;
-                if (e < 0 || e >= E) continue;
+                const bool valid = e >= 0 && e < E;
+                if (i >= own_begin && i < own_begin + num_pairs) {
+                    pair_expert[i - own_begin] = valid ? static_cast<int>(e) : -1;
+                    if (part == 0) a.topk_copy[i] = e;  // the handle's copy, from the register
+                }
+                if (!valid) continue;
                 atomicAdd(total + e, 1);
                 if (i < own_begin) atomicAdd(before + e, 1);
             }
@@ -654,7 +607,9 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
     // Every block counted every pair, so all of them agree on this (it goes into every signal).
     const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
-    // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for.
+    trace_point(a.trace, 0, kTraceReady);
+    // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
+    // so it travels while the messages are written.
     for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
         const int dst = e / experts_per_rank;
         if (total[e] != 0 || skip_dst[dst]) continue;
@@ -674,35 +629,42 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
             if (row >= N || skip_dst[e / experts_per_rank]) row = -1;  // past the block's room: dropped
         }
         pair_row[j] = row;
-        if (part == 0) {
-            a.slot_map[static_cast<int64_t>(first) * K + j] = row;
-            store_index_entry(a, lay, bufs, pair_expert, pair_row, first, j);
-        }
+        if (part == 0) a.slot_map[static_cast<int64_t>(first) * K + j] = row;
+    }
+
+    __syncthreads();  // every pair's row is known
+    for (int j = tid; j < num_pairs; j += kThreads)
+        pair_offset16[j] =
+            plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
+    __syncthreads();
+    trace_point(a.trace, 0, kTraceRows);
+
+    // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
+    // into every message of the token that holds data: x read once.
+    uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
+    const int block_units = (units_per_token - part + parts - 1) / parts;  // units of each token here
+    for (int v = warp; v < (last - first) * block_units; v += kWarpsPerBlock) {
+        const int c = v / block_units;
+        send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
+                  v == warp, lane);
     }
     __syncthreads();
     if constexpr (Net::kRemote) {
         // A warp puts each remote pair's index entry to its rank, and the token's staged message
-        // there with the pair that holds it.
+        // there with the token's first pair at that rank.
         const int64_t index = dispatch_index(lay, R, N, a.msg_bytes), index_staging = remote_index_staging(a, lay);
         bool put = false;
         for (int j = warp; j < num_pairs; j += kWarpsPerBlock) {
-            const int row = pair_row[j], e = pair_expert[j], t = first + j / K;
-            if (e < 0 || !is_remote(a.peers, e / experts_per_rank)) continue;
-            const int dst = e / experts_per_rank;
-            if (row >= 0) {
-                Net::put_warp(mine + index + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4,
-                              mine + index_staging + (static_cast<int64_t>(first) * K + j) * 4, 4, dst);
-                put = true;
-            }
-            // The staged message goes to each remote rank of the token, with the token's first pair there.
-            bool first_there = !skip_dst[dst];
-            for (int i = j - j % K; i < j; ++i)
-                first_there &= pair_expert[i] < 0 || pair_expert[i] / experts_per_rank != dst;
-            if (first_there) {
+            const int row = pair_row[j], e = pair_expert[j], dst = e / experts_per_rank, t = first + j / K;
+            if (row < 0 || !is_remote(a.peers, dst)) continue;
+            Net::put_warp(mine + index + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4,
+                          mine + index_staging + (static_cast<int64_t>(first) * K + j) * 4, 4, dst);
+            bool holder = true;
+            for (int i = j - j % K; i < j; ++i) holder &= pair_row[i] < 0 || pair_expert[i] / experts_per_rank != dst;
+            if (holder)
                 Net::put_warp(mine + lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes,
                               staging + static_cast<int64_t>(t) * a.msg_bytes, a.msg_bytes, dst);
-                put = true;
-            }
+            put = true;
         }
         if (__syncthreads_or(put) && tid == 0) Net::quiet();  // delivered before any count is signalled
         __syncthreads();
