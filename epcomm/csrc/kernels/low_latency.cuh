@@ -230,12 +230,17 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
 
 // The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
 // call to every rank, so their next sends into this slot may start.
-// GPU scope is enough here: an ack publishes no data, it only says that this rank's loads of the
-// slot are done, and they are: each block's fence waits for its loads (a load is done once it has
-// its value; the copies' values were all stored before the barrier), and the count orders every
-// block's fence before the acks. A fence_sys would also wait for the receive's output stores to
-// reach system scope, which no peer reads: at EP4, 128 tokens (4 x H100, 7459464) the last block
-// ended 1.3 us (dispatch) and 2.4 us (combine) earlier without it, a graph step 67.4 -> 64.6 us.
+// A GPU-scope fence, on purpose: an ack publishes no data (every path was checked: the receives
+// only read their own slot; the self-ack is read on this GPU; Net::signal acks carry nothing), it
+// only tells a peer that this rank's loads of the slot are done, so that the peer may overwrite
+// it. Those loads are done because every one of them fed a store, an address or a branch issued
+// before the block's barrier, so it has returned its value; the count orders every block's barrier
+// before the acks. This relies on that hardware behaviour, not on the PTX model (a gpu-scope fence
+// does not synchronize with a peer's ld.acquire.sys): a slot load added later whose value is not
+// consumed before the barrier (a prefetch, an unawaited bulk copy) would need the fence_sys back.
+// The fence_sys also waited for the receive's output stores to reach system scope, which no peer
+// reads: at EP4, 128 tokens (4 x H100, 7459464) the last block ended 1.3 us (dispatch) and 2.4 us
+// (combine) earlier without it, a graph step 67.4 -> 64.6 us.
 __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq,
                                    const int* mask) {
     __syncthreads();
@@ -419,8 +424,8 @@ __device__ __forceinline__ void store_scale(uint8_t* msg, int data_bytes, int gr
 
 // Token t's 16-byte words [64 * unit, 64 * unit + 64) (512 channels, four FP8 scale groups; lanes
 // 0-15 of each half hold one group): loaded once, cast once, and stored into each of the token's
-// messages that holds data, which plan_message named for its K pairs (`offsets16`, `ranks`). The
-// messages' tails are written by plan_message already: what a warp does per message is its stores.
+// messages that holds data, which plan_message named for its K pairs (`offsets16`, `ranks`): what
+// a warp does per message is its stores.
 __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const* bufs, int t, int unit,
                                           const int* offsets16, const uint8_t* ranks, bool first_unit, int lane) {
     const int num_int4 = a.hidden / 8;
@@ -553,7 +558,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     // 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the other SMs idle.
     // The fused kernel has a block per SM; the hook's send kernel a block per token range (parts 1).
     // Every block computes the same `parts` (its counts depend on it).
-    // Every part plans the token's pairs alike; part 0 writes the handle's records and the tails.
+    // Every part plans the token's pairs alike; part 0 writes the handle's records and the index.
     // Not with remote peers: a staged message is put whole, once every unit of it is written.
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
     bool any_remote = false;

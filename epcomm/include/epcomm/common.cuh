@@ -87,11 +87,12 @@ __device__ __forceinline__ void warp_copy_int4(int4* dst, const int4* src, int n
     }
 }
 
-// Exclusive prefix sum of one value per thread over a block of kWarps warps (all of them call it);
-// `total` gets the block's sum. Two barriers; `scratch` is kWarps ints of shared memory, free again
-// once the call returns (a caller that reuses it right away needs a barrier first).
+// Exclusive prefix sum of one value per thread over a block of exactly kWarps warps (every thread
+// calls it); `total` gets the block's sum. Two barriers; `scratch` is kWarps ints of shared memory,
+// free again once the call returns (a caller that reuses it right away needs a barrier first).
 template <int kWarps>
 __device__ __forceinline__ int block_exclusive_sum(int value, int* scratch, int& total) {
+    static_assert(kWarps >= 1 && kWarps <= kWarpSize, "warp 0 scans the warps' totals: at most 32 warps");
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     int inclusive = value;
     for (int d = 1; d < kWarpSize; d <<= 1) {
