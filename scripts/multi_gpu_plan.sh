@@ -114,7 +114,8 @@ p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.
       -- --backend cuda --modes normal --num-sms 24 --dtype bf16 --commit "$sha" || status=1
     ;;
   ll)
-    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base 'combine-per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
+    OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh base \
+      'combine-per-expert|env|EPCOMM_LL_COMBINE_PARTIALS=0' 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1' \
       'partials-two-kernels|env|EPCOMM_LL_COMBINE_PARTIALS=1|epcomm/csrc/kernels/low_latency.cuh|s/constexpr bool kFusedPartials = true;/constexpr bool kFusedPartials = false;/' \
       'unit|env|EPCOMM_LL_BLOCK_RECEIVE=0' 'block|env|EPCOMM_LL_BLOCK_RECEIVE=1' \
       -- --backend cuda --modes low_latency --ll-tokens 1,32,64,96,128,256 --commit "$sha" || status=1

@@ -1,11 +1,12 @@
 // Low-latency (decode) kernels. A peer whose buffer is mapped into this process (CUDA IPC, or an
 // NVSHMEM symmetric heap reachable over NVLink) gets each token's message (one per (token, rank))
-// and its pairs' index entries stored straight into its buffer; a peer that is not (another node, or one the EPCOMM_LL_REMOTE_RANKS switch
-// treats as remote) gets it by NVSHMEM puts from a staging copy, and its signals by NVSHMEM signal
-// operations. The transport is the class ll::Net, defined by the file that includes this one:
-// kernels/low_latency.cu (direct stores only, the IPC library) and nvshmem/low_latency.cu (the
-// NVSHMEM library, relocatable device code). A remote peer is one whose entry in the peer table is
-// null; receivers always read their own buffer, so only the sending side differs.
+// and its pairs' index entries stored straight into its buffer; a peer that is not (another node,
+// or one the EPCOMM_LL_REMOTE_RANKS switch treats as remote) gets them by NVSHMEM puts from a
+// staging copy, and its signals by NVSHMEM signal operations. The transport is the class ll::Net,
+// defined by the file that includes this one: kernels/low_latency.cu (direct stores only, the IPC
+// library) and nvshmem/low_latency.cu (the NVSHMEM library, relocatable device code). A remote peer
+// is one whose entry in the peer table is null; receivers always read their own buffer, so only the
+// sending side differs.
 //
 // With the receive hook a call is two kernels, so that no SM is held while data is in flight:
 //   send: block b owns a contiguous range of this rank's tokens. Every block counts, in shared
@@ -49,8 +50,8 @@
 // Staging for remote peers reuses areas of this rank's own slot that no peer writes during the
 // call (peers write into a slot only after this rank acknowledged the slot's previous call, which
 // it does after its receive, after its puts were completed by a quiet): a dispatch stages each
-// token's message once, and its pairs' index entries, in its own combine area, a combine stages the rows for a source in its own
-// dispatch area.
+// token's message once, and its pairs' index entries, in its own combine area, a combine stages
+// the rows for a source in its own dispatch area.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -483,12 +484,24 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
 // Messages are token-major: a token's data crosses to a rank once, whatever number of that rank's
 // experts it picked, into the rank's message [me][t] (dispatch area: [R][N] messages of msg_bytes),
 // and each of its pairs names it by the token in the rank's index [E_local][R][N] (int32, after the
-// messages: dispatch_index), at the pair's row. The receiver copies row i of (local expert, source)
+// messages: index_entry), at the pair's row. The receiver copies row i of (local expert, source)
 // from message [source][index[local expert][source][i]]. Dense, the messages of one source fill
 // ~N x 7 KB of a peer's buffer, where a message per (expert, row) spread them over E_local blocks of
 // N rows each (a 2 MB page for every expert or two: one address translation each on both sides).
-__device__ __forceinline__ int64_t dispatch_index(const Layout& lay, int num_ranks, int n, int msg_bytes) {
-    return lay.data + static_cast<int64_t>(num_ranks) * n * msg_bytes;
+__device__ __forceinline__ int64_t index_entry(const DispatchArgs& a, const Layout& lay, int local_e, int src,
+                                               int row) {
+    const int R = a.num_ranks, N = a.num_max_tokens;
+    const int64_t index = lay.data + static_cast<int64_t>(R) * N * a.msg_bytes;  // after the messages
+    return index + ((static_cast<int64_t>(local_e) * R + src) * N + row) * 4;
+}
+
+// Whether an earlier pair of pair j's token, one with a row, goes to rank dst: that one holds the
+// token's message there.
+__device__ __forceinline__ bool earlier_pair_at(const int* pair_expert, const int* pair_row, int j, int num_topk,
+                                                int experts_per_rank, int dst) {
+    for (int i = j - j % num_topk; i < j; ++i)
+        if (pair_row[i] >= 0 && pair_expert[i] / experts_per_rank == dst) return true;
+    return false;
 }
 
 // For remote ranks, in this rank's combine area (no peer writes it during a dispatch: see the
@@ -515,20 +528,17 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
     const int row = pair_row[j], e = pair_expert[j];
     rank = 0;
     if (row < 0) return -1;
-    const int dst = e / experts_per_rank, token_begin = j - j % K, t = first + j / K;
-    const int64_t entry = dispatch_index(lay, R, N, a.msg_bytes) +
-                          ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4;
+    const int dst = e / experts_per_rank, t = first + j / K;
     if (is_remote(a.peers, dst)) {
         if (write_index)
             reinterpret_cast<int*>(bufs[me] + remote_index_staging(a, lay))[static_cast<int64_t>(first) * K + j] = t;
-        for (int i = token_begin; i < j; ++i)  // an earlier remote pair of the token has it staged
+        for (int i = j - j % K; i < j; ++i)  // an earlier remote pair of the token has it staged
             if (pair_row[i] >= 0 && is_remote(a.peers, pair_expert[i] / experts_per_rank)) return -1;
         rank = static_cast<uint8_t>(me);
         return static_cast<int>((lay.combine_data + static_cast<int64_t>(t) * a.msg_bytes) / 16);
     }
-    if (write_index) *reinterpret_cast<int*>(bufs[dst] + entry) = t;
-    for (int i = token_begin; i < j; ++i)  // an earlier pair of the token holds its message at dst
-        if (pair_row[i] >= 0 && pair_expert[i] / experts_per_rank == dst) return -1;
+    if (write_index) *reinterpret_cast<int*>(bufs[dst] + index_entry(a, lay, e % experts_per_rank, me, row)) = t;
+    if (earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst)) return -1;
     rank = static_cast<uint8_t>(dst);
     return static_cast<int>((lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes) / 16);
 }
@@ -657,16 +667,14 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     if constexpr (Net::kRemote) {
         // A warp puts each remote pair's index entry to its rank, and the token's staged message
         // there with the token's first pair at that rank.
-        const int64_t index = dispatch_index(lay, R, N, a.msg_bytes), index_staging = remote_index_staging(a, lay);
+        const int64_t index_staging = remote_index_staging(a, lay);
         bool put = false;
         for (int j = warp; j < num_pairs; j += kWarpsPerBlock) {
             const int row = pair_row[j], e = pair_expert[j], dst = e / experts_per_rank, t = first + j / K;
             if (row < 0 || !is_remote(a.peers, dst)) continue;
-            Net::put_warp(mine + index + ((static_cast<int64_t>(e % experts_per_rank) * R + me) * N + row) * 4,
+            Net::put_warp(mine + index_entry(a, lay, e % experts_per_rank, me, row),
                           mine + index_staging + (static_cast<int64_t>(first) * K + j) * 4, 4, dst);
-            bool holder = true;
-            for (int i = j - j % K; i < j; ++i) holder &= pair_row[i] < 0 || pair_expert[i] / experts_per_rank != dst;
-            if (holder)
+            if (!earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst))
                 Net::put_warp(mine + lay.data + (static_cast<int64_t>(me) * N + t) * a.msg_bytes,
                               staging + static_cast<int64_t>(t) * a.msg_bytes, a.msg_bytes, dst);
             put = true;
@@ -718,12 +726,11 @@ __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const
                                                     int local_e, int src, int begin, int i, int piece, int lane) {
     const int R = a.num_ranks, N = a.num_max_tokens;
     const int rows_per_expert = N * R;
-    const int* index = reinterpret_cast<const int*>(mine + dispatch_index(lay, R, N, a.msg_bytes));
     // A token read from the buffer is bounded before use: a peer that made a call of another shape
     // (reported: its signals carry its shape tag) may have written over this rank's index with its
     // layout, and a count that is valid can then come with an entry that is not. Its rows are
     // garbage then, but the call raises and nothing faults.
-    const int token = index[(static_cast<int64_t>(local_e) * R + src) * N + i];
+    const int token = *reinterpret_cast<const int*>(mine + index_entry(a, lay, local_e, src, i));
     const bool valid = token >= 0 && token < N;
     const uint8_t* data = mine + lay.data + (static_cast<int64_t>(src) * N + (valid ? token : 0)) * a.msg_bytes;
     const int64_t row = static_cast<int64_t>(local_e) * rows_per_expert + begin + i;
