@@ -23,7 +23,9 @@ case $step in
     rm -rf ab && mkdir -p ab
     for sha in "$@"; do
       full=$(git rev-parse --short "$sha^{commit}") || exit 2
-      mkdir -p "ab/$full" && git archive "$full" epcomm scripts tests pyproject.toml | tar -x -C "ab/$full" || exit 1
+      paths=()  # the tests too where the commit has them (a tree's own tests can run against it)
+      for p in epcomm scripts tests pyproject.toml; do git cat-file -e "$full:$p" 2>/dev/null && paths+=("$p"); done
+      mkdir -p "ab/$full" && git archive "$full" "${paths[@]}" | tar -x -C "ab/$full" || exit 1
       echo "ab_commits: ab/$full"
     done
     echo "ab_commits: run on the GPU machine: bash scripts/ab_commits.sh run -- BENCH ARGS; then rm -rf ab"
