@@ -7,7 +7,10 @@
 # Two steps, because the GPU machine's git is stale (it has a copy of the working tree, not the history):
 #   here:        bash scripts/ab_commits.sh prepare SHA...      # trees under ab/ (untracked, so the
 #                                                                # device copies them; delete after)
-#   GPU machine: [AB_ENV_SETS='tag=VAR=VALUE ...'] bash scripts/ab_commits.sh run -- BENCH ARGS
+#   GPU machine: [AB_ENV_SETS='tag=VAR=VALUE ...'] [AB_TEST_K='pytest -k expression' [AB_TEST_FILES=...]]
+#                bash scripts/ab_commits.sh run -- BENCH ARGS
+# (AB_TEST_K: each tree's own GPU tests first, default file tests/test_low_latency_cuda.py, one
+# summary line per tree; their logs go into ab.tgz as tests-SHA.log)
 # `run` builds every tree in parallel, then runs `python -m epcomm.bench --backend cuda --commit SHA
 # --json ...` with BENCH ARGS per tree and per environment set (AB_ENV_SETS: space-separated
 # tag=VAR=VALUE[,VAR=VALUE]; default: one set, no variables), twice in A..Z, Z..A order (drift
@@ -45,6 +48,13 @@ import load_library, load_nvshmem_library; load_library(); load_nvshmem_library(
     done
     wait
     status=0
+    if [ -n "${AB_TEST_K:-}" ]; then  # each tree's own GPU tests first (pytest -k AB_TEST_K), a line each
+      for t in $trees; do
+        [ -d "ab/$t/tests" ] || { echo "ab_commits: $t has no tests"; continue; }
+        (cd "ab/$t" && EPCOMM_TEST_BACKEND=nccl EPCOMM_CACHE_DIR=/tmp/ab-cache-$t PYTHONPATH=$PWD           timeout -s INT "${AB_TEST_TIMEOUT_S:-240}" python3 -m pytest -q -x -p no:cacheprovider           ${AB_TEST_FILES:-tests/test_low_latency_cuda.py} -k "$AB_TEST_K" > "$res/tests-$t.log" 2>&1) || status=1
+        echo "ab_commits: $t tests: $(tail -1 "$res/tests-$t.log")"
+      done
+    fi
     read -r -a sets <<< "${AB_ENV_SETS:-base=}"
     for round in 1 2; do
       order=$trees

@@ -357,6 +357,9 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     shas = []
     for version in ("1", "2"):
         (repo / "epcomm" / "version.txt").write_text(version)
+        if version == "2":  # the second tree has tests of its own (AB_TEST_K below)
+            (repo / "tests").mkdir()
+            (repo / "tests" / "test_x.py").write_text("")
         subprocess.run([*git, "add", "-A"], check=True)
         subprocess.run([*git, "commit", "-q", "-m", version], check=True)
         shas.append(subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -368,7 +371,8 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "python3").write_text(
-        '#!/bin/bash\n[ "$1" = "-c" ] && exit 0\nprev=""; for a in "$@"; do [ "$prev" = "--json" ] && j=$a; '
+        '#!/bin/bash\n[ "$1" = "-c" ] && exit 0\n[ "$2" = "pytest" ] && { echo "ran pytest ${*: -2}"; exit 0; }\n'
+        'prev=""; for a in "$@"; do [ "$prev" = "--json" ] && j=$a; '
         'prev=$a; done\necho "[]" > "$j"\n'
         'echo "     normal   epcomm-cuda v=$(cat epcomm/version.txt) pct=${EPCOMM_COMBINE_SEND_SMS_PCT:-none} $*"\n')
     (shim / "python3").chmod(0o755)
@@ -383,3 +387,8 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     assert "v=1 pct=33.4" in out and "v=2 pct=41.7" in out and "--modes normal" in out
     with tarfile.open(tmp_path / "out" / "ab.tgz") as tar:
         assert sum(n.endswith(".json") for n in tar.getnames()) == 8
+    # AB_TEST_K: each tree's own tests first, where it has them
+    out = subprocess.run(["bash", script, "run", "--", "--modes", "normal"], env={**env, "AB_TEST_K": "ll and fast"},
+                         capture_output=True, text=True, check=True).stdout
+    assert f"ab_commits: {shas[0]} has no tests" in out, out
+    assert f"ab_commits: {shas[1]} tests: ran pytest -k ll and fast" in out, out
