@@ -41,17 +41,23 @@ case $step in
     mkdir -p "$res"
     trap 'tar czf "$OUT/ab.tgz" -C "$(dirname "$res")" ab && echo "ab_commits: packed $OUT/ab.tgz"' EXIT
     trees=$(ls ab)
+    in_tree() {  # in_tree SHA CMD...: CMD in that commit's tree, with its own kernel cache
+      local t=$1
+      shift
+      (cd "ab/$t" && EPCOMM_CACHE_DIR=/tmp/ab-cache-$t PYTHONPATH=$PWD "$@")
+    }
     for t in $trees; do  # (the -c form, not -m epcomm.backends.cuda.build: older trees lack that entry)
-      (cd "ab/$t" && EPCOMM_CACHE_DIR=/tmp/ab-cache-$t PYTHONPATH=$PWD python3 -c "from epcomm.backends.cuda.build \
-import load_library, load_nvshmem_library; load_library(); load_nvshmem_library()" > "$res/build-$t.log" 2>&1 \
-        || echo "ab_commits: $t did not build (build-$t.log)") &
+      (in_tree "$t" python3 -c "from epcomm.backends.cuda.build import load_library, load_nvshmem_library; \
+load_library(); load_nvshmem_library()" > "$res/build-$t.log" 2>&1 || echo "ab_commits: $t did not build (build-$t.log)") &
     done
     wait
     status=0
     if [ -n "${AB_TEST_K:-}" ]; then  # each tree's own GPU tests first (pytest -k AB_TEST_K), a line each
       for t in $trees; do
         [ -d "ab/$t/tests" ] || { echo "ab_commits: $t has no tests"; continue; }
-        (cd "ab/$t" && EPCOMM_TEST_BACKEND=nccl EPCOMM_CACHE_DIR=/tmp/ab-cache-$t PYTHONPATH=$PWD           timeout -s INT "${AB_TEST_TIMEOUT_S:-240}" python3 -m pytest -q -x -p no:cacheprovider           ${AB_TEST_FILES:-tests/test_low_latency_cuda.py} -k "$AB_TEST_K" > "$res/tests-$t.log" 2>&1) || status=1
+        in_tree "$t" env EPCOMM_TEST_BACKEND=nccl timeout -s INT "${AB_TEST_TIMEOUT_S:-240}" \
+          python3 -m pytest -q -x -p no:cacheprovider ${AB_TEST_FILES:-tests/test_low_latency_cuda.py} \
+          -k "$AB_TEST_K" > "$res/tests-$t.log" 2>&1 || status=1
         echo "ab_commits: $t tests: $(tail -1 "$res/tests-$t.log")"
       done
     fi
@@ -64,9 +70,8 @@ import load_library, load_nvshmem_library; load_library(); load_nvshmem_library(
           tag=${set%%=*}
           IFS=',' read -r -a envs <<< "${set#*=}"
           name=$t-$tag-$round
-          (cd "ab/$t" && env ${envs[@]+"${envs[@]}"} EPCOMM_CACHE_DIR=/tmp/ab-cache-$t PYTHONPATH=$PWD \
-            timeout "${AB_TIMEOUT_S:-120}" python3 -m epcomm.bench --backend cuda --commit "$t" \
-            --json "$res/$name.json" "$@" > "$res/$name.log" 2>&1) || status=1
+          in_tree "$t" env ${envs[@]+"${envs[@]}"} timeout "${AB_TIMEOUT_S:-120}" python3 -m epcomm.bench \
+            --backend cuda --commit "$t" --json "$res/$name.json" "$@" > "$res/$name.log" 2>&1 || status=1
           grep -E "^ *(normal|low_latency) +epcomm" "$res/$name.log" | sed "s/^/$name: /" | tr -s ' '
         done
       done
