@@ -152,8 +152,8 @@ enum TracePoint {  // in the order a block passes them
     kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
     kTraceSignalled = 6,  // the block's counts are signalled
-    kTraceArrived = 7,    // the receive's (first) signals arrived (a combine by partial sums: the first
-                          // peer's requests, which come before its kTraceSignalled)
+    kTraceArrived = 7,    // the receive's (first) signals arrived (a combine by partial sums, thread 0:
+                          // its first record of the first peer, which comes before its kTraceSignalled)
     kTraceReceived = 8,   // the receive's copies or sums are done
     kTraceEnd = 9,
 };
@@ -1333,12 +1333,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 // rounding of each partial (the issue's tolerance for combine).
 // In a slot's combine area (Layout::combine_data, [E][N] rows): partials [R][N] rows (rank r's
 // for token t at [r][t]), then requests [R][N] records of request_bytes (source s's for token t
-// at [s][t], for every t < N: a token past the source's has 0 pairs). A record is tagged, so that
+// at [s][t], for t below the source's token count, which record [s][0] holds too). A record is tagged, so that
 // the expert side serves each token as its record lands rather than after the source's signal
 // (which a fence and the source's slowest block hold back: at EP4, 128 tokens it came 4.3 us after
 // the median block's records, with NVLink idle meanwhile): a uint64 {pair count, call counter},
 // 8 bytes unused, then per pair two uint64 {local expert * N + row, counter} and {weight bits,
-// counter}, stored as one 16-byte vector. Every 64-bit element is single-copy atomic (relaxed,
+// counter}, stored as one 16-byte vector; record [s][0]'s unused 8 bytes: {the source's token count,
+// counter}, stored first (a token past it has no record). Every 64-bit element is single-copy atomic (relaxed,
 // system scope) and carries the call counter's low 32 bits, so an element that shows this call's
 // counter holds this call's value, whatever order the elements land in; nothing else is read
 // through them (the rows summed are this rank's own), so no acquire is needed.
@@ -1371,15 +1372,18 @@ __device__ __forceinline__ ulonglong2 ld_relaxed_sys_v2(const uint64_t* ptr) {
     return v;
 }
 
-// Poll a request record's element `index` (0: the header; 1 + j: pair j, both of its elements)
-// until it shows call `seq`; false once source src is given up on: masked, this rank gave up, or
-// past `deadline_ns` (a timeout masks src with failed-rank masking, else is reported and gives the
-// call up, as wait_signal does), or `gone` (shared: another warp of the block gave up on src).
-__device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulonglong2& out, int src, int* mask,
-                             uint64_t deadline_ns, int* info, int* gave_up, volatile bool* gone) {
-    const uint64_t* at = index == 0 ? record : record + 2 * index;
+// Poll a request record's element `index` (0: the header; 1 + j: pair j, both of its elements;
+// -1: record [s][0]'s token count) until it shows call `seq`; false once source src is given up
+// on: masked, this rank gave up, its requests signal (`shape_probe`, at a place no shape moves)
+// shows a call of another shape (reported: its records lie elsewhere), `timeout_ns` after `start`
+// (a timeout masks src with failed-rank masking, else is reported and gives the call up, as
+// wait_signal does), or `gone` (shared: another warp of the block gave up on src).
+__device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulonglong2& out, int src,
+                             const int64_t* shape_probe, int tag, int* mask, uint64_t start, uint64_t timeout_ns,
+                             int* info, int* gave_up, volatile bool* gone) {
+    const uint64_t* at = index == 0 ? record : index < 0 ? record + 1 : record + 2 * index;
     for (int spin = 0;; ++spin) {
-        if (index == 0) {
+        if (index <= 0) {
             asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(out.x) : "l"(at) : "memory");
             out.y = out.x;
         } else {
@@ -1392,7 +1396,13 @@ __device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulo
                 record_error(info, kErrAbandoned, kOpCombine, -1);
                 return false;
             }
-            if (global_timer_ns() > deadline_ns) {
+            const int64_t probe = ld_acquire_sys(shape_probe);
+            if (signal_of_call(probe, seq) && ((probe >> kTagShift) & 0xff) != tag) {
+                record_error(info, kErrShapeMismatch, kOpCombine, src);
+                give_up(gave_up);
+                return false;
+            }
+            if (global_timer_ns() - start > timeout_ns) {
                 if (mask != nullptr)
                     atomicExch(mask + src, 1);
                 else {
@@ -1447,16 +1457,20 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     if (__syncthreads_or(differs) && tid == 0) atomicOr(a.counters + kPartialsDiffers, 1);
     trace_point(a.trace, 0, kTraceReady);
 
-    // Requests: a warp per token position (every t < N: one past this rank's tokens says 0 pairs);
-    // lane k holds pair k (K <= 32); for each peer, the pairs there are stored in slot order (their
-    // rank among the ballot's lanes), each element tagged with the call. This rank's own pairs need
-    // none (its round 0 below reads the same arrays), only the signal, which carries the verdict.
-    for (int t = gwarp; t < N; t += grid_warps) {
+    // Requests: first this rank's token count to every peer (record [me][0]'s spare word: the peer
+    // serves no token past it); then a warp per token; lane k holds pair k (K <= 32); for each peer,
+    // the pairs there are stored in slot order (their rank among the ballot's lanes), each element
+    // tagged with the call. This rank's own pairs need none (its round 0 below reads the same
+    // arrays), only the signal, which carries the verdict.
+    if (blockIdx.x == 0 && tid < R && tid != me && !skip_dst[tid])
+        st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(a.peers.bufs[tid] + requests + static_cast<int64_t>(me) * N *
+                                                       a.request_bytes) + 1,
+                           tagged(a.num_tokens, seq));
+    for (int t = gwarp; t < a.num_tokens; t += grid_warps) {
         const int64_t i = static_cast<int64_t>(t) * K + lane;
-        const bool mine_t = t < a.num_tokens && lane < K;
-        const int64_t e = mine_t ? a.topk_idx[i] : -1;
-        const int row = mine_t ? a.slot_map[i] : -1;
-        const float w = mine_t ? a.topk_weights[i] : 0.f;
+        const int64_t e = lane < K ? a.topk_idx[i] : -1;
+        const int row = lane < K ? a.slot_map[i] : -1;
+        const float w = lane < K ? a.topk_weights[i] : 0.f;
         const int dst = e >= 0 && e < E && row >= 0 ? static_cast<int>(e / experts_per_rank) : -1;
         for (int r = 0; r < R; ++r) {
             if (skip_dst[r] || r == me) continue;
@@ -1476,7 +1490,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         a.counters[kPartialsRequestsDone] = 0;
         const int64_t invalid = ld_volatile_int(a.counters + kPartialsDiffers) != 0 ? kInvalidInputBit : 0;
         a.counters[kPartialsDiffers] = 0;
-        fence_sys();  // every block's records (each released by its count) before the signals
+        fence_sys();  // (the records need no release: they are tagged; the signal carries the verdict)
         for (int r = 0; r < R; ++r)
             if (!skip_dst[r])
                 signal_peer(a.peers, me, r, lay.combine_signals + 8 * me, make_signal(seq, a.shape_tag, invalid, a.num_tokens));
@@ -1499,7 +1513,6 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     const int units = (row_int4 + kPartialsSpan - 1) / kPartialsSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
     const uint64_t waits_start = global_timer_ns();
-    const uint64_t deadline = waits_start + a.timeout_ns;
     // Thread `src`, after the rounds: source src's requests signal (its verdict on its inputs), its
     // token count into src_tokens (-1: no partials signal: masked, or timed out and reported).
     auto wait_requests = [&](int src) {
@@ -1516,8 +1529,25 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     for (int k = 0; k < R; ++k) {
         const int src = (me + k) % R;
         if (k > 0 && (skip_dst[src] || src_gone[src])) continue;
-        const int tokens = k > 0 ? N : skip_dst[me] ? 0 : a.num_tokens;
-        // A token's units go to neighbouring warps of one block, which share its record in L1.
+        const auto* src_records = reinterpret_cast<const uint64_t*>(mine + requests + static_cast<int64_t>(src) * N *
+                                                                    a.request_bytes);
+        const int64_t* src_signal = signals + src;
+        int tokens = skip_dst[me] ? 0 : a.num_tokens;
+        if (k > 0) {  // the source's token count (lane 0 polls it, the warp takes it)
+            ulonglong2 v = {};
+            const bool ok = lane != 0 || poll_request(src_records, -1, seq, v, src, src_signal, a.shape_tag, a.mask,
+                                                      waits_start, a.timeout_ns, a.info, gave_up_word(mine),
+                                                      src_gone + src);
+            if (!__shfl_sync(kFullMask, ok, 0)) {
+                if (lane == 0) {
+                    src_gone[src] = true;
+                    atomicOr(a.counters + kPartialsUnserved, 1 << src);  // released by the block's count below
+                }
+                continue;
+            }
+            tokens = min(static_cast<int>(static_cast<uint32_t>(__shfl_sync(kFullMask, v.x, 0))), N);
+        }
+        // A token's units go to neighbouring warps (each polls the token's record).
         for (int f = gwarp; f < tokens * units; f += grid_warps) {
             const int t = f / units, base = (f % units) * kPartialsSpan + lane;
             // Lane j < n: pair j's place among the token's pairs here (local expert * N + row), weight
@@ -1538,15 +1568,14 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
                 w = __shfl_sync(kFullMask, weight, from);
                 if (lane >= n) entry = -1;
             } else {
-                const auto* record =
-                    reinterpret_cast<const uint64_t*>(mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes);
+                const uint64_t* record = src_records + static_cast<int64_t>(t) * (a.request_bytes / 8);
                 ulonglong2 v = {};
-                bool ok = lane != 0 || poll_request(record, 0, seq, v, src, a.mask, deadline, a.info, gave_up_word(mine),
-                                                    src_gone + src);
+                bool ok = lane != 0 || poll_request(record, 0, seq, v, src, src_signal, a.shape_tag, a.mask, waits_start,
+                                                    a.timeout_ns, a.info, gave_up_word(mine), src_gone + src);
                 n = min(static_cast<int>(static_cast<uint32_t>(__shfl_sync(kFullMask, v.x, 0))), K);
                 if (__shfl_sync(kFullMask, ok, 0) && lane < n) {
-                    ok = poll_request(record, 1 + lane, seq, v, src, a.mask, deadline, a.info, gave_up_word(mine),
-                                      src_gone + src);
+                    ok = poll_request(record, 1 + lane, seq, v, src, src_signal, a.shape_tag, a.mask, waits_start,
+                                      a.timeout_ns, a.info, gave_up_word(mine), src_gone + src);
                     entry = static_cast<int>(static_cast<uint32_t>(v.x));
                     w = __uint_as_float(static_cast<uint32_t>(v.y));
                 }
