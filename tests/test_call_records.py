@@ -81,11 +81,11 @@ def test_ll_records_are_checked_through_their_own_exports(ll_library):
 def test_combine_partials_fit_the_slot():
     """A combine by partial sums needs [R][N] partial rows and [R][N] request records in the slot's
     [E][N]-row combine area, and 2R signals in its E: one expert per rank leaves no room."""
-    assert low_latency.request_bytes(8) == 80 and low_latency.request_bytes(32) == 272
+    assert low_latency.request_bytes(8) == 144 and low_latency.request_bytes(32) == 528
     assert low_latency.partials_fit(8, 288, 7168, 8)
     assert low_latency.partials_fit(1, 2, 512, 2)
     assert not low_latency.partials_fit(8, 8, 7168, 8)  # E = R
-    assert not low_latency.partials_fit(4, 8, 64, 32)  # records (272 bytes) larger than a row (128)
+    assert not low_latency.partials_fit(4, 8, 64, 32)  # records (528 bytes) larger than a row (128)
 
 
 def test_combine_by_partial_sums_is_asked_for_from_64_tokens_by_default():

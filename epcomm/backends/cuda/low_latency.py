@@ -89,9 +89,10 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
 
 
 def request_bytes(num_topk: int) -> int:
-    """A combine-by-partials request record: the pair count (and a spare int32), then per pair the
-    local expert * N + row and the weight (combine_partials_send)."""
-    return _round_up(8 + 8 * num_topk, 16)
+    """A combine-by-partials request record (combine_partials_send): a header (the pair count and
+    the call counter, 8 bytes unused), then per pair 16 bytes (the local expert * N + row and the
+    weight, each beside the call counter)."""
+    return 16 + 16 * num_topk
 
 
 # EPCOMM_LL_COMBINE_PARTIALS=auto combines by partial sums from this num_max_dispatch_tokens_per_rank

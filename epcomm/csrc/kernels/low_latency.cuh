@@ -152,8 +152,8 @@ enum TracePoint {  // in the order a block passes them
     kTraceWritten = 5,    // the block's messages or rows are stored (dispatch: remote ones put too; a
                           // combine's puts to remote sources come after, before kTraceSignalled)
     kTraceSignalled = 6,  // the block's counts are signalled
-    kTraceArrived = 7,    // the receive's (first) signals arrived (a combine by partial sums: the first
-                          // peer's requests, which come before its kTraceSignalled)
+    kTraceArrived = 7,    // the receive's (first) signals arrived (a combine by partial sums, thread 0:
+                          // its first record of the first peer, which comes before its kTraceSignalled)
     kTraceReceived = 8,   // the receive's copies or sums are done
     kTraceEnd = 9,
 };
@@ -1333,16 +1333,87 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 // rounding of each partial (the issue's tolerance for combine).
 // In a slot's combine area (Layout::combine_data, [E][N] rows): partials [R][N] rows (rank r's
 // for token t at [r][t]), then requests [R][N] records of request_bytes (source s's for token t
-// at [s][t]: int32 pair count, int32 unused, then int2 {local expert * N + row, weight bits} per
-// pair). Signals: combine_signals[s] (source s's requests, count = its tokens), combine_signals[R
-// + r] (rank r's partials). The host uses the mode only where these fit (partials_fit in
-// backends/cuda/low_latency.py: E >= 2R and R * (2H + request_bytes) <= E * 2H).
+// at [s][t], for t below the source's token count, which record [s][0] holds too). A record is tagged, so that
+// the expert side serves each token as its record lands rather than after the source's signal
+// (which a fence and the source's slowest block hold back: at EP4, 128 tokens it came 4.3 us after
+// the median block's records, with NVLink idle meanwhile): a uint64 {pair count, call counter},
+// 8 bytes unused, then per pair two uint64 {local expert * N + row, counter} and {weight bits,
+// counter}, stored as one 16-byte vector; record [s][0]'s unused 8 bytes: {the source's token count,
+// counter}, stored first (a token past it has no record). Every 64-bit element is single-copy atomic (relaxed,
+// system scope) and carries the call counter's low 32 bits, so an element that shows this call's
+// counter holds this call's value, whatever order the elements land in; nothing else is read
+// through them (the rows summed are this rank's own), so no acquire is needed.
+// Signals: combine_signals[s] (source s's requests, count = its tokens; it carries the verdict on
+// the source's inputs, and is waited for before the partials' signal, long after it came),
+// combine_signals[R + r] (rank r's partials). The host uses the mode only where these fit
+// (partials_fit in backends/cuda/low_latency.py: E >= 2R and R * (2H + request_bytes) <= E * 2H).
 // counters (the slot's sent_pairs, 0 between calls): [0] blocks done with their requests, [1] a
 // block saw the caller's topk_idx differ from the dispatch's, [2] blocks done with their partials,
 // [3] bit r set by a block that gave up on source r's requests (timed out, or masked it): blocks
 // wait on their own, so one may give up on a source whose signal another then sees.
 // The send kernel is cooperative (its blocks wait for each other's signals through the peers).
 constexpr int kPartialsRequestsDone = 0, kPartialsDiffers = 1, kPartialsDone = 2, kPartialsUnserved = 3;
+
+__device__ __forceinline__ uint64_t tagged(uint32_t value, int64_t seq) {
+    return static_cast<uint64_t>(static_cast<uint32_t>(seq)) << 32 | value;
+}
+__device__ __forceinline__ bool tag_of_call(uint64_t word, int64_t seq) {
+    return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(seq);
+}
+__device__ __forceinline__ void st_relaxed_sys_v2(uint64_t* ptr, uint64_t a, uint64_t b) {
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* ptr, uint64_t a) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(a) : "memory");
+}
+__device__ __forceinline__ ulonglong2 ld_relaxed_sys_v2(const uint64_t* ptr) {
+    ulonglong2 v;
+    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(ptr) : "memory");
+    return v;
+}
+
+// Poll a request record's element `index` (0: the header; 1 + j: pair j, both of its elements;
+// -1: record [s][0]'s token count) until it shows call `seq`; false once source src is given up
+// on: masked, this rank gave up, its requests signal (`shape_probe`, at a place no shape moves)
+// shows a call of another shape (reported: its records lie elsewhere), `timeout_ns` after `start`
+// (a timeout masks src with failed-rank masking, else is reported and gives the call up, as
+// wait_signal does), or `gone` (shared: another warp of the block gave up on src).
+__device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulonglong2& out, int src,
+                             const int64_t* shape_probe, int tag, int* mask, uint64_t start, uint64_t timeout_ns,
+                             int* info, int* gave_up, volatile bool* gone) {
+    const uint64_t* at = index == 0 ? record : index < 0 ? record + 1 : record + 2 * index;
+    for (int spin = 0;; ++spin) {
+        if (index <= 0) {
+            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(out.x) : "l"(at) : "memory");
+            out.y = out.x;
+        } else {
+            out = ld_relaxed_sys_v2(at);
+        }
+        if (tag_of_call(out.x, seq) && tag_of_call(out.y, seq)) return true;
+        if ((spin & 63) == 63) {
+            if (*gone || masked(mask, src)) return false;
+            if (ld_volatile_int(gave_up) != 0) {
+                record_error(info, kErrAbandoned, kOpCombine, -1);
+                return false;
+            }
+            const int64_t probe = ld_acquire_sys(shape_probe);
+            if (signal_of_call(probe, seq) && ((probe >> kTagShift) & 0xff) != tag) {
+                record_error(info, kErrShapeMismatch, kOpCombine, src);
+                give_up(gave_up);
+                return false;
+            }
+            if (global_timer_ns() - start > timeout_ns) {
+                if (mask != nullptr)
+                    atomicExch(mask + src, 1);
+                else {
+                    record_error(info, kErrTimeout, kOpCombine, src);
+                    give_up(gave_up);
+                }
+                return false;
+            }
+        }
+    }
+}
 
 __device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, int num_ranks, int n, int hidden) {
     return lay.combine_data + static_cast<int64_t>(num_ranks) * n * hidden * 2;
@@ -1367,8 +1438,11 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     const int64_t requests = partials_requests_offset(lay, R, N, a.hidden);
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
 
-    if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
+    __shared__ bool src_gone[kMaxRanks];  // a warp of the block gave up on the source's records
+    if (tid < R) {  // a peer still reading the previous call of this slot must acknowledge it first
         skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        src_gone[tid] = false;
+    }
     for (int i = tid; i < E; i += kThreads) {
         const int64_t word = a.layout_range[i];  // [local expert][source]: a layout never filled is clamped
         const int begin = max(0, min(static_cast<int>(word >> 32), N * R));
@@ -1383,9 +1457,15 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     if (__syncthreads_or(differs) && tid == 0) atomicOr(a.counters + kPartialsDiffers, 1);
     trace_point(a.trace, 0, kTraceReady);
 
-    // Requests: a warp per token; lane k holds pair k (K <= 32); for each peer, the pairs there are
-    // stored in slot order (their rank among the ballot's lanes). This rank's own pairs need none
-    // (its round 0 below reads the same arrays), only the signal, which carries the verdict.
+    // Requests: first this rank's token count to every peer (record [me][0]'s spare word: the peer
+    // serves no token past it); then a warp per token; lane k holds pair k (K <= 32); for each peer,
+    // the pairs there are stored in slot order (their rank among the ballot's lanes), each element
+    // tagged with the call. This rank's own pairs need none (its round 0 below reads the same
+    // arrays), only the signal, which carries the verdict.
+    if (blockIdx.x == 0 && tid < R && tid != me && !skip_dst[tid])
+        st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(a.peers.bufs[tid] + requests + static_cast<int64_t>(me) * N *
+                                                       a.request_bytes) + 1,
+                           tagged(a.num_tokens, seq));
     for (int t = gwarp; t < a.num_tokens; t += grid_warps) {
         const int64_t i = static_cast<int64_t>(t) * K + lane;
         const int64_t e = lane < K ? a.topk_idx[i] : -1;
@@ -1395,11 +1475,13 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         for (int r = 0; r < R; ++r) {
             if (skip_dst[r] || r == me) continue;
             const unsigned pairs = __ballot_sync(kFullMask, dst == r);
-            uint8_t* record = a.peers.bufs[r] + requests + (static_cast<int64_t>(me) * N + t) * a.request_bytes;
-            if (lane == 0) *reinterpret_cast<int*>(record) = __popc(pairs);
+            auto* record = reinterpret_cast<uint64_t*>(a.peers.bufs[r] + requests +
+                                                       (static_cast<int64_t>(me) * N + t) * a.request_bytes);
+            if (lane == 0) st_relaxed_sys_u64(record, tagged(__popc(pairs), seq));
             if (dst == r)
-                reinterpret_cast<int2*>(record + 8)[__popc(pairs & ((1u << lane) - 1))] =
-                    make_int2(static_cast<int>(e % experts_per_rank) * N + row, __float_as_int(w));
+                st_relaxed_sys_v2(record + 2 * (1 + __popc(pairs & ((1u << lane) - 1))),
+                                  tagged(static_cast<uint32_t>(e % experts_per_rank) * N + row, seq),
+                                  tagged(__float_as_uint(w), seq));
         }
     }
     // The last block to finish its requests signals every rank: this rank's token count.
@@ -1408,7 +1490,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         a.counters[kPartialsRequestsDone] = 0;
         const int64_t invalid = ld_volatile_int(a.counters + kPartialsDiffers) != 0 ? kInvalidInputBit : 0;
         a.counters[kPartialsDiffers] = 0;
-        fence_sys();  // every block's records (each released by its count) before the signals
+        fence_sys();  // (the records need no release: they are tagged; the signal carries the verdict)
         for (int r = 0; r < R; ++r)
             if (!skip_dst[r])
                 signal_peer(a.peers, me, r, lay.combine_signals + 8 * me, make_signal(seq, a.shape_tag, invalid, a.num_tokens));
@@ -1424,15 +1506,15 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     // Partials in rounds: round k serves source (me + k) % R, so in each round every rank writes into
     // another rank's slot (one sender per NVLink ingress; in source-major order all ranks wrote into
     // the same one). Round 0 is this rank's own tokens, planned from the caller's arrays (no request
-    // to wait for) while the peers' requests travel; a block then waits for each peer's requests in
-    // turn (thread 0), not for all of them first.
+    // to wait for) while the peers' requests travel; then each peer's tokens, each as its record
+    // lands (a warp polls the record of its token: no barrier between rounds).
     // The waits share one deadline, as when they ran side by side: with failed-rank masking (a
     // timeout masks the source and the call goes on) d dead peers would otherwise cost d timeouts.
     const int units = (row_int4 + kPartialsSpan - 1) / kPartialsSpan;
     const auto* x = reinterpret_cast<const int4*>(a.x);
     const uint64_t waits_start = global_timer_ns();
-    // Thread 0: source src's requests signal, its token count into src_tokens (-1: nothing to
-    // serve, and no partials signal: masked, or timed out and reported).
+    // Thread `src`, after the rounds: source src's requests signal (its verdict on its inputs), its
+    // token count into src_tokens (-1: no partials signal: masked, or timed out and reported).
     auto wait_requests = [&](int src) {
         int count = -1;
         if (!skip_dst[src]) {
@@ -1446,13 +1528,26 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     };
     for (int k = 0; k < R; ++k) {
         const int src = (me + k) % R;
-        if (k > 0) {
-            if (tid == 0) wait_requests(src);
-            __syncthreads();
-            if (k == 1) trace_point(a.trace, 0, kTraceArrived);
+        if (k > 0 && (skip_dst[src] || src_gone[src])) continue;
+        const auto* src_records = reinterpret_cast<const uint64_t*>(mine + requests + static_cast<int64_t>(src) * N *
+                                                                    a.request_bytes);
+        const int64_t* src_signal = signals + src;
+        int tokens = skip_dst[me] ? 0 : a.num_tokens;
+        if (k > 0) {  // the source's token count (lane 0 polls it, the warp takes it)
+            ulonglong2 v = {};
+            const bool ok = lane != 0 || poll_request(src_records, -1, seq, v, src, src_signal, a.shape_tag, a.mask,
+                                                      waits_start, a.timeout_ns, a.info, gave_up_word(mine),
+                                                      src_gone + src);
+            if (!__shfl_sync(kFullMask, ok, 0)) {
+                if (lane == 0) {
+                    src_gone[src] = true;
+                    atomicOr(a.counters + kPartialsUnserved, 1 << src);  // released by the block's count below
+                }
+                continue;
+            }
+            tokens = min(static_cast<int>(static_cast<uint32_t>(__shfl_sync(kFullMask, v.x, 0))), N);
         }
-        const int tokens = k > 0 ? src_tokens[src] : skip_dst[me] ? 0 : a.num_tokens;
-        // A token's units go to neighbouring warps of one block, which share its record in L1.
+        // A token's units go to neighbouring warps (each polls the token's record).
         for (int f = gwarp; f < tokens * units; f += grid_warps) {
             const int t = f / units, base = (f % units) * kPartialsSpan + lane;
             // Lane j < n: pair j's place among the token's pairs here (local expert * N + row), weight
@@ -1473,13 +1568,25 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
                 w = __shfl_sync(kFullMask, weight, from);
                 if (lane >= n) entry = -1;
             } else {
-                const uint8_t* record = mine + requests + (static_cast<int64_t>(src) * N + t) * a.request_bytes;
-                n = min(*reinterpret_cast<const int*>(record), K);
-                if (lane < n) {
-                    const int2 pair = reinterpret_cast<const int2*>(record + 8)[lane];
-                    entry = pair.x;
-                    w = __int_as_float(pair.y);
+                const uint64_t* record = src_records + static_cast<int64_t>(t) * (a.request_bytes / 8);
+                ulonglong2 v = {};
+                bool ok = lane != 0 || poll_request(record, 0, seq, v, src, src_signal, a.shape_tag, a.mask, waits_start,
+                                                    a.timeout_ns, a.info, gave_up_word(mine), src_gone + src);
+                n = min(static_cast<int>(static_cast<uint32_t>(__shfl_sync(kFullMask, v.x, 0))), K);
+                if (__shfl_sync(kFullMask, ok, 0) && lane < n) {
+                    ok = poll_request(record, 1 + lane, seq, v, src, src_signal, a.shape_tag, a.mask, waits_start,
+                                      a.timeout_ns, a.info, gave_up_word(mine), src_gone + src);
+                    entry = static_cast<int>(static_cast<uint32_t>(v.x));
+                    w = __uint_as_float(static_cast<uint32_t>(v.y));
                 }
+                if (!__all_sync(kFullMask, ok)) {  // src given up on: no more of its tokens, no signal
+                    if (lane == 0) {
+                        src_gone[src] = true;
+                        atomicOr(a.counters + kPartialsUnserved, 1 << src);  // released by the block's count below
+                    }
+                    break;
+                }
+                if (k == 1 && f == gwarp) trace_point(a.trace, 0, kTraceArrived);  // thread 0: its first record
             }
             if (n == 0) continue;
             int64_t x_row = -1;  // lane j: pair j's row of x, -1: none (outside the dispatch's layout)
@@ -1512,9 +1619,10 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
                            acc, base, row_int4);
         }
     }
-    // This rank's own requests signal (sent with the peers'): it carries the call's verdict on the
-    // inputs, which every rank records alike.
-    if (tid == 0) wait_requests(me);
+    // Every source's requests signal (this rank's own too): it carries the source's verdict on its
+    // inputs, which every rank records alike, and its token count; long since come, unless the
+    // source is gone.
+    if (tid < R) wait_requests(tid);
     // The last block to finish its partials signals every source it served (one whose requests
     // never came is not: it times out or masks this rank, rather than adding stale rows).
     __syncthreads();
