@@ -198,6 +198,12 @@ struct Layout {  // where things live inside one slot
         // The dispatch area: what a message per (expert, row) would take at 2H + 16 bytes (the size
         // hint's message), of which the messages [R][N] and the index [E_local][R][N] take a part.
         combine_data = data + static_cast<int64_t>(num_experts) * num_max_tokens * (hidden * 2 + 16);
+        // The combine area's rows start on a 128-byte line (buffers are 256-byte aligned) where the
+        // slot has room for the rounding (every rank has the same slot_bytes, which slot 1's place
+        // already assumes): rows of whole lines go over NVLink without partial ones at their ends.
+        const int64_t aligned = (combine_data + 127) / 128 * 128;
+        if (aligned + static_cast<int64_t>(num_experts) * num_max_tokens * hidden * 2 <= slot_base + slot_bytes)
+            combine_data = aligned;
     }
 };
 
