@@ -95,3 +95,14 @@ def test_combine_by_partial_sums_is_asked_for_from_64_tokens_by_default():
     assert [low_latency.partials_asked("auto", n) for n in (1, 32, 63, 64, 128, 256)] == [False] * 3 + [True] * 3
     assert all(low_latency.partials_asked("1", n) for n in (1, 64, 4096))
     assert not any(low_latency.partials_asked("0", n) for n in (1, 64, 4096))
+
+
+def test_dispatch_messages_fill_128_byte_lines_where_the_area_has_room():
+    """The dispatch's messages [R][N] take a multiple of 128 bytes from a 128-byte aligned base (each
+    512-byte FP8 unit fills whole NVLink lines) where the dispatch area holds them, the index and the
+    base's rounding; one BF16 expert per rank with a single token leaves no room: 16, as before."""
+    assert low_latency.message_layout(128, 7168, 4, 288, True, False) == (7424, 128)
+    assert low_latency.message_layout(128, 7168, 8, 288, False, False) == (14336, 128)
+    assert low_latency.message_layout(16, 512, 4, 16, True, True) == (640, 128)
+    assert low_latency.message_layout(1, 512, 2, 2, False, False) == (1024, 16)
+    assert low_latency.message_layout(4, 1000, 2, 2, False, False) == (2000, 16)

@@ -78,6 +78,19 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     return data, cols, _round_up(data + cols * 4, 16)
 
 
+def message_layout(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int, use_fp8: bool,
+                   use_ue8m0: bool) -> tuple[int, int]:
+    """(message bytes, alignment) of a dispatch's messages [R][N] in the slot's dispatch area: 128-byte
+    lines (each 512-byte unit of FP8 data fills whole lines over NVLink) where the area has room for
+    them, the index [E_local][R][N] of int32 and the base's rounding; else as message_bytes, 16."""
+    _, _, msg = message_bytes(hidden, use_fp8, use_ue8m0)
+    wide = _round_up(msg, 128)
+    area = num_experts * num_max_tokens * (hidden * 2 + 16)
+    if num_ranks * num_max_tokens * wide + 4 * num_experts * num_max_tokens + 112 <= area:
+        return wide, 128
+    return msg, 16
+
+
 def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Bytes of one of the two slots: signals, acks, the dispatch area (sized as the size hint's
     messages, one per (expert, row) of 2H + 16 bytes: the kernels' messages [R][N] and index
@@ -145,7 +158,7 @@ class LLDispatchCall(ctypes.Structure):
                 *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
-                                        "block_receive spare")]
+                                        "block_receive message_align")]
 
 
 class LLCombineCall(ctypes.Structure):
@@ -530,7 +543,8 @@ class _DispatchShape:
         num_ranks = backend.num_ranks
         self.e_local = e_local = num_experts // num_ranks
         rows = num_max_tokens * num_ranks
-        data_bytes, cols, msg = message_bytes(hidden, use_fp8, use_ue8m0)
+        data_bytes, cols, _ = message_bytes(hidden, use_fp8, use_ue8m0)
+        msg, align = message_layout(num_max_tokens, hidden, backend.num_ranks, num_experts, use_fp8, use_ue8m0)
         self.data_shape = (e_local, rows, hidden)
         self.data_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         # FP8 scales, laid out as the reference backend lays them out (used with FP8 only; their
@@ -555,6 +569,7 @@ class _DispatchShape:
                                           bits=8)  # the signals carry 8 bits
             call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
             call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
+            call.message_align = align
             if use_fp8:
                 call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides
             self.records.append(call)
