@@ -49,6 +49,12 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                         "unit's rows; auto = 1 for a call of at least 2 (token, expert) pairs "
                                         "per expert (tokens * top-k >= 2 * experts), else 0. Read when a Buffer "
                                         "is built"),
+    "EPCOMM_LL_ARRIVAL": ("1", "CUDA low-latency mode, IPC transport, FP8 dispatch (fp32 scales) without a "
+                               "receive hook or failed-rank masking: 1 = the receivers copy each piece of a message "
+                               "as it lands (told by its bits: the area holds a poison no payload word can be) "
+                               "and the counts leave before the data; 0 = the counts follow the data (a fence) "
+                               "and the receivers copy once they arrive. Read when a Buffer is built; every rank "
+                               "must agree"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -102,6 +108,13 @@ def ll_block_receive() -> str:
     if value not in ("auto", "0", "1"):
         raise ValueError(f"EPCOMM_LL_BLOCK_RECEIVE must be auto, 0 or 1, got {value!r}")
     return value
+
+
+def ll_arrival() -> bool:
+    value = env_str("EPCOMM_LL_ARRIVAL")
+    if value not in ("1", "0"):
+        raise ValueError(f"EPCOMM_LL_ARRIVAL must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def ll_combine_partials() -> str:

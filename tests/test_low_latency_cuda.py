@@ -600,6 +600,81 @@ def test_ll_cuda_invalid_inputs_raise_on_every_rank(ranks):
     cluster(ranks).run(rank_invalid_inputs_raise_everywhere)
 
 
+def _ll_outputs(buf, x, topk_idx, weights, n, num_experts, flags, combine: bool) -> dict:
+    """One dispatch (and, with ``combine``, a combine of its rows times (local expert + 1) / 4) of
+    ``buf``, its outputs copied."""
+    e_local = num_experts // dist.get_world_size()
+    poison_allocator(x.device)
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, n, num_experts, **flags)
+    out = dict(rows=_valid_rows(recv_x, recv_count), recv_count=recv_count.clone(),
+               layout_range=handle.layout_range.clone(), src_info=handle.src_info.clone())
+    if combine:
+        data = recv_x[0].float() if flags["use_fp8"] else recv_x.float()
+        scale = (torch.arange(e_local, device=x.device, dtype=torch.float32) + 1).view(-1, 1, 1) / 4
+        y = data.nan_to_num_().mul_(scale).to(torch.bfloat16)
+        out["combined"] = buf.low_latency_combine(y, topk_idx, weights, handle)[0].clone()
+    torch.cuda.synchronize()
+    return out
+
+
+def _arrival_key_of_slot(buf, slot: int) -> int:
+    """The slot's arrival key in the CUDA buffer's header (low_latency.cuh kArrivalKeyOffset)."""
+    return int(buf._cuda_ll.shared.tensor[48:64].view(torch.int64)[slot])
+
+
+def rank_ll_arrival():
+    """Dispatch by arrival (EPCOMM_LL_ARRIVAL=1, the default; low_latency.cuh): a buffer's first FP8
+    dispatch of a shape in a slot goes the counted way and poisons the slot's arrival area, the next
+    ones there go by arrival; a call of another format or shape between (which may write over the
+    area) makes the next one poison it again. The slot's key, read before each dispatch, must be what
+    that rule says (so the test knows which calls went by arrival: most of them); every output of the
+    sequence bitwise the reference's, fresh inputs each call, with T < N and T = 0 on some ranks;
+    dispatches without a combine between so that both slots see each path."""
+    from epcomm.backends.cuda.low_latency import area_tag, arrival_message_bytes
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hidden, num_experts, num_topk = 7168, 36 * num_ranks, 8
+    cuda, ref = (_buffer(b, 128, hidden, num_experts) for b in ("cuda", "reference"))
+    fp8, bf16 = mode_flags("fp8"), mode_flags("bf16")
+    # (N, tokens of this rank, format, with a combine)
+    steps = ([(128, 128, fp8, True)] * 3 + [(128, 77, fp8, False)] * 2 + [(128, 128, bf16, True)] +
+             [(128, (128, 0, 77)[rank % 3], fp8, True)] * 3 + [(16, (16, 3, 0)[rank % 3], fp8, True)] * 3 +
+             [(128, 128, mode_flags("fp8-round"), False)] * 3 + [(128, 128, mode_flags("fp8-ue8m0"), True)] +
+             [(128, 100, fp8, True)] * 3)
+    keys = [0, 0]  # the rule's model of the header's keys
+    went_by_arrival = 0
+    for i, (n, tokens, flags, combine) in enumerate(steps):
+        tag = f"rank={rank} R={num_ranks} step={i} N={n} T={tokens} {flags} combine={combine}"
+        amsg = arrival_message_bytes(hidden, num_topk, flags["use_fp8"], flags["use_ue8m0"])
+        key = area_tag(hidden, num_experts, n) << 32 | amsg if amsg else 0
+        slot = cuda._ll_counter % 2
+        assert _arrival_key_of_slot(cuda, slot) == keys[slot], tag
+        went_by_arrival += bool(amsg) and keys[slot] == key
+        keys[slot] = key
+        if combine:  # the combine's slot keeps a key of its own area
+            other = 1 - slot
+            if keys[other] >> 32 != area_tag(hidden, num_experts, n):
+                keys[other] = 0
+        x, topk_idx, weights = (t.to(dev) for t in make_inputs(300 + i, rank, tokens, hidden, num_experts, num_topk,
+                                                               num_ranks, "random"))
+        got = _ll_outputs(cuda, x, topk_idx, weights, n, num_experts, flags, combine)
+        want = _ll_outputs(ref, x, topk_idx, weights, n, num_experts, flags, combine)
+        for name in ("recv_count", "layout_range", "src_info", *(("combined",) if combine else ())):
+            assert _bits_equal(got[name], want[name]), f"{tag}: {name} differs from the reference backend"
+        assert len(got["rows"]) == len(want["rows"]), tag
+        for j, (a, b) in enumerate(zip(got["rows"], want["rows"])):
+            assert _bits_equal(a, b), f"{tag}: received rows of part {j} differ from the reference backend"
+    assert went_by_arrival >= 8, went_by_arrival
+    cuda.destroy()
+    ref.destroy()
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_ll_cuda_dispatch_by_arrival(ranks):
+    cluster(ranks).run(rank_ll_arrival, timeout_s=300)
+
+
 def rank_ll_cuda_fuzz(max_examples: int):
     """Random valid and invalid low-latency arguments on the CUDA backend (one rank): each call is
     refused at once (ValueError/TypeError: what the host can see), or reported by the next call of

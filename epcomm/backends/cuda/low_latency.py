@@ -91,6 +91,22 @@ def message_layout(num_max_tokens: int, hidden: int, num_ranks: int, num_experts
     return msg, 16
 
 
+def arrival_message_bytes(hidden: int, num_topk: int, use_fp8: bool, use_ue8m0: bool) -> int:
+    """Bytes of a dispatch message by arrival (low_latency.cuh, "dispatch by arrival"): a 128-byte
+    header (K <= 16 tagged words), the FP8 data and the fp32 scales, in 128-byte lines; 0 for the
+    formats that have none (BF16, UE8M0 scales: their words may be any bits, so no poison exists)."""
+    if not use_fp8 or use_ue8m0 or num_topk > 16:
+        return 0
+    data, cols, _ = message_bytes(hidden, use_fp8, use_ue8m0)
+    return _round_up(128 + data + _round_up(cols * 4, 16), 128)
+
+
+def area_tag(hidden: int, num_experts: int, num_max_tokens: int) -> int:
+    """The shape tag of a slot's layout (where its dispatch area lies): a dispatch's arrival key and a
+    combine's check of it (ArrivalKeyUpdate in low_latency.cuh)."""
+    return shape_digest(3, hidden, num_experts, num_max_tokens, bits=31)
+
+
 def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Bytes of one of the two slots: signals, acks, the dispatch area (sized as the size hint's
     messages, one per (expert, row) of 2H + 16 bytes: the kernels' messages [R][N] and index
@@ -155,16 +171,17 @@ class LLDispatchCall(ctypes.Structure):
                 *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
                 *fields(ctypes.c_uint64, "sent_pairs slot_map topk_copy recv_data recv_scales src_info recv_count "
                                          "layout_range cumulative_stats"),
-                *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col"),
+                *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col arrival_key"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
-                                        "block_receive message_align")]
+                                        "block_receive message_align arrival arrival_msg_bytes")]
 
 
 class LLCombineCall(ctypes.Structure):
     _fields_ = [("context", LLCallContext),
                 *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
                 *fields(ctypes.c_uint64, "layout_range caller_topk_idx topk_weights slot_map out counters"),
+                ("area_tag", ctypes.c_int64),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "partials request_bytes")]
 
@@ -213,6 +230,7 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.block_receive = _env.ll_block_receive()  # auto, 0 or 1; the receive side only: ranks may differ
+        self.arrival = _env.ll_arrival()  # every rank must agree (the signals' tag tells a rank that did not)
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -432,6 +450,7 @@ class CudaLowLatency:
         call = LLDispatchCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
         call.num_tokens = num_tokens
         call.block_receive = receive_together(self.block_receive, num_tokens, num_topk, num_experts)
+        call.arrival = int(shape.arrival and not hook and mask is None)
         call.x, call.topk_idx, call.mask = x.data_ptr(), topk_idx.data_ptr(), addr(mask)
         call.wait_stats, call.trace, call.cumulative_stats = addr(wait_stats), addr(trace), addr(cumulative_stats)
         call.slot_map, call.topk_copy = base + slot_map_at, base + topk_copy_at
@@ -570,6 +589,12 @@ class _DispatchShape:
             call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
             call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
             call.message_align = align
+            # By arrival where the format has poison and every peer is mapped (IPC); the kernel
+            # decides the rest per call (dispatch_mode).
+            amsg = arrival_message_bytes(hidden, num_topk, use_fp8, use_ue8m0) if num_max_tokens < 1 << 16 else 0
+            call.arrival_msg_bytes = amsg
+            call.arrival_key = area_tag(hidden, num_experts, num_max_tokens) << 32 | amsg if amsg else 0
+            self.arrival = bool(amsg) and backend.transport == "ipc" and backend.arrival
             if use_fp8:
                 call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides
             self.records.append(call)
@@ -597,6 +622,7 @@ class _CombineShape:
             call.shape_tag = shape_digest(2, hidden, num_experts, num_max_tokens, int(partials),
                                           num_topk if partials else 0, bits=8)
             call.partials, call.request_bytes = int(partials), request_bytes(num_topk)
+            call.area_tag = area_tag(hidden, num_experts, num_max_tokens)
             self.records.append(call)
 
 

@@ -62,7 +62,7 @@
 namespace epcomm {
 namespace ll {
 
-constexpr int kHeaderBytes = 48;
+constexpr int kHeaderBytes = 64;
 constexpr int kCounterOffset = 0;    // int64: the last call counter used by this rank
 constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel that have finished
 constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kernel of each slot (hooks may
@@ -70,6 +70,7 @@ constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kerne
 constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
 constexpr int kGaveUpOffset = 40;    // int32: set when a wait of this rank timed out (the others stop waiting);
                                      // in device memory: the waits poll it, and host memory is far
+constexpr int kArrivalKeyOffset = 48;  // int64[2]: per slot, which arrival area is poisoned (arrival_key)
 // A signal: [63:32] the call counter (its low 32 bits), [31:24] the call's shape tag, [23] invalid
 // input, [22:0] count + 1. The shape tag (a hash of hidden, experts, N and the message format, made
 // by the host) lets a receiver tell a peer that made a call of another shape: its rows would not
@@ -219,9 +220,28 @@ __device__ __forceinline__ int* gave_up_word(uint8_t* buf) { return reinterpret_
 // written by that call's last block), uses one more, and the last block of this call stores it.
 __device__ __forceinline__ int64_t next_seq(uint8_t* mine) { return ld_volatile(counter(mine)) + 1; }
 
+// The arrival key of a slot (header word kArrivalKeyOffset + 8 slot): nonzero when this rank's
+// arrival area of that key (a dispatch's shape, arrival_key in the call record: the area's shape tag
+// in the high 32 bits, its message bytes in the low ones) holds poison wherever a payload word can
+// land, as a dispatch by arrival needs (receive_dispatch_arrival). Every call that uses the slot
+// updates it the same way on every rank (every rank makes the same calls), so the ranks agree on
+// it without a word exchanged, in CUDA-graph replays too.
+__device__ __forceinline__ int64_t* arrival_key_word(uint8_t* buf, int slot) {
+    return reinterpret_cast<int64_t*>(buf + kArrivalKeyOffset) + slot;
+}
+
+// What a call does to its slot's arrival key (finish_send_kernel): a dispatch sets it (the key its
+// area keeps after it: arrival_key_after); a combine keeps it where its shape has the same area
+// (`area_tag`: its stores stay out of that dispatch area), else clears it.
+struct ArrivalKeyUpdate {
+    bool set;
+    int64_t key;
+    uint32_t area_tag;
+};
+
 // The last block to finish (every block has read the counter and the slot's previous call by then)
-// records this call as the slot's latest and as the rank's last.
-__device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
+// records this call as the slot's latest and as the rank's last, and updates the slot's arrival key.
+__device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, ArrivalKeyUpdate key_update) {
     __syncthreads();
     if (threadIdx.x == 0) {
         fence_gpu();  // the block's reads of the counter and the slot come before its arrival
@@ -230,6 +250,11 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot) {
             *done = 0;
             reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
             *counter(mine) = seq;
+            int64_t* key = arrival_key_word(mine, slot);
+            if (key_update.set)
+                *key = key_update.key;
+            else if (static_cast<uint32_t>(static_cast<uint64_t>(*key) >> 32) != key_update.area_tag)
+                *key = 0;
             fence_gpu();  // the next kernel on this GPU reads them
         }
     }
@@ -418,7 +443,96 @@ struct DispatchArgs {
     int* info;
     uint64_t timeout_ns;
     int64_t* trace;           // [2, kTraceBlocks, kTracePoints] phase timeline, or nullptr
+    // by arrival (ArrivalMode): whether this launch may (the fused kernel; FP8 with fp32 scales, IPC,
+    // no masking: the host's choice), an arrival message's bytes and the shape's arrival key
+    int arrival, arrival_msg_bytes;
+    int64_t arrival_key;
 };
+
+// ------------------------------------------------------------------ dispatch by arrival
+// A fused dispatch whose signals wait for its data waits for every NVLink store of the GPU: a
+// fence_sys issued while stores are in flight completes only when all of them have landed (EP4,
+// 128 tokens, 4 x H100: every block's signal left at 15.6 us, its own stores issued by 7.6 us
+// median), so the receivers could only start copying then (17.1 us) and ended ~4 us later. By
+// arrival, the receivers tell data from what was there before by its bits instead, and copy each
+// piece as it lands, while the rest is in flight:
+// * messages go to an area of their own (arrival_base: in the dispatch area, after the messages
+//   and index of the counted path), [R][N] of arrival_msg_bytes: a header of K tagged words (per
+//   top-k slot: its local expert and row at this rank, or none; every token t < N gets one at every
+//   rank, so the receiver knows which messages come), then the FP8 data and the fp32 scales;
+// * a payload word not yet written holds the poison 0xffffffff: no FP8 data word is four 0xff
+//   bytes (0xff is e4m3's negative NaN, which the satfinite cast never makes; send_unit replaces it
+//   all the same) and no fp32 scale is a negative NaN (the scale is a positive max);
+// * the counts need no data before them: every block knows every expert's count once it has
+//   counted the pairs, so they leave at once, with one relaxed store each;
+// * each payload word has one reader (a warp per part of a message copies it into every row its
+//   header names), which stores the poison back once it has copied it, before the acknowledgement
+//   that lets the slot's next call write there.
+// The area holds the poison from the first call of its shape on: the slot's arrival key says
+// whether it does (arrival_key_word); a call that finds it unset runs the counted path and poisons
+// the area at the end of its receive. Its signals flip the shape tag's top bit, so a rank that
+// went the other way (a cooperative launch refused on one rank only) is reported as a call of
+// another shape, not waited for.
+constexpr int kArrivalHeaderBytes = 128;  // K <= 16 tagged words, then the payload on a 128-byte line
+constexpr uint32_t kPoison = 0xffffffffu;
+constexpr uint32_t kNoDestination = 0xffffffffu;  // a header word's entry for a slot not at this rank
+constexpr int kArrivalPerLane = 4;        // 16-byte words a lane holds of its part of a message
+constexpr int kArrivalMaxParts = 8;
+
+struct ArrivalMode {
+    bool on;      // this call goes by arrival
+    bool poison;  // it may but the area is not poisoned yet: the counted path, then poison the area
+    int64_t base;  // the arrival area's offset in the buffer
+    int tag;       // the signals' shape tag
+    ArrivalKeyUpdate key_update;
+};
+
+// Read by every block at its start (the last block of the send role updates the key: every block
+// has read it by then).
+__device__ ArrivalMode dispatch_mode(const DispatchArgs& a, const Layout& lay, uint8_t* mine) {
+    const int R = a.num_ranks, N = a.num_max_tokens;
+    const int64_t index_end = (lay.data + a.message_align - 1) / a.message_align * a.message_align +
+                              static_cast<int64_t>(R) * N * a.msg_bytes + static_cast<int64_t>(a.num_experts) * N * 4;
+    ArrivalMode m{};
+    m.base = (index_end + 127) / 128 * 128;
+    const int64_t area_end = lay.data + static_cast<int64_t>(a.num_experts) * N * (a.hidden * 2 + 16);
+    bool any_remote = false;
+    for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
+    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr &&
+                      m.base + static_cast<int64_t>(R) * N * a.arrival_msg_bytes <= area_end;
+    const int64_t key = ld_volatile(arrival_key_word(mine, a.slot));
+    m.on = able && key == a.arrival_key;
+    m.poison = able && !m.on;
+    m.tag = m.on ? a.shape_tag ^ 0x80 : a.shape_tag;
+    // Calls that do not go by arrival keep the key only where their stores miss the area: those of
+    // its own format, whose messages and index lie before it.
+    m.key_update = {true, able ? a.arrival_key : (key == a.arrival_key ? key : 0), 0};
+    return m;
+}
+
+__device__ __forceinline__ uint8_t* arrival_message(const DispatchArgs& a, const ArrivalMode& m, uint8_t* buf, int src,
+                                                    int t) {
+    return buf + m.base + (static_cast<int64_t>(src) * a.num_max_tokens + t) * a.arrival_msg_bytes;
+}
+
+// A message's header at a rank: word k is slot k's entry (`entry(k)`: local expert << 16 | row, or
+// kNoDestination) beside the call counter, in 16-byte stores of two words each.
+template <class Entry>
+__device__ __forceinline__ void store_arrival_header(uint8_t* msg, const Entry& entry, int num_topk, int64_t seq) {
+    auto* words = reinterpret_cast<uint64_t*>(msg);
+    const uint64_t tag = static_cast<uint64_t>(static_cast<uint32_t>(seq)) << 32;
+    for (int k = 0; k < num_topk; k += 2) {
+        const uint64_t w0 = tag | entry(k), w1 = tag | (k + 1 < num_topk ? entry(k + 1) : kNoDestination);
+        asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(words + k), "l"(w0), "l"(w1) : "memory");
+    }
+}
+
+// An FP8 data word that would read as the poison (four negative NaNs) becomes four positive ones.
+__device__ __forceinline__ uint2 never_poison(uint2 q) {
+    if (q.x == kPoison) q.x = 0x7f7f7f7fu;
+    if (q.y == kPoison) q.y = 0x7f7f7f7fu;
+    return q;
+}
 
 // A UE8M0 scale (a power of two) as its exponent byte.
 __device__ __forceinline__ uint32_t ue8m0_byte(float scale) { return (__float_as_uint(scale) >> 23) & 0xff; }
@@ -445,8 +559,8 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
     uint2 q0 = {}, q1 = {};
     float s0 = 0.f, s1 = 0.f, s0_high = 0.f, s1_high = 0.f;
     if (a.mode.fp8) {
-        q0 = cast_fp8x8(r0, v0, a.mode, s0);
-        q1 = cast_fp8x8(r1, v1, a.mode, s1);
+        q0 = never_poison(cast_fp8x8(r0, v0, a.mode, s0));
+        q1 = never_poison(cast_fp8x8(r1, v1, a.mode, s1));
         // The unit's four scales (groups 4 unit .. 4 unit + 3: s0 of lanes 0 and 16, then s1) in lane
         // 0, which stores them with one 16-byte write (UE8M0: one 4-byte word) instead of four
         // 4-byte ones: over NVLink each small write is a packet of its own.
@@ -559,9 +673,23 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
     return static_cast<int>((messages_base(a, lay) + (static_cast<int64_t>(me) * N + t) * a.msg_bytes) / 16);
 }
 
+// Where pair j's data goes by arrival (at byte 16 * the value returned of rank `rank`'s buffer, -1
+// for nowhere): the payload of the token's message at the pair's rank, for the token's first pair
+// with a row there.
+__device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const ArrivalMode& m, const int* pair_expert,
+                                                    const int* pair_row, int first, int j, uint8_t& rank) {
+    const int K = a.num_topk, experts_per_rank = a.num_experts / a.num_ranks;
+    const int row = pair_row[j], dst = pair_expert[j] / experts_per_rank;
+    rank = 0;
+    if (row < 0 || earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst)) return -1;
+    rank = static_cast<uint8_t>(dst);
+    const int64_t message = m.base + (static_cast<int64_t>(a.rank) * a.num_max_tokens + first + j / K) * a.arrival_msg_bytes;
+    return static_cast<int>((message + kArrivalHeaderBytes) / 16);
+}
+
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
-__device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
+__device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m) {
     extern __shared__ int expert_counts[];  // [E] pairs before this block's tokens, then [E] all pairs
     int* before = expert_counts;
     int* total = expert_counts + a.num_experts;
@@ -640,12 +768,12 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
     trace_point(a.trace, 0, kTraceReady);
     // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
-    // so it travels while the messages are written.
+    // so it travels while the messages are written. By arrival, every expert's count does.
     for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
         const int dst = e / experts_per_rank;
-        if (total[e] != 0 || skip_dst[dst]) continue;
+        if ((total[e] != 0 && !m.on) || skip_dst[dst]) continue;
         const int64_t offset = lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me);
-        const int64_t value = make_signal(seq, a.shape_tag, invalid, 0);
+        const int64_t value = make_signal(seq, m.tag, invalid, min(total[e], N));
         if (is_remote(a.peers, dst))
             Net::signal(reinterpret_cast<int64_t*>(mine + offset), value, dst);
         else
@@ -663,10 +791,31 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         if (part == 0) a.slot_map[static_cast<int64_t>(first) * K + j] = row;
     }
 
+    if (m.on) {  // the headers of tokens this rank does not have (t >= T): no message, at every rank
+        const int missing = (N - min(a.num_tokens, N)) * R;
+        for (int i = static_cast<int>(blockIdx.x) * kThreads + tid; i < missing; i += static_cast<int>(gridDim.x) * kThreads) {
+            const auto none = [](int) { return kNoDestination; };
+            if (!skip_dst[i % R]) store_arrival_header(arrival_message(a, m, bufs[i % R], me, a.num_tokens + i / R), none, K, seq);
+        }
+    }
+
     __syncthreads();  // every pair's row is known
     for (int j = tid; j < num_pairs; j += kThreads)
-        pair_offset16[j] =
-            plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
+        pair_offset16[j] = m.on ? plan_arrival_message(a, m, pair_expert, pair_row, first, j, pair_rank[j])
+                                : plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
+    if (m.on && part == 0) {  // each of the block's tokens' header at each rank (part 0 of the token)
+        for (int i = tid; i < (last - first) * R; i += kThreads) {
+            const int c = i / R, dst = i % R;
+            if (skip_dst[dst]) continue;
+            const auto entry = [&](int k) {
+                const int j = c * K + k, e = pair_expert[j], row = pair_row[j];
+                return row >= 0 && e / experts_per_rank == dst
+                           ? static_cast<uint32_t>(e % experts_per_rank) << 16 | static_cast<uint32_t>(row)
+                           : kNoDestination;
+            };
+            store_arrival_header(arrival_message(a, m, bufs[dst], me, first + c), entry, K, seq);
+        }
+    }
     __syncthreads();
     trace_point(a.trace, 0, kTraceRows);
 
@@ -701,8 +850,9 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
     trace_point(a.trace, 0, kTraceWritten);
 
     // Count the pairs; the expert's last one (in any block) signals its count to the expert's rank.
-    // Skipped pairs count too, so the counter always returns to 0 for the next call.
-    for (int j = tid; j < num_pairs; j += kThreads) {
+    // Skipped pairs count too, so the counter always returns to 0 for the next call. (By arrival
+    // the counts have left already, and the counter stays 0.)
+    for (int j = tid; !m.on && j < num_pairs; j += kThreads) {
         const int e = pair_expert[j];
         if (e < 0) continue;
         // The count releases this block's stores of the message (before the barrier) at GPU scope
@@ -715,11 +865,11 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a) {
         if (skip_dst[dst]) continue;
         fence_sys();  // acquires the other writers' counts (each released its stores), releases all to the peer
         signal_peer(a.peers, me, dst, lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me),
-                    make_signal(seq, a.shape_tag, invalid, min(total[e], N)));
+                    make_signal(seq, m.tag, invalid, min(total[e], N)));
     }
     if (a.trace != nullptr) __syncthreads();  // every count of the block is signalled
     trace_point(a.trace, 0, kTraceSignalled);
-    finish_send_kernel(mine, seq, a.slot);
+    finish_send_kernel(mine, seq, a.slot, m.key_update);
     return seq;
 }
 
@@ -775,15 +925,17 @@ __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const
 
 // Thread j (< R) waits for source j's count of `local_e` and returns it: 0 when masked (or timed
 // out: reported, and nothing to copy), never more than a block's room. The wait of the unit's own
-// source (`src`) is timed into the wait-cost statistics for local expert 0.
+// source (`src`) is timed into the wait-cost statistics for local expert 0. `tag`: the signals'
+// shape tag, when not the call's (ArrivalMode).
 __device__ __forceinline__ int wait_source_count(const DispatchArgs& a, int64_t seq, const Layout& lay,
-                                                 uint8_t* mine, int local_e, int src, int j) {
+                                                 uint8_t* mine, int local_e, int src, int j, int tag = -1) {
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     int count = 0;
     uint64_t waited = 0;
     if (!masked(a.mask, me) && !masked(a.mask, j)) {
         const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + j;
-        count = wait_signal(signal, seq, a.shape_tag, j, a.mask, a.timeout_ns, a.info, gave_up_word(mine), kOpDispatch, &waited);
+        count = wait_signal(signal, seq, tag < 0 ? a.shape_tag : tag, j, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
+                            kOpDispatch, &waited);
         count = count < 0 ? 0 : min(count, N);
     }
     if (a.wait_stats != nullptr && local_e == 0 && j == src) atomicAdd(
@@ -953,7 +1105,198 @@ __device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, co
     }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) { send_dispatch_messages(a); }
+__device__ __forceinline__ int4 ld_volatile_int4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+// Whether payload word q (16 bytes) still holds poison where a sender writes: every FP8 data word;
+// of the scales, the num_scale_cols words (the last 16-byte word's others are never written).
+__device__ __forceinline__ bool payload_pending(const int4& v, int q, int data_int4, int num_scale_cols) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
+    const int first_col = (q - data_int4) * 4;
+    bool pending = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pending |= w[i] == kPoison && (q < data_int4 || first_col + i < num_scale_cols);
+    return pending;
+}
+
+// Between two polls of a word not there yet: a short sleep (the words land over ~10 us; polling
+// them all back to back would load L2 with several TB/s while NVLink writes into it), and the
+// checks of wait_signal every 16th time. False: give up (reported; the call is incomplete).
+struct ArrivalWait {
+    uint64_t start;
+    unsigned sleep_ns;
+    int polls;
+};
+__device__ bool keep_waiting(ArrivalWait& w, const DispatchArgs& a, int src, uint8_t* mine) {
+    __nanosleep(w.sleep_ns);
+    w.sleep_ns = min(2 * w.sleep_ns, 256u);
+    if ((++w.polls & 15) != 0) return true;
+    if (ld_volatile_int(gave_up_word(mine)) != 0) {  // another wait of this rank gave up
+        record_error(a.info, kErrAbandoned, kOpDispatch, -1);
+        return false;
+    }
+    if (global_timer_ns() - w.start > a.timeout_ns) {
+        record_error(a.info, kErrTimeout, kOpDispatch, src);
+        give_up(gave_up_word(mine));
+        return false;
+    }
+    return true;
+}
+
+// The receive role by arrival (ArrivalMode): every block waits for every (local expert, source)
+// count (they left before the data) and places each unit's rows after those of the sources before
+// it; then a warp per part of a message [src][t] reads the header, waits for each of its words of
+// the payload, copies them into every row the header names (the scales into the scale layout), and
+// stores the poison back. The last source's counts give each expert's metadata, as
+// receive_dispatch_balanced does. Without failed-rank masking only (the host's choice).
+__device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMode& m, int64_t seq, const Layout& lay) {
+    // The send role's per-expert counts (2 E ints of dynamic shared memory) are free now: each
+    // (local expert, source) unit's count, then its first row among its expert's rows.
+    extern __shared__ int unit_counts[];
+    int* begins = unit_counts + a.num_experts;
+    const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+    const int R = a.num_ranks, E = a.num_experts, N = a.num_max_tokens, K = a.num_topk;
+    const int grid = static_cast<int>(gridDim.x), experts_per_rank = E / R;
+    uint8_t* mine = a.peers.bufs[a.rank];
+    __syncthreads();  // the send role's last reads of the counts
+    for (int u = tid; u < E; u += kThreads)  // one block's waits feed the wait-cost statistics
+        unit_counts[u] = wait_source_count(a, seq, lay, mine, u / R, blockIdx.x == 0 ? u % R : -1, u % R, m.tag);
+    __syncthreads();
+    trace_point(a.trace, 0, kTraceArrived);
+    for (int local_e = tid; local_e < experts_per_rank; local_e += kThreads) {
+        int run = 0;
+        for (int j = 0; j < R; ++j) {
+            begins[local_e * R + j] = run;
+            run += unit_counts[local_e * R + j];
+        }
+    }
+    __syncthreads();
+
+    const int data_int4 = a.data_bytes / 16;
+    const int payload_int4 = data_int4 + (a.num_scale_cols * 4 + 15) / 16;
+    const int warps = grid * kWarpsPerBlock;
+    const int least_parts = (payload_int4 + kWarpSize * kArrivalPerLane - 1) / (kWarpSize * kArrivalPerLane);
+    const int parts = max(least_parts, min(kArrivalMaxParts, warps / max(1, R * N)));
+    const int per_part = (payload_int4 + parts - 1) / parts;  // at most kWarpSize * kArrivalPerLane
+    const int64_t items = static_cast<int64_t>(R) * N * parts;
+    const int4 poison4 = make_int4(-1, -1, -1, -1);
+    ArrivalWait w{global_timer_ns(), 32, 0};
+    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; item < items; item += warps) {
+        w.sleep_ns = 32;
+        const int part = static_cast<int>(item % parts), t = static_cast<int>(item / parts % N);
+        const int src = static_cast<int>(item / parts / N);
+        uint8_t* msg = arrival_message(a, m, mine, src, t);
+        bool gone = false;
+        uint32_t entry = kNoDestination;
+        if (lane < K) {  // the header, a word a lane
+            const auto* word = reinterpret_cast<const int64_t*>(msg) + lane;
+            int64_t v = ld_volatile(word);
+            while (static_cast<uint32_t>(static_cast<uint64_t>(v) >> 32) != static_cast<uint32_t>(seq)) {
+                if (!keep_waiting(w, a, src, mine)) {
+                    gone = true;
+                    break;
+                }
+                v = ld_volatile(word);
+            }
+            if (!gone) entry = static_cast<uint32_t>(v);
+        }
+        if (__any_sync(kFullMask, gone)) break;  // given up: the call is reported
+        const unsigned named = __ballot_sync(kFullMask, entry != kNoDestination);
+        if (named == 0) continue;  // no message from src for t
+        // This lane's destination (for its top-k slot): the row among its expert's rows, bounded
+        // (a header is trusted no further than the counts: a peer of another shape is reported).
+        const int local_e = static_cast<int>(entry >> 16), row = static_cast<int>(entry & 0xffff);
+        const bool valid = entry != kNoDestination && local_e < experts_per_rank && row < unit_counts[local_e * R + src];
+        const unsigned dests = __ballot_sync(kFullMask, valid);
+        const int row_in_expert = valid ? begins[local_e * R + src] + row : 0;
+
+        const int q_begin = part * per_part, q_end = min(payload_int4, q_begin + per_part);
+        auto* payload = reinterpret_cast<int4*>(msg + kArrivalHeaderBytes);
+        int4 v[kArrivalPerLane];
+#pragma unroll
+        for (int i = 0; i < kArrivalPerLane; ++i) {
+            const int q = q_begin + lane + i * kWarpSize;
+            if (q < q_end) v[i] = ld_volatile_int4(payload + q);
+        }
+        for (;;) {
+            bool pending = false;
+#pragma unroll
+            for (int i = 0; i < kArrivalPerLane; ++i) {
+                const int q = q_begin + lane + i * kWarpSize;
+                pending |= q < q_end && payload_pending(v[i], q, data_int4, a.num_scale_cols);
+            }
+            if (!__any_sync(kFullMask, pending)) break;
+            if (__any_sync(kFullMask, pending && !keep_waiting(w, a, src, mine))) {
+                gone = true;
+                break;
+            }
+#pragma unroll
+            for (int i = 0; i < kArrivalPerLane; ++i) {
+                const int q = q_begin + lane + i * kWarpSize;
+                if (q < q_end && payload_pending(v[i], q, data_int4, a.num_scale_cols)) v[i] = ld_volatile_int4(payload + q);
+            }
+        }
+        if (gone) break;
+        for (unsigned d = dests; d != 0; d &= d - 1) {
+            const int k = __ffs(d) - 1;
+            const int e = __shfl_sync(kFullMask, local_e, k), r = __shfl_sync(kFullMask, row_in_expert, k);
+            const int64_t out_row = static_cast<int64_t>(e) * N * R + r;
+            auto* out = reinterpret_cast<int4*>(a.recv_data) + out_row * data_int4;
+            auto* scales = reinterpret_cast<uint32_t*>(a.recv_scales) + e * a.scale_stride_e + r * a.scale_stride_row;
+#pragma unroll
+            for (int i = 0; i < kArrivalPerLane; ++i) {
+                const int q = q_begin + lane + i * kWarpSize;
+                if (q >= q_end) continue;
+                if (q < data_int4) {
+                    out[q] = v[i];
+                } else {
+                    const int col = (q - data_int4) * 4;
+                    const uint32_t words[4] = {static_cast<uint32_t>(v[i].x), static_cast<uint32_t>(v[i].y),
+                                               static_cast<uint32_t>(v[i].z), static_cast<uint32_t>(v[i].w)};
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (col + c < a.num_scale_cols) scales[(col + c) * a.scale_stride_col] = words[c];
+                }
+            }
+            if (part == 0 && lane == 0) a.src_info[out_row] = t;
+        }
+        // This warp is the only reader of these words: the poison goes back for the slot's next
+        // call (its senders write only after this rank's acknowledgement, finish_recv_kernel).
+#pragma unroll
+        for (int i = 0; i < kArrivalPerLane; ++i) {
+            const int q = q_begin + lane + i * kWarpSize;
+            if (q < q_end) payload[q] = poison4;
+        }
+    }
+    for (int local_e = blockIdx.x; local_e < experts_per_rank; local_e += grid) {  // each expert's metadata
+        int sum = 0;
+        for (int j = 0; j < R; ++j) sum += unit_counts[local_e * R + j];
+        complete_expert(a, local_e, unit_counts + local_e * R, sum, tid, kThreads);
+    }
+}
+
+// A call that may go by arrival but found its area not poisoned yet (its first of this shape in
+// the slot, or after a call of another shape) poisons all of it after its receive, before the
+// acknowledgement.
+__device__ void poison_arrival_area(const DispatchArgs& a, const ArrivalMode& m) {
+    auto* area = reinterpret_cast<int4*>(a.peers.bufs[a.rank] + m.base);
+    const int64_t words = static_cast<int64_t>(a.num_ranks) * a.num_max_tokens * a.arrival_msg_bytes / 16;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < words;
+         i += static_cast<int64_t>(gridDim.x) * kThreads)
+        area[i] = make_int4(-1, -1, -1, -1);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    send_dispatch_messages(a, dispatch_mode(a, lay, a.peers.bufs[a.rank]));  // (never by arrival: a.arrival is 0)
+}
 
 // The receive hook's kernel: one block per (local expert, source).
 __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(DispatchArgs a) {
@@ -978,9 +1321,12 @@ constexpr bool kBalancedReceive = true;
 
 template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
-    const int64_t seq = send_dispatch_messages(a);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    if constexpr (kBlockReceive) {
+    const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);
+    const int64_t seq = send_dispatch_messages(a, m);
+    if (m.on) {
+        receive_dispatch_arrival(a, m, seq, lay);
+    } else if constexpr (kBlockReceive) {
         if (kBalancedReceive && a.mask == nullptr)
             receive_dispatch_balanced(a, seq, lay);
         else
@@ -999,6 +1345,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
         for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
             receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
     }
+    if (m.poison) poison_arrival_area(a, m);
     if (a.trace != nullptr) __syncthreads();  // every copy of the block is done
     trace_point(a.trace, 0, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
@@ -1029,6 +1376,7 @@ struct CombineArgs {
     // and the bytes of a request record (request_bytes)
     int* counters;
     int request_bytes;
+    uint32_t area_tag;  // the shape tag of the slot layout's dispatch area (arrival_key's high half)
 };
 
 // {begin, count} of a (local expert, source) unit's rows from its layout word, clamped to the
@@ -1244,7 +1592,7 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(C
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     trace_point(a.trace, 0, kTraceStart);
     send_combine_unit(a, seq, prev, lay, blockIdx.x);
-    finish_send_kernel(mine, seq, a.slot);
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag});
     trace_point(a.trace, 0, kTraceEnd);
 }
 
@@ -1322,7 +1670,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_fused(CombineArgs a) {
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     trace_point(a.trace, 0, kTraceStart);
     send_combine_units_together(a, seq, prev, lay);
-    finish_send_kernel(mine, seq, a.slot);
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag});
     trace_point(a.trace, 0, kTraceEnd);
     receive_combine_role(a, seq, lay);
 }
@@ -1653,7 +2001,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
                             make_signal(seq, a.shape_tag, 0, src_tokens[r]));
     }
     trace_point(a.trace, 0, kTraceSignalled);
-    finish_send_kernel(mine, seq, a.slot);
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag});
     trace_point(a.trace, 0, kTraceEnd);
     return seq;
 }
@@ -1781,15 +2129,18 @@ struct LLDispatchCall {
     uint64_t sent_pairs, slot_map, topk_copy, recv_data, recv_scales, src_info, recv_count, layout_range;
     uint64_t cumulative_stats;
     int64_t scale_stride_e, scale_stride_row, scale_stride_col;
+    int64_t arrival_key;  // dispatch_mode: the shape's arrival key (0: its format has no arrival area)
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
     int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
     int32_t block_receive, message_align;
+    int32_t arrival, arrival_msg_bytes;  // whether the call may go by arrival (the host's half), its messages' bytes
 };
 
 struct LLCombineCall {
     LLCallContext context;
     uint64_t x, topk_idx, mask, wait_stats, trace;
     uint64_t layout_range, caller_topk_idx, topk_weights, slot_map, out, counters;
+    int64_t area_tag;  // the shape tag of the slot layout's dispatch area (ArrivalKeyUpdate)
     int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
     int32_t partials, request_bytes;  // by partial sums (combine_partials_send), and its record bytes
 };
@@ -1812,12 +2163,13 @@ constexpr auto fields_of<ll::LLDispatchCall>() {
                       EPCOMM_FIELD(recv_scales),
                       EPCOMM_FIELD(src_info), EPCOMM_FIELD(recv_count), EPCOMM_FIELD(layout_range),
                       EPCOMM_FIELD(cumulative_stats), EPCOMM_FIELD(scale_stride_e), EPCOMM_FIELD(scale_stride_row),
-                      EPCOMM_FIELD(scale_stride_col), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden),
+                      EPCOMM_FIELD(scale_stride_col), EPCOMM_FIELD(arrival_key), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(hidden),
                       EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
                       EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
                       EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
                       EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(block_receive),
-                      EPCOMM_FIELD(message_align)};
+                      EPCOMM_FIELD(message_align), EPCOMM_FIELD(arrival), EPCOMM_FIELD(arrival_msg_bytes)};
 }
 template <>
 constexpr auto fields_of<ll::LLCombineCall>() {
@@ -1825,7 +2177,8 @@ constexpr auto fields_of<ll::LLCombineCall>() {
     return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
                       EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(layout_range),
                       EPCOMM_FIELD(caller_topk_idx), EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(slot_map),
-                      EPCOMM_FIELD(out), EPCOMM_FIELD(counters), EPCOMM_FIELD(num_tokens), EPCOMM_FIELD(hidden),
+                      EPCOMM_FIELD(out), EPCOMM_FIELD(counters), EPCOMM_FIELD(area_tag), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(hidden),
                       EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
                       EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(partials), EPCOMM_FIELD(request_bytes)};
 }
@@ -1938,6 +2291,9 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     set_ptr(a.recv_count, c.recv_count);
     set_ptr(a.layout_range, c.layout_range);
     set_ptr(a.cumulative_stats, c.cumulative_stats);
+    a.arrival = phase == 0 ? c.arrival : 0;  // the fused kernel's alone (dispatch_mode)
+    a.arrival_msg_bytes = c.arrival_msg_bytes;
+    a.arrival_key = c.arrival_key;
     const int num_sms = c.context.num_sms, num_experts = c.num_experts;
     const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
     const bool together = c.block_receive != 0;
@@ -1951,6 +2307,7 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
         // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
         (void)cudaGetLastError();
     }
+    a.arrival = 0;
     // The hook's send: a block per token range (no token parts: idle blocks would spin on the
     // acknowledgements on every SM, and a hook's send must leave the SMs to the work beside it).
     if (phase != 2)
@@ -1984,6 +2341,7 @@ static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t
     set_ptr(a.out, c.out);
     set_ptr(a.counters, c.counters);
     a.request_bytes = c.request_bytes;
+    a.area_tag = static_cast<uint32_t>(c.area_tag);
     const int num_experts = c.num_experts;
     if (c.partials != 0) {
         // Its blocks wait for each other through the peers: all resident at once, or not launched
