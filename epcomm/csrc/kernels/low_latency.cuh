@@ -291,11 +291,15 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
 
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
+// `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
+// relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land
+// (the counts, sent before the data, read as arriving at 15.3 us of a 20.5 us dispatch, EP4, 128
+// tokens, 4 x H100, cdab994).
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
-                           int* info, int* gave_up, int op, uint64_t* waited_ns) {
+                           int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
-        const int64_t v = ld_acquire_sys(signal);
+        const int64_t v = acquire ? ld_acquire_sys(signal) : ld_volatile(signal);
         if (signal_of_call(v, seq)) {
             if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
             if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
@@ -516,14 +520,15 @@ __device__ __forceinline__ uint8_t* arrival_message(const DispatchArgs& a, const
 }
 
 // A message's header at a rank: word k is slot k's entry (`entry(k)`: local expert << 16 | row, or
-// kNoDestination) beside the call counter, in 16-byte stores of two words each.
+// kNoDestination) beside the call counter, in 16-byte stores of two words each (weak stores: each
+// aligned 8-byte word lands whole, and a strong system-scope store costs more to issue).
 template <class Entry>
 __device__ __forceinline__ void store_arrival_header(uint8_t* msg, const Entry& entry, int num_topk, int64_t seq) {
     auto* words = reinterpret_cast<uint64_t*>(msg);
     const uint64_t tag = static_cast<uint64_t>(static_cast<uint32_t>(seq)) << 32;
     for (int k = 0; k < num_topk; k += 2) {
         const uint64_t w0 = tag | entry(k), w1 = tag | (k + 1 < num_topk ? entry(k + 1) : kNoDestination);
-        asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(words + k), "l"(w0), "l"(w1) : "memory");
+        *reinterpret_cast<ulonglong2*>(words + k) = make_ulonglong2(w0, w1);
     }
 }
 
@@ -926,7 +931,8 @@ __device__ __forceinline__ void copy_received_piece(const DispatchArgs& a, const
 // Thread j (< R) waits for source j's count of `local_e` and returns it: 0 when masked (or timed
 // out: reported, and nothing to copy), never more than a block's room. The wait of the unit's own
 // source (`src`) is timed into the wait-cost statistics for local expert 0. `tag`: the signals'
-// shape tag, when not the call's (ArrivalMode).
+// shape tag, when not the call's (ArrivalMode: by arrival, the counts release no data, so they are
+// read with relaxed loads).
 __device__ __forceinline__ int wait_source_count(const DispatchArgs& a, int64_t seq, const Layout& lay,
                                                  uint8_t* mine, int local_e, int src, int j, int tag = -1) {
     const int R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
@@ -935,7 +941,7 @@ __device__ __forceinline__ int wait_source_count(const DispatchArgs& a, int64_t 
     if (!masked(a.mask, me) && !masked(a.mask, j)) {
         const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + j;
         count = wait_signal(signal, seq, tag < 0 ? a.shape_tag : tag, j, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
-                            kOpDispatch, &waited);
+                            kOpDispatch, &waited, tag < 0);
         count = count < 0 ? 0 : min(count, N);
     }
     if (a.wait_stats != nullptr && local_e == 0 && j == src) atomicAdd(
