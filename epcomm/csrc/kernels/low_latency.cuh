@@ -502,7 +502,10 @@ __device__ ArrivalMode dispatch_mode(const DispatchArgs& a, const Layout& lay, u
     const int64_t area_end = lay.data + static_cast<int64_t>(a.num_experts) * N * (a.hidden * 2 + 16);
     bool any_remote = false;
     for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
-    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr &&
+    // (At least two blocks, one to send and one to receive: the grid is the SM count, alike on every rank.)
+    const int grid = static_cast<int>(gridDim.x), most_senders = grid - max(1, grid / 3);
+    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr && grid >= 2 &&
+                      N <= most_senders * (kMaxChunkEntries / max(1, a.num_topk)) &&  // send_plan's chunks hold N
                       m.base + static_cast<int64_t>(R) * N * a.arrival_msg_bytes <= area_end;
     const int64_t key = ld_volatile(arrival_key_word(mine, a.slot));
     m.on = able && key == a.arrival_key;
@@ -692,6 +695,39 @@ __device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const
     return static_cast<int>((message + kArrivalHeaderBytes) / 16);
 }
 
+// Which blocks send which tokens. A block that has stored its messages cannot receive until they
+// have left: its loads wait behind its stores in flight over NVLink (EP4, 128 tokens, 4 x H100,
+// 85601d4: blocks with tokens read the counts at 15.2 us, ~5 us after their last store, the
+// blocks without at 5.0). So by arrival the blocks from `senders` on send nothing and receive,
+// while the data lands; at most 2/3 of the grid sends (NVLink bounds it anyway), chunks of whole
+// tokens, or parts of one (below). Counted, every block sends. Each rank plans its own (T differs).
+struct SendPlan {
+    int chunk, parts, senders;
+};
+__device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const ArrivalMode& m) {
+    const int T = a.num_tokens, grid = static_cast<int>(gridDim.x);
+    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
+    bool any_remote = false;
+    for (int r = 0; r < a.num_ranks; ++r) any_remote |= is_remote(a.peers, r);
+    SendPlan p{a.chunk_tokens, 1, grid};
+    if (m.on) {
+        const int most = grid - max(1, grid / 3), per_block = kMaxChunkEntries / max(1, a.num_topk);
+        p.chunk = min(per_block, max(1, (T + most - 1) / most));
+        p.senders = min(most, (T + p.chunk - 1) / p.chunk);
+    }
+    // With fewer tokens than sending blocks, a token's units (512 channels each) are split among
+    // `parts` blocks (part p takes units p, p + parts, ...): one SM storing all of a token's
+    // messages (8 x 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the
+    // other SMs idle. The fused kernel has a block per SM; the hook's send kernel a block per token
+    // range (parts 1). Not with remote peers: a staged message is put whole, once every unit of
+    // it is written.
+    if (p.chunk == 1 && T > 0 && !any_remote) {
+        p.parts = max(1, min(units_per_token, (m.on ? grid - max(1, grid / 3) : grid) / T));
+        if (m.on) p.senders = T * p.parts;
+    }
+    return p;
+}
+
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m) {
@@ -712,22 +748,14 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
-    // With fewer tokens than blocks, a token's units (512 channels each) are split among `parts`
-    // blocks (part p takes units p, p + parts, ...): one SM storing all of a token's messages (8 x
-    // 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the other SMs idle.
-    // The fused kernel has a block per SM; the hook's send kernel a block per token range (parts 1).
-    // Every block computes the same `parts` (its counts depend on it).
-    // Every part plans the token's pairs alike; part 0 writes the handle's records and the index.
-    // Not with remote peers: a staged message is put whole, once every unit of it is written.
+    // Every block computes the same plan (its counts depend on `parts`). Every part of a token
+    // plans the token's pairs alike; part 0 writes the handle's records and the index.
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
-    bool any_remote = false;
-    for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
-    const int parts = a.chunk_tokens == 1 && a.num_tokens > 0 && !any_remote
-                          ? max(1, min(units_per_token, static_cast<int>(gridDim.x) / a.num_tokens))
-                          : 1;
-    const int part = static_cast<int>(blockIdx.x) % parts;
-    const int first = static_cast<int>(blockIdx.x) / parts * a.chunk_tokens;
-    const int last = min(a.num_tokens, first + a.chunk_tokens);
+    const SendPlan plan = send_plan(a, m);
+    const int parts = plan.parts, part = static_cast<int>(blockIdx.x) % parts;
+    const int first = static_cast<int>(blockIdx.x) < plan.senders ? static_cast<int>(blockIdx.x) / parts * plan.chunk
+                                                                   : a.num_tokens;
+    const int last = min(a.num_tokens, first + plan.chunk);
     const int num_pairs = max(0, last - first) * K;
 
     for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
@@ -1162,18 +1190,22 @@ __device__ bool keep_waiting(ArrivalWait& w, const DispatchArgs& a, int src, uin
 // the payload, copies them into every row the header names (the scales into the scale layout), and
 // stores the poison back. The last source's counts give each expert's metadata, as
 // receive_dispatch_balanced does. Without failed-rank masking only (the host's choice).
-__device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMode& m, int64_t seq, const Layout& lay) {
+__device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMode& m, int64_t seq, const Layout& lay,
+                                         int first_block) {
+    // Only the blocks that sent nothing (send_plan): the others' loads would wait for their stores.
+    if (static_cast<int>(blockIdx.x) < first_block) return;
     // The send role's per-expert counts (2 E ints of dynamic shared memory) are free now: each
     // (local expert, source) unit's count, then its first row among its expert's rows.
     extern __shared__ int unit_counts[];
     int* begins = unit_counts + a.num_experts;
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
     const int R = a.num_ranks, E = a.num_experts, N = a.num_max_tokens, K = a.num_topk;
-    const int grid = static_cast<int>(gridDim.x), experts_per_rank = E / R;
+    const int block = static_cast<int>(blockIdx.x) - first_block, grid = static_cast<int>(gridDim.x) - first_block;
+    const int experts_per_rank = E / R;
     uint8_t* mine = a.peers.bufs[a.rank];
     __syncthreads();  // the send role's last reads of the counts
     for (int u = tid; u < E; u += kThreads)  // one block's waits feed the wait-cost statistics
-        unit_counts[u] = wait_source_count(a, seq, lay, mine, u / R, blockIdx.x == 0 ? u % R : -1, u % R, m.tag);
+        unit_counts[u] = wait_source_count(a, seq, lay, mine, u / R, block == 0 ? u % R : -1, u % R, m.tag);
     __syncthreads();
     trace_point(a.trace, 0, kTraceArrived);
     for (int local_e = tid; local_e < experts_per_rank; local_e += kThreads) {
@@ -1194,7 +1226,7 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
     const int64_t items = static_cast<int64_t>(R) * N * parts;
     const int4 poison4 = make_int4(-1, -1, -1, -1);
     ArrivalWait w{global_timer_ns(), 32, 0};
-    for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; item < items; item += warps) {
+    for (int64_t item = static_cast<int64_t>(block) * kWarpsPerBlock + warp; item < items; item += warps) {
         w.sleep_ns = 32;
         const int part = static_cast<int>(item % parts), t = static_cast<int>(item / parts % N);
         const int src = static_cast<int>(item / parts / N);
@@ -1281,7 +1313,7 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
             if (q < q_end) payload[q] = poison4;
         }
     }
-    for (int local_e = blockIdx.x; local_e < experts_per_rank; local_e += grid) {  // each expert's metadata
+    for (int local_e = block; local_e < experts_per_rank; local_e += grid) {  // each expert's metadata
         int sum = 0;
         for (int j = 0; j < R; ++j) sum += unit_counts[local_e * R + j];
         complete_expert(a, local_e, unit_counts + local_e * R, sum, tid, kThreads);
@@ -1331,7 +1363,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);
     const int64_t seq = send_dispatch_messages(a, m);
     if (m.on) {
-        receive_dispatch_arrival(a, m, seq, lay);
+        receive_dispatch_arrival(a, m, seq, lay, send_plan(a, m).senders);
     } else if constexpr (kBlockReceive) {
         if (kBalancedReceive && a.mask == nullptr)
             receive_dispatch_balanced(a, seq, lay);
