@@ -502,10 +502,9 @@ __device__ ArrivalMode dispatch_mode(const DispatchArgs& a, const Layout& lay, u
     const int64_t area_end = lay.data + static_cast<int64_t>(a.num_experts) * N * (a.hidden * 2 + 16);
     bool any_remote = false;
     for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
-    // (At least two blocks, one to send and one to receive: the grid is the SM count, alike on every rank.)
-    const int grid = static_cast<int>(gridDim.x), most_senders = grid - max(1, grid / 3);
-    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr && grid >= 2 &&
-                      N <= most_senders * (kMaxChunkEntries / max(1, a.num_topk)) &&  // send_plan's chunks hold N
+    // (At least two blocks, one to send and one to receive where send_plan splits them: the grid is
+    // the SM count, alike on every rank.)
+    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr && gridDim.x >= 2 &&
                       m.base + static_cast<int64_t>(R) * N * a.arrival_msg_bytes <= area_end;
     const int64_t key = ld_volatile(arrival_key_word(mine, a.slot));
     m.on = able && key == a.arrival_key;
@@ -698,9 +697,13 @@ __device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const
 // Which blocks send which tokens. A block that has stored its messages cannot receive until they
 // have left: its loads wait behind its stores in flight over NVLink (EP4, 128 tokens, 4 x H100,
 // 85601d4: blocks with tokens read the counts at 15.2 us, ~5 us after their last store, the
-// blocks without at 5.0). So by arrival the blocks from `senders` on send nothing and receive,
-// while the data lands; at most 2/3 of the grid sends (NVLink bounds it anyway), chunks of whole
-// tokens, or parts of one (below). Counted, every block sends. Each rank plans its own (T differs).
+// blocks without at 5.0). So by arrival, where 2/3 of the grid hold every token (or part of one),
+// the blocks from `senders` on send nothing and receive while the data lands (4 x H100, 3018f36,
+// against the counted path: 22.3 -> 20.8 us at 1 token, 25.4 -> 22.1 at 32, 27.6 -> 25.6 at 64);
+// with more tokens every block sends a token and then receives (128 tokens: 32.7 -> 31.3 us, 256:
+// 45.8 -> 43.9, 85601d4), as packing two or three tokens on the senders cost more than the
+// early copies gained (256: 45.5 -> 51.5). Counted, every block sends. Each rank plans its own
+// (T differs).
 struct SendPlan {
     int chunk, parts, senders;
 };
@@ -710,21 +713,16 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
     bool any_remote = false;
     for (int r = 0; r < a.num_ranks; ++r) any_remote |= is_remote(a.peers, r);
     SendPlan p{a.chunk_tokens, 1, grid};
-    if (m.on) {
-        const int most = grid - max(1, grid / 3), per_block = kMaxChunkEntries / max(1, a.num_topk);
-        p.chunk = min(per_block, max(1, (T + most - 1) / most));
-        p.senders = min(most, (T + p.chunk - 1) / p.chunk);
-    }
+    const int most = grid - max(1, grid / 3);
+    const bool split = m.on && T <= most;  // (a.chunk_tokens is 1 then)
     // With fewer tokens than sending blocks, a token's units (512 channels each) are split among
     // `parts` blocks (part p takes units p, p + parts, ...): one SM storing all of a token's
     // messages (8 x 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the
     // other SMs idle. The fused kernel has a block per SM; the hook's send kernel a block per token
     // range (parts 1). Not with remote peers: a staged message is put whole, once every unit of
     // it is written.
-    if (p.chunk == 1 && T > 0 && !any_remote) {
-        p.parts = max(1, min(units_per_token, (m.on ? grid - max(1, grid / 3) : grid) / T));
-        if (m.on) p.senders = T * p.parts;
-    }
+    if (p.chunk == 1 && T > 0 && !any_remote) p.parts = max(1, min(units_per_token, (split ? most : grid) / T));
+    if (split) p.senders = T * p.parts;
     return p;
 }
 
@@ -1192,7 +1190,8 @@ __device__ bool keep_waiting(ArrivalWait& w, const DispatchArgs& a, int src, uin
 // receive_dispatch_balanced does. Without failed-rank masking only (the host's choice).
 __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMode& m, int64_t seq, const Layout& lay,
                                          int first_block) {
-    // Only the blocks that sent nothing (send_plan): the others' loads would wait for their stores.
+    // Only the blocks from first_block on (those that sent nothing, where send_plan splits them: the
+    // others' loads would wait for their stores).
     if (static_cast<int>(blockIdx.x) < first_block) return;
     // The send role's per-expert counts (2 E ints of dynamic shared memory) are free now: each
     // (local expert, source) unit's count, then its first row among its expert's rows.
@@ -1363,7 +1362,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);
     const int64_t seq = send_dispatch_messages(a, m);
     if (m.on) {
-        receive_dispatch_arrival(a, m, seq, lay, send_plan(a, m).senders);
+        const int senders = send_plan(a, m).senders;  // all of them: every block receives after its sends
+        receive_dispatch_arrival(a, m, seq, lay, senders < static_cast<int>(gridDim.x) ? senders : 0);
     } else if constexpr (kBlockReceive) {
         if (kBalancedReceive && a.mask == nullptr)
             receive_dispatch_balanced(a, seq, lay);
