@@ -1,0 +1,1 @@
+"""Backends implementing the Buffer API: ``reference`` (portable torch.distributed) and ``cuda`` (kernels)."""

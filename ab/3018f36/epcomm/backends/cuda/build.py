@@ -1,0 +1,140 @@
+"""Compile the kernels on first use and cache them, so ``pip install`` compiles nothing.
+
+The device sources never include torch: they build alone with nvcc into a shared library with a
+C ABI, loaded through ctypes. The cache key covers the sources and the nvcc version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from ... import _env
+
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
+KERNEL_SOURCES = sorted((PACKAGE_DIR / "csrc" / "kernels").glob("*.cu"))
+HEADERS = sorted([*(PACKAGE_DIR / "include").rglob("*.cuh"), *(PACKAGE_DIR / "csrc").rglob("*.cuh")])
+ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", *ARCH_FLAGS]
+
+_library: ctypes.CDLL | None = None
+
+
+def find_nvcc() -> str:
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for home in candidates:
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    raise RuntimeError("epcomm: nvcc was not found (looked in $CUDA_HOME, $CUDA_PATH, /usr/local/cuda and PATH). "
+                       "The CUDA backend compiles its kernels on first use: install the CUDA toolkit or set "
+                       "CUDA_HOME, or use Buffer(..., backend='reference')")
+
+
+def compile_command(nvcc: str, output: Path) -> list[str]:
+    return [nvcc, *NVCC_FLAGS, "-shared", "-o", str(output), *map(str, KERNEL_SOURCES), "-lcuda"]
+
+
+def _cached_build(name: str, sources: list[Path], extra_key: str,
+                  commands: Callable[[str, Path, Path], list[list[str]]]) -> Path:
+    """Build ``name`` (a shared library) into the cache unless a build of the same sources, flags
+    and nvcc is there; ``commands(nvcc, workdir, output)`` gives the commands to run in order."""
+    nvcc = find_nvcc()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256(version.encode())
+    for path in [*sources, *HEADERS]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(extra_key.encode())
+    for command in commands(nvcc, Path("/work"), Path("/work") / name):  # how it is built is part of the key
+        digest.update(" ".join(command).encode())
+    cache = Path(os.path.expanduser(_env.env_str("EPCOMM_CACHE_DIR"))) / digest.hexdigest()[:16]
+    target = cache / name
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # ranks may compile at once: rename atomically
+            out = Path(tmp) / name
+            for command in commands(nvcc, Path(tmp), out):
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"epcomm: building {name} failed:\n{' '.join(command)}\n"
+                                       f"{result.stderr[-4000:]}")
+            os.replace(out, target)
+    return target
+
+
+def load_library() -> ctypes.CDLL:
+    """The kernel library, compiled into the cache on the first call of the process."""
+    global _library
+    if _library is None:
+        _library = ctypes.CDLL(str(_cached_build("libepcomm_kernels.so", KERNEL_SOURCES, "",
+                                                 lambda nvcc, _, out: [compile_command(nvcc, out)])))
+    return _library
+
+
+# ---------------------------------------------------------------------------------------- NVSHMEM
+NVSHMEM_SOURCES = sorted((PACKAGE_DIR / "csrc" / "nvshmem").glob("*.cu"))
+_nvshmem_library: ctypes.CDLL | None = None
+
+
+def find_nvshmem() -> Path:
+    """The NVSHMEM install: $NVSHMEM_HOME, or the ``nvidia-nvshmem-cu13`` package (which PyTorch's
+    CUDA 13 builds depend on), with include/ and lib/ (libnvshmem_device.a, libnvshmem_host.so.3)."""
+    home = os.environ.get("NVSHMEM_HOME")
+    candidates = [Path(home)] if home else []
+    try:
+        import nvidia.nvshmem as package  # type: ignore[import-not-found]
+
+        candidates += [Path(p) for p in package.__path__]
+    except ImportError:
+        pass
+    for c in candidates:
+        if (c / "include" / "nvshmem.h").exists() and (c / "lib" / "libnvshmem_device.a").exists():
+            return c
+    raise RuntimeError("epcomm: NVSHMEM was not found (set NVSHMEM_HOME, or pip install nvidia-nvshmem-cu13); "
+                       "it carries the transport to peers outside the NVLink domain")
+
+
+def nvshmem_build_commands(nvcc: str, nvshmem: Path, workdir: Path, output: Path) -> list[list[str]]:
+    """Relocatable device code, a device link against libnvshmem_device.a, then the shared library
+    (NVSHMEM's device API needs all three steps)."""
+    objects = [workdir / (src.stem + ".o") for src in NVSHMEM_SOURCES]
+    flags = [*NVCC_FLAGS, "-rdc=true", f"-I{nvshmem / 'include'}"]
+    commands = [[nvcc, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(NVSHMEM_SOURCES, objects)]
+    dlink = workdir / "dlink.o"
+    commands.append([nvcc, *ARCH_FLAGS, "-Xcompiler", "-fPIC", "-dlink", *map(str, objects),
+                     str(nvshmem / "lib" / "libnvshmem_device.a"), "-o", str(dlink)])
+    commands.append([nvcc, *ARCH_FLAGS, "-shared", "-o", str(output), *map(str, objects), str(dlink),
+                     str(nvshmem / "lib" / "libnvshmem_device.a"),  # its host-side stubs of the device code
+                     f"-L{nvshmem / 'lib'}", "-l:libnvshmem_host.so.3", f"-Xlinker=-rpath={nvshmem / 'lib'}"])
+    return commands
+
+
+def load_nvshmem_library() -> ctypes.CDLL:
+    """The NVSHMEM transport library (epcomm/csrc/nvshmem), built on first use like the kernels."""
+    global _nvshmem_library
+    if _nvshmem_library is None:
+        nvshmem = find_nvshmem()
+        path = _cached_build("libepcomm_nvshmem.so", NVSHMEM_SOURCES, str(nvshmem),
+                             lambda nvcc, tmp, out: nvshmem_build_commands(nvcc, nvshmem, tmp, out))
+        lib = ctypes.CDLL(str(path))
+        lib.epcomm_nvshmem_malloc.restype = ctypes.c_void_p
+        lib.epcomm_nvshmem_malloc.argtypes = [ctypes.c_int64]
+        lib.epcomm_nvshmem_peer_ptr.restype = ctypes.c_void_p
+        lib.epcomm_nvshmem_peer_ptr.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        _nvshmem_library = lib
+    return _nvshmem_library
+
+
+if __name__ == "__main__":  # python -m epcomm.backends.cuda.build: both libraries built (or found cached)
+    load_library()
+    load_nvshmem_library()
+    print("epcomm: kernels built")

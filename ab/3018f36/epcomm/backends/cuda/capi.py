@@ -1,0 +1,109 @@
+"""How the Python side calls the kernel library's C ABI (ctypes): tensor and stream pointers,
+call records (ctypes.Structure mirrors of C structs, checked against the library), return codes,
+and the alignment every kernel relies on. One place for both CUDA backends."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+
+def addr(t: torch.Tensor | None) -> int:
+    """A tensor's device address as an integer, for a call record's uint64 field (0 for None or an
+    empty tensor)."""
+    return t.data_ptr() if t is not None else 0
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """A tensor's device address (NULL for None or an empty tensor)."""
+    return ctypes.c_void_p(addr(t))
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as a cudaStream_t: no Stream object (building one costs
+    a few microseconds of host time per call, which eager calls wait on)."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """torch.cuda.current_stream(device), the Stream object kept per raw stream: building one costs
+    ~4 us of host time (H100 host), which a dispatch that reads its counts makes the GPU wait for.
+    The object only names the stream, so one kept from an earlier call names the same one."""
+    if _raw_stream is None:
+        return torch.cuda.current_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _raw_stream(index))
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) >= 64:  # streams made and dropped by the caller: keep the table small
+            _streams.clear()
+        stream = _streams[key] = torch.cuda.current_stream(device)
+    return stream
+
+
+def stream_ptr(device: torch.device) -> ctypes.c_void_p:
+    """The current CUDA stream of ``device``, where the kernels are launched."""
+    return ctypes.c_void_p(raw_stream(device))
+
+
+def check(code: int, what: str) -> None:
+    """Raise on a nonzero return code of a library call (a cudaError_t, or -1)."""
+    if code != 0:
+        raise RuntimeError(f"epcomm {what}: CUDA call failed with error {code}")
+
+
+def check_aligned(name: str, t: torch.Tensor) -> None:
+    """The kernels move 16-byte words: a tensor must start on a 16-byte boundary."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (the kernels move 16-byte words; a view "
+                         "with an odd storage offset is not aligned); pass a fresh or .clone()d tensor")
+
+
+def fields(ctype: type, names: str) -> list[tuple[str, type]]:
+    """``_fields_`` entries of one C type, for a run of fields the C struct declares in one line."""
+    return [(name, ctype) for name in names.split()]
+
+
+def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure], exports: str = "epcomm_struct") -> None:
+    """Raise unless the library's struct of the same name has this mirror's size and, field by
+    field in order, its names, offsets and sizes (the library's ``<exports>_layout`` and
+    ``<exports>_field_name`` say them: the IPC library exports the intranode records as
+    epcomm_struct_* and the low-latency ones, which the NVSHMEM library holds too, as
+    epcomm_ll_struct_*). A field added, removed, retyped or moved on one side only would make every
+    call pass garbage."""
+    name = structure.__name__
+    struct_layout, field_name = getattr(lib, exports + "_layout"), getattr(lib, exports + "_field_name")
+    mirror = [(field, getattr(structure, field).offset, getattr(structure, field).size)
+              for field, _ in structure._fields_]
+    count = 1 + 2 * len(mirror)
+    out = (ctypes.c_int64 * count)()
+    n = struct_layout(name.encode(), out, count)
+    if n < 0:
+        raise RuntimeError(f"epcomm: the kernel library has no struct {name} (its ctypes mirror is "
+                           f"{structure.__module__}.{name}); rebuild it from the same sources")
+    if n > count:  # more fields in C: read them all to name the first one the mirror lacks
+        out = (ctypes.c_int64 * n)()
+        struct_layout(name.encode(), out, n)
+    field_name.restype = ctypes.c_char_p
+    library = [(field_name(name.encode(), i).decode(), out[1 + 2 * i], out[2 + 2 * i])
+               for i in range((n - 1) // 2)]
+    if out[0] == ctypes.sizeof(structure) and library == mirror:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(library, mirror)) if a != b), min(len(library), len(mirror)))
+
+    def describe(fields: list[tuple[str, int, int]]) -> str:
+        return "nothing" if i >= len(fields) else "{} at offset {} ({} bytes)".format(*fields[i])
+
+    raise RuntimeError(f"epcomm: the kernel library's {name} ({out[0]} bytes) does not match its ctypes mirror "
+                       f"{structure.__module__}.{name} ({ctypes.sizeof(structure)} bytes): field {i} is "
+                       f"{describe(library)} in the library, {describe(mirror)} in the mirror; the two must "
+                       "declare the same fields in the same order")

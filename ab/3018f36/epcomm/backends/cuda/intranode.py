@@ -1,0 +1,562 @@
+"""Normal mode inside one NVLink domain with the CUDA kernels (csrc/kernels/intranode.cu).
+
+Each rank's communication buffer is shared with the other ranks through CUDA IPC, so senders store
+token rows straight into the receivers' buffers. A dispatch is two kernels on the stream:
+  1. notify: counts exchanged, inputs validated, bounded barrier, layout derived on the device;
+  2. the CPU reads the receive counts to size the outputs (the one host sync, as in DeepEP), which
+     ``num_worst_tokens`` removes (outputs of a fixed size; CUDA-graph capturable);
+  3. dispatch: half of the SMs send (one warp per token, x read once for all its destinations),
+     half receive (one warp per row, copied out of the buffer as soon as its flag lands).
+Combine is a barrier and one kernel: rows return to their sources, which sum them in fp32 in
+ascending rank order (the reference backend's order, so results are bitwise equal).
+
+A call whose rows do not fit the buffer runs in rounds over ranges of source tokens (same results);
+``buffer_bytes_needed`` gives the size for one pass. A ``num_worst_tokens`` call must fit in one
+pass (else ValueError on every rank before any row moves). Errors found by the kernels (a peer that
+did not arrive within EPCOMM_TIMEOUT_S, ranks calling different operations or passing rows of
+different shapes (``dispatch_shape_key``), refused inputs) are raised by the call that synchronizes with
+them: a dispatch without ``num_worst_tokens`` synchronizes at its counts, so it reports its own and
+earlier calls' errors; ``CudaIntranode.check_errors`` (``Buffer.destroy`` calls it) reports the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.distributed as dist
+
+from ... import _env
+from ...handle import DispatchHandle
+from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
+from ..rows import scale_kind, shape_digest
+from .build import load_library
+from .capi import addr, check, check_aligned, check_struct_layout, current_stream, fields, ptr, stream_ptr
+from .ipc import SharedBuffer
+
+# Row slots start on 128-byte boundaries (the trailer inside the rounding): NVLink moved 4 GPUs'
+# all-to-all stores 3-4% faster into 128-byte-aligned slots than into 16-byte-aligned ones (329 vs
+# 317 GB/s at 16 SMs, scripts/nvlink_rate.cu, 4 x H100).
+_ROW_ALIGN = 128
+ROWS_OFFSET = 67584  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
+ROW_TRAILER_BYTES = 16
+LAYOUT_INTS = 48
+_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
+           2: "ranks called different operations: {mismatch}",
+           3: "the communication buffer is too small for the rows of this call",
+           4: "received more tokens than num_worst_tokens",
+           6: "rank(s) {ranks} passed rows of another shape to this call than this rank (hidden size, dtype, FP8 "
+              "scale count or dtype, top-k width); nothing was moved"}
+_REFUSED = 5
+_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "destroy"}
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: int, has_weights: bool,
+                       num_worst_tokens: int) -> int:
+    """The shape key of a dispatch (header word 3, compared by every rank's notify kernel)."""
+    return shape_digest(1, x.shape[1], x.dtype, scale_kind(scales), scales.shape[1] if scales is not None else 0,
+                        num_topk, int(has_weights), num_worst_tokens)
+
+
+def dispatch_row_bytes(hidden: int, element_size: int, num_topk: int = 0, num_scales: int = 0) -> int:
+    """Bytes of one dispatch row slot: x, top-k ids and weights, scales and the 16-byte flag trailer (the slot's
+    last bytes), rounded up to _ROW_ALIGN."""
+    return _round_up(hidden * element_size + num_topk * 12 + num_scales * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)
+
+
+def combine_row_bytes(hidden: int, num_topk: int = 0) -> int:
+    return _round_up(hidden * 2 + num_topk * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)
+
+
+def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks: int, num_topk: int = 0,
+                        num_scales: int = 0) -> int:
+    """num_nvl_bytes the kernels need when every rank sends ``num_tokens`` tokens to every rank.
+
+    The worst case: a rank receives at most ``num_ranks * num_tokens`` rows in dispatch and gets
+    back at most as many in combine. Random routing needs less (a dispatch checks the exact need).
+    """
+    rows = num_ranks * max(num_tokens, 1)
+    row = max(dispatch_row_bytes(hidden, element_size, num_topk, num_scales), combine_row_bytes(hidden, num_topk))
+    return ROWS_OFFSET + rows * row
+
+
+
+# Bytes a reducing SM sums per byte a sending SM stores into a peer over NVLink in the same time, in
+# combine: 2 x H200, 24 SMs, 4096 tokens (bench/results/2026-11-24_ep2-combine-send-pct-*): 8 senders
+# (the rule with equal rates) 295-308 us, 9 284-288, 10 276, 11 291.5; 10 of 24 is this ratio.
+_COMBINE_REDUCE_PER_SEND = 1.43
+
+
+# Sending SMs past which a fused dispatch's senders gain nothing, at more than 2 ranks: their stores
+# to the peers are bound by the links, not by the SMs (4 x H100, 4 GPUs storing to each other:
+# 297 GB/s leave each GPU at 8 SMs, 313-330 at 16-32, scripts/nvlink_rate.cu,
+# bench/results/2026-11-27_ep4-nvlink-rate-*), so more senders only take SMs from the receivers. EP4,
+# 24 SMs, 4096 tokens, cached BF16 dispatch by senders: 9 629 us, 10 606, 11 598, 12 611, 14 637
+# (R/(2R-1)), 16 696 (`bench/results/2026-11-27_ep4-split-*`). At 2 ranks half the senders' bytes are
+# this rank's own rows (no link): 16 of 24 243 us, 12 281, 8 385, no cap. Measured at 4 ranks; 8 owed.
+_FUSED_DISPATCH_LINK_SENDERS = 11
+
+
+def send_blocks(work: str, num_ranks: int, num_sms: int, pct: float | None = None) -> int:
+    """The SMs of a call that send, at least one for each role: `pct` percent of num_sms when given
+    (EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT), else send_share's share, a fused dispatch's at most
+    _FUSED_DISPATCH_LINK_SENDERS at more than 2 ranks."""
+    if pct is not None:
+        blocks = round(num_sms * pct / 100)
+    else:
+        blocks = round(num_sms * send_share(work, num_ranks))
+        if work == "dispatch_fused" and num_ranks > 2:
+            blocks = min(blocks, _FUSED_DISPATCH_LINK_SENDERS)
+    return min(max(1, blocks), max(1, num_sms - 1))
+
+
+def send_share(work: str, num_ranks: int) -> float:
+    """The share of a call's SMs that send when EPCOMM_*_SEND_SMS_PCT is auto: both roles busy for
+    the same time. Per byte that a rank receives in dispatch (or sends back in combine), with R ranks:
+
+        work            senders move                   receivers / reducers move   share (equal rates)
+        dispatch_fused  1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
+        dispatch_split  (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
+        combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
+
+    Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM for a row copy,
+    scripts/copy_rate.cu; 2 x H200, 24 SMs: cached dispatch 234 us at 2/3 against 258 at 1/2). In
+    combine a sender's stores to a peer move slower than a reducer's local sums
+    (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs at 2 ranks
+    (8 with equal rates), 12 at 4, 13 at 8 (the rate at 4 and 8 ranks is owed: multi_gpu_plan.sh
+    STEP=split A/Bs one sender more and fewer). At one rank the senders of a combine or a split
+    dispatch have nothing to move, and those of a fused dispatch everything."""
+    if work == "dispatch_fused":
+        return num_ranks / (2 * num_ranks - 1)
+    if work == "dispatch_split":
+        return (num_ranks - 1) / (2 * num_ranks - 1)
+    if work == "combine":
+        sent = (num_ranks - 1) / num_ranks * _COMBINE_REDUCE_PER_SEND
+        return sent / (sent + 1)
+    raise ValueError(f"unknown work {work!r}")
+
+
+class CallContext(ctypes.Structure):
+    """What every call of one rank's Buffer shares. This and the call records below mirror the
+    structs of the same names in csrc/kernels/intranode.cu (checked when the library loads)."""
+    _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), *fields(ctypes.c_int32, "rank num_ranks")]
+
+
+class NotifyCall(ctypes.Structure):
+    _fields_ = [("context", CallContext),
+                *fields(ctypes.c_uint64, "in_rank send_counts expert_counts topk_idx slot own_tokens layout"),
+                *fields(ctypes.c_int32, "op num_tokens experts_per_rank num_topk expert_alignment num_worst_tokens "
+                                        "row_bytes num_sms shape_key pad0")]
+
+
+class DispatchCall(ctypes.Structure):
+    _fields_ = [("context", CallContext),
+                *fields(ctypes.c_uint64, "x scales topk_idx topk_weights in_rank slot own_tokens layout"),
+                *fields(ctypes.c_uint64, "recv_x recv_scales recv_topk_idx recv_topk_weights"),
+                *fields(ctypes.c_int64, "scale_stride_t scale_stride_c recv_scale_stride_t recv_scale_stride_c "
+                                        "cap_rows"),
+                *fields(ctypes.c_int32, "num_tokens x_bytes num_scales num_topk has_topk has_weights experts_per_rank "
+                                        "row_stride"),
+                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma")]
+
+
+class CombineCall(ctypes.Structure):
+    _fields_ = [("context", CallContext),
+                *fields(ctypes.c_uint64, "x weights in_rank slot layout bias0 bias1 out out_weights"),
+                *fields(ctypes.c_int64, "cap_rows"),
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks use_tma pad0")]
+
+
+def bind_calls(lib: ctypes.CDLL) -> None:
+    """Check the call records against the library and declare the entry points that take them (so a
+    record of the wrong kind is refused)."""
+    for record in (CallContext, NotifyCall, DispatchCall, CombineCall):
+        check_struct_layout(lib, record)
+    for function, record in ((lib.epcomm_notify, NotifyCall), (lib.epcomm_dispatch, DispatchCall),
+                             (lib.epcomm_combine, CombineCall)):
+        function.argtypes = [ctypes.POINTER(record), ctypes.c_void_p]
+        function.restype = ctypes.c_int
+
+
+def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                    ranks_per_domain: int):
+    """get_dispatch_layout on the device: tokens per rank, per domain (None with one domain), per
+    expert, and is_token_in_rank [T, R] (csrc/kernels/intranode.cu layout_kernel)."""
+    num_tokens, num_topk = topk_idx.shape
+    if num_experts + num_ranks + num_ranks // ranks_per_domain > 12 * 1024:
+        raise ValueError(f"num_experts={num_experts}: the CUDA layout kernel counts up to 12K experts")
+    num_domains = num_ranks // ranks_per_domain
+    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+    per_domain = torch.zeros(num_domains, dtype=torch.int32, device=device) if num_domains > 1 else None
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=device)
+    code = lib.epcomm_get_dispatch_layout(
+        ptr(topk_idx), num_tokens, num_topk, num_experts, num_ranks, ranks_per_domain, ptr(per_rank),
+        ptr(per_domain), ptr(per_expert), ptr(in_rank), stream_ptr(device))
+    check(code, "get_dispatch_layout")
+    return per_rank, per_domain, per_expert, in_rank
+
+
+class CudaIntranode:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
+        self.lib = load_library()
+        bind_calls(self.lib)
+        self.group = group
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.device = device
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.c = {name: self.lib.epcomm_constant(name.encode()) for name in (
+            "rows_offset", "row_trailer_bytes", "max_ranks", "max_experts_per_rank", "info_ints", "layout_ints",
+            "info_error", "info_error_op", "info_error_ranks", "info_num_recv", "info_recv_counts", "info_matrix",
+            "info_max_recv", "info_max_send", "info_refusal", "info_experts", "op_dispatch", "op_cached_dispatch",
+            "op_combine", "op_barrier")}
+        if (self.c["rows_offset"], self.c["row_trailer_bytes"], self.c["layout_ints"]) != \
+                (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
+            raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
+        if self.num_ranks > self.c["max_ranks"]:
+            raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
+                               f"has {self.num_ranks}")
+        if num_nvl_bytes <= ROWS_OFFSET:
+            raise ValueError(f"num_nvl_bytes={num_nvl_bytes} leaves no room for token rows (the metadata takes "
+                             f"{ROWS_OFFSET} bytes); see epcomm.backends.cuda.intranode.buffer_bytes_needed")
+        self.num_bytes = num_nvl_bytes
+        self.shared = SharedBuffer(self.lib, group, device, num_nvl_bytes, "num_nvl_bytes")
+        self.buffer, self.ptrs = self.shared.tensor, self.shared.ptrs
+        # Host words the kernels write (pinned and mapped): counts for the CPU, and errors.
+        self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
+        self.info_np = self.info.numpy()
+        # A dispatch that waits for its counts on the host starts its sends on this stream first.
+        self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"
+        self.send_stream = torch.cuda.Stream(device)
+        # Marks the count exchange of a dispatch on its stream; the host waits on it right away, so
+        # one event serves every call (a new one per call costs host time the GPU may wait on).
+        self._counted = torch.cuda.Event()
+        self._sent = torch.cuda.Event()  # the send half's end, for the caller's stream to wait on
+        # Percent of a call's SMs that send, per op, as set (None: auto, see send_share).
+        self.send_pct = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") for op in ("dispatch", "combine")}
+        self._send_blocks_memo: dict[tuple[int, str], int] = {}
+        # Senders move rows by register copies, or by bulk copies through shared memory (slower as
+        # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
+        self.send_tma = int(_env.send_tma())
+        # One record per entry point, reused: a call sets only the fields that vary between calls.
+        context = CallContext(peer_bufs=ctypes.addressof(self.ptrs), info=self.info.data_ptr(),
+                              timeout_ns=self.timeout_ns, rank=self.rank, num_ranks=self.num_ranks)
+        self._notify_call = NotifyCall(context=context, op=self.c["op_dispatch"])
+        self._dispatch_call = DispatchCall(context=context, use_tma=self.send_tma)
+        self._combine_call = CombineCall(context=context, use_tma=self.send_tma)
+        self._barrier_calls = {op: NotifyCall(context=context, op=op, expert_alignment=1)
+                               for op in (self.c["op_cached_dispatch"], self.c["op_combine"], self.c["op_barrier"])}
+        dist.barrier(group=group)
+
+    def close(self) -> None:
+        """Unmap the peers' buffers (after a barrier, so no peer still writes into ours)."""
+        self.shared.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _send_blocks(self, num_sms: int, work: str) -> int:
+        """SMs given to sending (the rest receive or reduce): send_blocks, with the share
+        EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT sets. Memoised: it sits between a dispatch's count
+        read and its receive launch, where every host microsecond is the GPU's too (3.5 us a call on
+        the H100 host)."""
+        key = (num_sms, work)
+        blocks = self._send_blocks_memo.get(key)
+        if blocks is None:
+            pct = self.send_pct["combine" if work == "combine" else "dispatch"]
+            blocks = self._send_blocks_memo[key] = send_blocks(work, self.num_ranks, num_sms, pct)
+        return blocks
+
+    def cap_rows(self, row_bytes: int) -> int:
+        return (self.num_bytes - ROWS_OFFSET) // row_bytes
+
+    def check_errors(self, op: str) -> None:
+        """Raise what the kernels reported since the last check (call after a sync that covers them).
+
+        Refused inputs raise ValueError (every rank gets the same list of refusing ranks); timeouts,
+        mismatched calls and capacity overruns raise RuntimeError.
+        """
+        info, c = self.info_np, self.c
+        code = int(info[c["info_error"]])
+        if code == 0:
+            return
+        flags = [int(v) for v in info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks]]
+        failed_op = _OPS.get(int(info[c["info_error_op"]]), "call")
+        info[c["info_error"]] = 0
+        info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks] = 0
+        if code == _REFUSED:
+            self._raise_refusals()
+        ranks = [r for r in range(self.num_ranks) if flags[r]]
+        mismatch = ", ".join(f"rank {r}: {_OPS.get(flags[r], '?')}" for r in ranks)
+        message = _ERRORS.get(code, f"error {code}").format(ranks=ranks, mismatch=mismatch)
+        raise RuntimeError(f"epcomm {failed_op} (reported by {op}) on rank {self.rank}: {message}. Destroy the Buffer "
+                           "and the process group.")
+
+    def _sync_and_check(self, op: str) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        event.synchronize()
+        self.check_errors(op)
+
+    def _notify_barrier(self, op_code: int, op: str) -> None:
+        """The notify kernel without a count exchange: advance the call counter and meet every peer."""
+        check(self.lib.epcomm_notify(self._barrier_calls[op_code], stream_ptr(self.device)), op)
+
+    def barrier(self, op: str) -> None:
+        self._notify_barrier(self.c["op_barrier"], op)
+        self._sync_and_check(op)
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_domain: int):
+        return dispatch_layout(self.lib, self.device, topk_idx, num_experts, self.num_ranks, ranks_per_domain)
+
+    # ------------------------------------------------------------------ dispatch / combine
+    def dispatch(self, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                 topk_weights, expert_alignment, num_worst_tokens, num_experts, buffer_uid, num_sms):
+        rank, num_ranks, c = self.rank, self.num_ranks, self.c
+        num_tokens, hidden = x.shape
+        cached = handle is not None
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        if num_topk > 32:
+            raise ValueError(f"topk_idx: the CUDA kernels support up to 32 experts per token, got {num_topk}")
+        check_aligned("x", x)
+        num_scales = scales.shape[1] if scales is not None else 0
+        row_bytes = dispatch_row_bytes(hidden, x.element_size(), num_topk, num_scales)
+        cap_rows = self.cap_rows(row_bytes)
+        split = False  # send half launched before the host reads the counts, receive half after
+        sending = False  # a send half runs on send_stream (split, more than one rank)
+        if cached and "rounds" in handle.backend_state:
+            return cached_dispatch_in_rounds(self, x, scales, handle, num_sms), None, None, None, handle
+        if cached:
+            st = handle.backend_state
+            in_rank, slot, own_tokens, layout = st["in_rank"], st["slot"], st["own_tokens"], st["layout"]
+            num_worst_tokens = handle.num_worst_tokens
+            experts_per_rank = st["experts_per_rank"]
+            self._barrier_calls[c["op_cached_dispatch"]].shape_key = dispatch_shape_key(
+                x, scales, num_topk, topk_weights is not None, num_worst_tokens)
+            self._notify_barrier(c["op_cached_dispatch"], "dispatch")
+            num_recv = handle.num_recv_tokens
+            if not num_worst_tokens and st["max_recv"] > cap_rows:
+                self._raise_capacity("dispatch", st["max_recv"], row_bytes, cap_rows)
+            self._set_dispatch_inputs(x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                                      own_tokens, layout, row_bytes, cap_rows, num_sms)
+        else:
+            experts_per_rank = num_experts // num_ranks
+            if experts_per_rank > c["max_experts_per_rank"]:
+                raise ValueError(f"the CUDA kernels support up to {c['max_experts_per_rank']} experts per rank, got "
+                                 f"{experts_per_rank}")
+            if num_worst_tokens > cap_rows:
+                self._raise_capacity("dispatch", num_worst_tokens, row_bytes, cap_rows)
+            stream = current_stream(self.device)
+            in_rank = is_token_in_rank.contiguous()
+            # The kernels' tables of this routing in one allocation (each torch.empty costs the
+            # host ~4 us): slot [T, R], own_tokens [T], layout [LAYOUT_INTS] int32, by address.
+            tables = torch.empty(num_tokens * (num_ranks + 1) + LAYOUT_INTS, dtype=torch.int32, device=self.device)
+            slot = tables.data_ptr()
+            own_tokens = slot + 4 * num_tokens * num_ranks
+            layout = own_tokens + 4 * num_tokens
+            # Held until the launch: a temporary copy freed earlier could be reused by the next one.
+            send_counts, expert_counts = num_tokens_per_rank.contiguous(), num_tokens_per_expert.contiguous()
+            call = self._notify_call
+            call.num_tokens, call.num_topk, call.experts_per_rank = num_tokens, num_topk, experts_per_rank
+            call.expert_alignment, call.num_worst_tokens, call.row_bytes = expert_alignment, num_worst_tokens, row_bytes
+            call.num_sms = num_sms
+            call.shape_key = dispatch_shape_key(x, scales, num_topk, topk_weights is not None, num_worst_tokens)
+            call.in_rank, call.send_counts, call.expert_counts = addr(in_rank), addr(send_counts), addr(expert_counts)
+            call.topk_idx, call.slot = addr(topk_idx), slot
+            call.own_tokens, call.layout = own_tokens, layout
+            check(self.lib.epcomm_notify(call, stream.cuda_stream), "dispatch")
+            # Everything of the kernels' record but the outputs is set now: after the host read of
+            # the counts only the outputs are (the GPU waits for that part of the host's work).
+            self._set_dispatch_inputs(x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                                      own_tokens, layout, row_bytes, cap_rows, num_sms)
+            num_recv = -1  # unknown on the host with num_worst_tokens (no sync)
+            if not num_worst_tokens:
+                counted = self._counted
+                counted.record(stream)
+                split = self.overlap
+                # One rank alone has nothing to send (its receivers copy its rows from x); a send
+                # half would still walk every token on its one SM and end after the receivers.
+                sending = split and num_ranks > 1
+                if sending:
+                    self.send_stream.wait_event(counted)
+                    self._launch_dispatch(1, c["op_dispatch"], num_sms, stream=self.send_stream.cuda_stream)
+                try:
+                    counted.synchronize()
+                    self.check_errors("dispatch")
+                    info = self.info_np
+                    num_recv = int(info[c["info_num_recv"]])
+                    max_recv, max_send = int(info[c["info_max_recv"]]), int(info[c["info_max_send"]])
+                except BaseException:
+                    if sending:  # the send half may still read the inputs
+                        self._join_send_half(stream)
+                    raise
+                # One pass only if its combine fits too (a rank may send more rows than any receives, and
+                # a BF16 combine row outgrows an FP8 dispatch row). Every rank sees the same matrix, so
+                # all go to rounds alike.
+                need = max(max_recv, max_send)
+                if need > self.cap_rows(max(row_bytes, combine_row_bytes(hidden, num_topk))):
+                    if sending:  # its send half moved rows nobody will read: let it finish first
+                        self._join_send_half(stream)
+                    expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
+                    return self._dispatch_in_rounds(
+                        x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, self._count_matrix(),
+                        expert_list, buffer_uid, num_sms)
+        num_out = num_worst_tokens or num_recv
+        recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
+        recv_scales = None
+        if scales is not None:
+            col_major = scales.stride(0) == 1 and num_scales > 1
+            recv_scales = (torch.empty((num_scales, num_out), dtype=scales.dtype, device=self.device).t() if col_major
+                           else torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device))
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
+            if topk_weights is not None:
+                recv_topk_weights = torch.empty((num_out, num_topk), dtype=torch.float32, device=self.device)
+        self._launch_dispatch(2 if split else 0, c["op_cached_dispatch"] if cached else c["op_dispatch"], num_sms,
+                              recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_out)
+        if sending:
+            self._join_send_half(stream)
+        recv_x_out = (recv_x, recv_scales) if scales is not None else recv_x
+        if cached:
+            return recv_x_out, None, None, None, handle
+        if num_worst_tokens:
+            recv_counts, send_counts, expert_list, max_recv, max_send = [], [], [], -1, -1
+        else:  # read after the launch: the GPU is not kept waiting for these lists
+            matrix = self._count_matrix()
+            recv_counts = [int(v) for v in matrix[:, rank]]
+            send_counts = [int(v) for v in matrix[rank]]
+            expert_list = self.info_np[c["info_experts"]:c["info_experts"] + experts_per_rank].tolist()
+        new_handle = DispatchHandle(
+            buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
+            num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
+            recv_counts=recv_counts,
+            backend_state={"in_rank": in_rank, "tables": tables, "slot": slot, "own_tokens": own_tokens,
+                           "layout": layout, "experts_per_rank": experts_per_rank, "max_recv": max_recv,
+                           "max_send": max_send})
+        return recv_x_out, recv_topk_idx, recv_topk_weights, expert_list, new_handle
+
+    def _join_send_half(self, stream: torch.cuda.Stream) -> None:
+        """`stream` waits for the send half's kernel on send_stream. One event, reused (a wait takes
+        the event's state when it is issued): Stream.wait_stream makes a new event each call."""
+        self._sent.record(self.send_stream)
+        stream.wait_event(self._sent)
+
+    def _count_matrix(self):
+        """[R, R] rows rank s sends to rank d, as the last count exchange left them (a copy)."""
+        c, r = self.c, self.num_ranks
+        return self.info_np[c["info_matrix"]:c["info_matrix"] + r * r].reshape(r, r).copy()
+
+    def _set_dispatch_inputs(self, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
+                             own_tokens, layout, row_bytes, cap_rows, num_sms) -> None:
+        """The fields of the dispatch kernels' record that do not depend on the outputs (slot,
+        own_tokens and layout: device addresses in the routing's tables)."""
+        call = self._dispatch_call
+        call.num_sms = num_sms
+        call.num_tokens, call.x_bytes, call.x = x.shape[0], x.shape[1] * x.element_size(), addr(x)
+        call.scales, call.num_scales = addr(scales), scales.shape[1] if scales is not None else 0
+        call.scale_stride_t, call.scale_stride_c = scales.stride() if scales is not None else (0, 0)
+        call.topk_idx, call.topk_weights, call.num_topk = addr(topk_idx), addr(topk_weights), num_topk
+        call.has_topk, call.has_weights = topk_idx is not None, topk_weights is not None
+        call.experts_per_rank, call.row_stride, call.cap_rows = experts_per_rank, row_bytes, cap_rows
+        call.in_rank, call.slot = addr(in_rank), slot
+        call.own_tokens, call.layout = own_tokens, layout
+
+    def _launch_dispatch(self, mode, op_code, num_sms, recv_x=None, recv_scales=None, recv_topk_idx=None,
+                         recv_topk_weights=None, num_out=0, stream: int | None = None) -> None:
+        """mode 0: the fused kernel; 1: its send half; 2: its receive half (see intranode.cu), on the
+        inputs of the last _set_dispatch_inputs, on `stream` (a cudaStream_t; default: the current one)."""
+        call = self._dispatch_call
+        call.mode, call.op = mode, op_code
+        call.num_send_blocks = self._send_blocks(num_sms, "dispatch_fused" if mode == 0 else "dispatch_split")
+        call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
+        call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
+        call.recv_topk_idx, call.recv_topk_weights = addr(recv_topk_idx), addr(recv_topk_weights)
+        check(self.lib.epcomm_dispatch(call, stream_ptr(self.device) if stream is None else ctypes.c_void_p(stream)),
+              "dispatch")
+
+    def combine(self, x, handle: DispatchHandle, topk_weights, biases, num_sms):
+        st = handle.backend_state
+        if "rounds" in st:
+            return combine_in_rounds(self, x, handle, topk_weights, biases, num_sms)
+        num_tokens, hidden = handle.num_tokens, x.shape[1]
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        if num_topk > 32:
+            raise ValueError(f"topk_weights: the CUDA kernels support up to 32 columns, got {num_topk}")
+        check_aligned("x", x)
+        for i, b in enumerate(biases):
+            check_aligned(f"bias[{i}]", b)
+        row_bytes = combine_row_bytes(hidden, num_topk)
+        cap_rows = self.cap_rows(row_bytes)
+        if st["max_send"] > cap_rows:
+            self._raise_capacity("combine", st["max_send"], row_bytes, cap_rows)
+        self._barrier_calls[self.c["op_combine"]].shape_key = shape_digest(3, hidden, num_topk)
+        self._notify_barrier(self.c["op_combine"], "combine")
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device) if num_topk else None
+        bias0 = biases[0] if len(biases) > 0 else None
+        bias1 = biases[1] if len(biases) > 1 else None
+        call = self._combine_call
+        call.num_sms, call.num_send_blocks = num_sms, self._send_blocks(num_sms, "combine")
+        call.num_tokens, call.hidden, call.num_topk = num_tokens, hidden, num_topk
+        call.row_stride, call.cap_rows = row_bytes, cap_rows
+        call.x, call.weights, call.out, call.out_weights = addr(x), addr(topk_weights), addr(out), addr(out_w)
+        call.in_rank, call.slot, call.layout = addr(st["in_rank"]), st["slot"], st["layout"]
+        call.bias0, call.bias1 = addr(bias0), addr(bias1)
+        check(self.lib.epcomm_combine(call, stream_ptr(self.device)), "combine")
+        return out, out_w
+
+    # ------------------------------------------------------------------ calls larger than the buffer
+    # A dispatch whose rows do not fit runs as rounds over ranges of B source tokens (the same ranges
+    # on every rank): a round's rows fit by construction (each rank receives at most R * B rows, and
+    # sends at most R * B back in combine). Every token belongs to one round, so each round's combine
+    # sums a token's rows exactly as a single call would: the results are the same bits. The cost is
+    # one extra copy of the outputs (assembling them in source-rank order) and of combine's input.
+    def _round_tokens(self, hidden: int, element_size: int, num_topk: int, num_scales: int) -> int:
+        row = max(dispatch_row_bytes(hidden, element_size, num_topk, num_scales), combine_row_bytes(hidden, num_topk))
+        tokens = self.cap_rows(row) // self.num_ranks
+        if tokens < 1:
+            raise ValueError(f"num_nvl_bytes={self.num_bytes} cannot hold one row of {row} bytes per rank; the CUDA "
+                             f"backend needs at least {ROWS_OFFSET + self.num_ranks * row}")
+        return tokens
+
+    def _num_rounds(self, num_tokens: int, round_tokens: int) -> int:
+        """Rounds every rank runs: enough for the rank with the most tokens (one small all-reduce)."""
+        most = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return max(1, -(-int(most.item()) // round_tokens))
+
+    def _dispatch_in_rounds(self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix,
+                            expert_list, buffer_uid, num_sms):
+        num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+        num_scales = scales.shape[1] if scales is not None else 0
+        step = self._round_tokens(x.shape[1], x.element_size(), num_topk, num_scales)
+        recv_x, recv_topk_idx, recv_topk_weights, handle = dispatch_in_rounds(
+            self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, step,
+            self._num_rounds(x.shape[0], step), matrix, buffer_uid, num_sms)
+        return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
+
+    # ------------------------------------------------------------------ errors raised on every rank alike
+    def _raise_refusals(self) -> None:
+        c = self.c
+        refusals = [int(v) for v in self.info_np[c["info_refusal"]:c["info_refusal"] + self.num_ranks]]
+        reasons = {1: "topk_idx values outside [-1, num_experts)",
+                   2: "num_tokens_per_rank does not match is_token_in_rank.sum(0) (pass both from get_dispatch_layout)",
+                   4: "ranks disagree on the row shape (hidden size, dtype, FP8 scale count or dtype, top-k width, "
+                      "weights) or num_worst_tokens",
+                   8: "it receives more tokens than its num_worst_tokens"}
+        parts = []
+        for r, code in enumerate(refusals):
+            if code:
+                why = "; ".join(text for bit, text in reasons.items() if code & bit)
+                parts.append(f"rank {r}: {why}")
+        raise ValueError("epcomm dispatch refused its inputs, nothing was sent: " + " | ".join(parts))
+
+    def _raise_capacity(self, op: str, rows: int, row_bytes: int, cap_rows: int) -> None:
+        need = ROWS_OFFSET + rows * row_bytes
+        raise ValueError(f"epcomm {op}: num_nvl_bytes={self.num_bytes} holds {cap_rows} rows of {row_bytes} bytes, "
+                         f"this call needs {rows} on some rank: the CUDA backend needs num_nvl_bytes >= {need} "
+                         "(epcomm.backends.cuda.intranode.buffer_bytes_needed gives the worst case)")

@@ -1,0 +1,184 @@
+"""State and agreement protocol of the reference backend.
+
+Every communicating call starts with a handshake: each rank contributes a fixed-size header
+(operation, call number, whether its arguments were valid, shapes, per-rank counts, arrival time).
+After it every rank knows whether all ranks called the same operation with compatible shapes and
+valid arguments, so bad input and mismatched calls raise on every rank alike instead of hanging.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...utils.tensors import dense
+from .transport import Transport
+
+_MAGIC = 0x45504331
+_HEADER_FIELDS = 16
+
+
+class Op(enum.IntEnum):
+    DISPATCH = 1
+    COMBINE = 2
+    LL_DISPATCH = 3
+    LL_COMBINE = 4
+    CLEAN_LL = 5
+
+
+class F(enum.IntEnum):
+    """Header field positions."""
+    MAGIC = 0
+    OP = 1
+    SEQ = 2
+    STATUS = 3
+    HIDDEN = 4
+    NUM_EXPERTS = 5
+    X_KIND = 6
+    SCALE_COLS = 7
+    NUM_TOPK = 8
+    HAS_WEIGHTS = 9
+    CACHED = 10
+    NUM_TOKENS = 11
+    ARRIVAL_NS = 12
+    MAX_TOKENS = 13
+    FLAGS = 14
+
+
+# Fields every rank must agree on, per operation.
+_AGREE = {
+    Op.DISPATCH: (F.HIDDEN, F.NUM_EXPERTS, F.X_KIND, F.SCALE_COLS, F.NUM_TOPK, F.HAS_WEIGHTS, F.CACHED),
+    Op.COMBINE: (F.HIDDEN, F.HAS_WEIGHTS, F.NUM_TOPK, F.FLAGS),
+    Op.LL_DISPATCH: (F.HIDDEN, F.NUM_EXPERTS, F.NUM_TOPK, F.MAX_TOKENS, F.FLAGS),
+    Op.LL_COMBINE: (F.HIDDEN, F.NUM_EXPERTS, F.NUM_TOPK, F.MAX_TOKENS, F.FLAGS),
+    Op.CLEAN_LL: (F.HIDDEN, F.NUM_EXPERTS, F.MAX_TOKENS),
+}
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, uid: str, timeout_s: float) -> None:
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.transport = Transport(group, uid, timeout_s)
+        self.seq = 0
+        self.ranks_per_domain = self.num_ranks  # set by the Buffer once the ranks agree on it
+        # Rows and bytes each tier moved in the latest call (strategies that count them).
+        self.traffic: dict[str, int] = {}
+        # Low-latency state: combine buffers for zero-copy, one per slot.
+        self.ll_combine_buffers: dict[int, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------- agreement
+    def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
+                  refused: bool = False) -> torch.Tensor:
+        """Exchange headers; return them as int64 [R, 16 + R]. Raises on refusal or mismatch."""
+        self.seq += 1
+        seq = self.seq
+        header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64)
+        header[F.MAGIC], header[F.OP], header[F.SEQ] = _MAGIC, int(op), seq
+        header[F.STATUS] = 1 if refused else 0
+        header[F.ARRIVAL_NS] = time.time_ns()
+        for key, value in fields.items():
+            header[key] = int(value)
+        if counts is not None:
+            header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64)
+        deadline = time.monotonic() + self.transport.timeout_s
+        self.transport.announce(seq)
+        gathered = self.transport.all_gather(header.to(self.device), op.name.lower(), seq, deadline)
+        headers = torch.stack(gathered).cpu()
+        if refused:
+            return headers  # the caller raises its own, more precise error
+        self._check_agreement(op, headers)
+        return headers
+
+    def _check_agreement(self, op: Op, headers: torch.Tensor) -> None:
+        name = op.name.lower()
+        ops = headers[:, F.OP].tolist()
+        seqs = headers[:, F.SEQ].tolist()
+        if any(h != _MAGIC for h in headers[:, F.MAGIC].tolist()) or len(set(ops)) > 1 or len(set(seqs)) > 1:
+            calls = ", ".join(f"rank {r}: {_op_name(o)} (call #{s})" for r, (o, s) in enumerate(zip(ops, seqs)))
+            raise RuntimeError(f"epcomm {name}: ranks made mismatched calls on one Buffer ({calls}); every "
+                               "rank must call the same operations in the same order")
+        refused = [r for r, s in enumerate(headers[:, F.STATUS].tolist()) if s != 0]
+        if refused:
+            raise ValueError(f"epcomm {name}: rank(s) {refused} refused their arguments (see the error on "
+                             "those ranks); no data was exchanged")
+        for f in _AGREE[op]:
+            values = headers[:, f].tolist()
+            if len(set(values)) > 1:
+                raise RuntimeError(f"epcomm {name}: ranks disagree on {f.name.lower()}: "
+                                   + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
+
+    def arrival_wait_ns(self, headers: torch.Tensor) -> torch.Tensor:
+        """Per source rank, how long this rank waited for it to arrive (ns, >= 0)."""
+        arrivals = headers[:, F.ARRIVAL_NS]
+        return (arrivals - arrivals[self.rank]).clamp(min=0)
+
+    def exchange_rows(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int], op: Op,
+                      everyone_empty: bool) -> torch.Tensor:
+        """All-to-all of byte rows; skipped consistently on every rank when nobody sends anything."""
+        if everyone_empty:
+            return send.new_empty((0, send.shape[1]))
+        deadline = time.monotonic() + self.transport.timeout_s
+        return self.transport.all_to_all(send, send_rows, recv_rows, op.name.lower(), self.seq, deadline)
+
+
+# Normal-mode strategies mark their handshakes, so ranks using different ones find out (0 = the
+# all-to-all strategy, which leaves the slot unset). The slot is the first header field unused.
+STRATEGY_CODES = {"alltoall": 0, "allgather": 1, "hierarchical": 2}
+_STRATEGY_FIELD = max(F) + 1
+
+
+def mark_strategy(fields: dict, strategy: str) -> dict:
+    if _STRATEGY_FIELD < _HEADER_FIELDS:
+        fields[_STRATEGY_FIELD] = STRATEGY_CODES[strategy]
+    return fields
+
+
+def check_strategy(headers: torch.Tensor, strategy: str, name: str) -> None:
+    """Raise on this rank if a peer's handshake carries another strategy (that peer then raises or
+    times out, naming the call)."""
+    if _STRATEGY_FIELD >= _HEADER_FIELDS:
+        return
+    codes = headers[:, _STRATEGY_FIELD].tolist()
+    if any(c != STRATEGY_CODES[strategy] for c in codes):
+        names = {v: k for k, v in STRATEGY_CODES.items()}
+        who = ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in enumerate(codes))
+        raise RuntimeError(f"epcomm {name}: ranks use different normal-mode strategies ({who}); create the "
+                           "Buffer with the same strategy= on every rank")
+
+
+def _op_name(code: int) -> str:
+    try:
+        return Op(code).name.lower()
+    except ValueError:
+        return f"unknown op {code}"
+
+
+def to_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a 2-D tensor's rows as raw bytes (contiguous copy if needed)."""
+    row_bytes = _row_numel(t) * t.element_size()
+    if t.numel() == 0:  # empty tensors may carry strides that forbid a dtype view
+        return torch.empty((t.shape[0], row_bytes), dtype=torch.uint8, device=t.device)
+    return dense(t).view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape[1:]:
+        n *= s
+    return n
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    if b.numel() == 0:
+        return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
+    if b.stride() != (b.shape[1], 1):  # a column slice (even of one row) needs dense rows to change dtype
+        b = torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b)
+    return b.view(dtype).reshape(b.shape[0], cols)

@@ -1,0 +1,154 @@
+"""Collectives with a deadline: every wait is bounded and names the ranks that did not arrive.
+
+Each call first publishes "rank r reached call #seq" in the process group's store, then runs an
+asynchronous torch.distributed collective and polls it. If the deadline passes, the store tells
+which ranks never reached this call, and the error names them. After such a timeout the group
+holds an unfinished collective: destroy the Buffer and the process group.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class PeerTimeoutError(RuntimeError):
+    """A peer did not arrive within the timeout."""
+
+
+class Transport:
+    def __init__(self, group: dist.ProcessGroup, uid: str, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self.uid = uid
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except Exception:  # not every launcher exposes the store; errors then name no rank
+            self._store = None
+
+    def _key(self, rank: int) -> str:
+        return f"epcomm/{self.uid}/arrived/{rank}"
+
+    def announce(self, seq: int) -> None:
+        if self._store is not None:
+            self._store.set(self._key(self.rank), str(seq))
+
+    def missing_ranks(self, seq: int) -> list[int] | None:
+        """Ranks whose last announced call is older than ``seq`` (None when unknowable)."""
+        if self._store is None:
+            return None
+        missing = []
+        for r in range(self.num_ranks):
+            key = self._key(r)
+            if not self._store.check([key]) or int(self._store.get(key)) < seq:
+                missing.append(r)
+        return missing
+
+    def meet(self, tag: str, deadline: float) -> list[int] | None:
+        """A barrier through the store, bounded by ``deadline``: the ranks that did not arrive (None
+        without a store). Safe with a dead peer, unlike a collective of the group.
+
+        A rank that gives up says so in the store, and a rank arriving later counts it as absent: it
+        left, so what the meeting guards (a collective free, say) must not go on with it, although its
+        arrival key is there."""
+        if self._store is None:
+            return None
+        self._store.set(f"epcomm/{self.uid}/{tag}/{self.rank}", "1")
+        keys = [f"epcomm/{self.uid}/{tag}/{r}" for r in range(self.num_ranks)]
+        gave_up = [f"epcomm/{self.uid}/{tag}/gave-up/{r}" for r in range(self.num_ranks)]
+        pause = 1e-4
+        while True:
+            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
+            if not missing:
+                return [r for r, key in enumerate(gave_up) if self._store.check([key])]
+            if time.monotonic() > deadline:
+                # A rank arriving between the check above and this key still goes on (a window of one
+                # store round trip): a meeting bounded by time cannot close it entirely.
+                self._store.set(gave_up[self.rank], "1")
+                return missing
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def wait(self, work: dist.Work, op: str, seq: int, deadline: float) -> None:
+        """Poll ``work`` until done; on the deadline raise naming the absent ranks."""
+        pause = 2e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                missing = self.missing_ranks(seq)
+                who = (f"rank(s) {missing} did not arrive" if missing
+                       else "every rank arrived, so a peer failed during the exchange" if missing == []
+                       else "the ranks that did not arrive are unknown (no store)")
+                raise PeerTimeoutError(
+                    f"epcomm {op}: rank {self.rank} timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S) "
+                    f"waiting for its peers; {who}. Destroy the Buffer and the process group.")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
+        work.wait()
+
+    def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.num_ranks)]
+        self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline)
+        return out
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+        """Gather ``t`` [n, ...] of every rank into ``out`` [R * n, ...], rank j's rows in block j.
+
+        NCCL gathers into ``out`` directly; other backends use the list form into views of ``out``,
+        which every gloo version supports (the single-tensor form is recent there).
+        """
+        if self._is_nccl():
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = gather(out, t, group=self.group, async_op=True)
+        else:
+            work = dist.all_gather(list(out.chunk(self.num_ranks)), t, group=self.group, async_op=True)
+        self.wait(work, op, seq, deadline)
+        return out
+
+    def reduce_scatter(self, send: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+        """Sum ``send`` [R * n, W] over the ranks and return block ``rank`` of the sum, [n, W].
+
+        NCCL: ``reduce_scatter_tensor`` (its summation order is NCCL's own). Other backends (gloo has
+        no reduce-scatter before recent PyTorch): an all-to-all of the blocks, then a local sum in
+        ascending source-rank order, which is deterministic and is the order of the all-to-all
+        strategy's combine, so on gloo both strategies agree bit for bit.
+        """
+        n = send.shape[0] // self.num_ranks
+        if self._is_nccl():
+            out = send.new_empty((n, *send.shape[1:]))
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            self.wait(scatter(out, send, group=self.group, async_op=True), op, seq, deadline)
+            return out
+        blocks = self.all_to_all(send, [n] * self.num_ranks, [n] * self.num_ranks, op, seq, deadline)
+        out = torch.zeros((n, *send.shape[1:]), dtype=send.dtype, device=send.device)
+        for src in range(self.num_ranks):
+            out += blocks[src * n:(src + 1) * n]
+        return out
+
+    def _is_nccl(self) -> bool:
+        return "nccl" in str(dist.get_backend(self.group))
+
+    def all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int], op: str, seq: int,
+                   deadline: float) -> torch.Tensor:
+        """Variable-size all-to-all of the rows of a 2-D byte tensor; rows of rank j land in block j."""
+        return self.start_all_to_all(send, send_rows, recv_rows).wait(op, seq, deadline)
+
+    def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> PendingExchange:
+        """Issue the all-to-all; ``.wait()`` on the result completes it and returns the received rows."""
+        recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group, async_op=True)
+        return PendingExchange(self, work, recv, keep_alive=send)
+
+
+class PendingExchange:
+    def __init__(self, transport: Transport, work: dist.Work, recv: torch.Tensor, keep_alive: torch.Tensor) -> None:
+        self.transport, self.work, self.recv = transport, work, recv
+        self._keep_alive = keep_alive  # the send buffer must outlive the asynchronous exchange
+
+    def wait(self, op: str, seq: int, deadline: float) -> torch.Tensor:
+        self.transport.wait(self.work, op, seq, deadline)
+        self._keep_alive = None
+        return self.recv

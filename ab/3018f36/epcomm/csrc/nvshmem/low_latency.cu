@@ -1,0 +1,30 @@
+// The low-latency kernels of the NVSHMEM library: the buffer lives in the NVSHMEM symmetric heap.
+// Peers mapped into this process (nvshmem_ptr: NVLink) get direct stores, as in the IPC library;
+// the others (other nodes over RDMA, or peers EPCOMM_LL_REMOTE_RANKS marks remote) get NVSHMEM
+// puts and signal operations. The kernels are those of kernels/low_latency.cuh.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "../../include/epcomm/common.cuh"
+
+namespace epcomm {
+namespace ll {
+
+struct Net {
+    static constexpr bool kRemote = true;
+    __device__ static void put_warp(void* dst, const void* src, size_t bytes, int pe) {
+        nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+    }
+    __device__ static void put_block(void* dst, const void* src, size_t bytes, int pe) {
+        nvshmemx_putmem_nbi_block(dst, src, bytes, pe);
+    }
+    __device__ static void signal(int64_t* addr, int64_t value, int pe) {
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(addr), static_cast<uint64_t>(value), NVSHMEM_SIGNAL_SET, pe);
+    }
+    __device__ static void quiet() { nvshmem_quiet(); }
+};
+
+}  // namespace ll
+}  // namespace epcomm
+
+#include "../kernels/low_latency.cuh"

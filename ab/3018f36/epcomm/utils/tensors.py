@@ -1,0 +1,24 @@
+"""Tensor helpers shared by the backends, the benchmark and the tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides, copied only when needed. Unlike ``contiguous()``, a size-1
+    dimension must have its row-major stride too (PyTorch calls a tensor contiguous whatever the
+    stride of a size-1 dim, e.g. a one-row block of column-major scales), so the result can always
+    be viewed as another dtype."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    if list(t.stride()) == expected[::-1]:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a flat uint8 tensor."""
+    return dense(t).view(-1).view(torch.uint8)

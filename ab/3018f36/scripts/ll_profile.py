@@ -1,0 +1,167 @@
+"""Where a low-latency call's time goes on the GPU machine: per-kernel device time (torch.profiler,
+as DeepEP's tests measure) and the host time of an eager call (cProfile), per token count.
+
+Usage (on the GPU machine): python scripts/ll_profile.py [--ranks 2] [--tokens 1,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, ".")
+
+from profiling import kernel_lines, last_call_lines, profile_calls  # noqa: E402
+
+from epcomm import Buffer  # noqa: E402
+from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
+from epcomm.utils.launch import LocalCluster  # noqa: E402
+
+
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int) -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk) for n in tokens)
+
+
+def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
+    """A CUDA low-latency Buffer sized by the hint and this rank's decode-step inputs: (buf, x [n,
+    H] bf16, topk_idx [n, K] random routing, weights, expert outputs y [E_local, n*R, H] bf16)."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    size = Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn((n, hidden), generator=gen).to(torch.bfloat16).to(dev)
+    idx = make_pattern_topk_idx(gen, n, num_experts, num_topk, num_ranks, "random").to(dev)
+    w = torch.rand((n, num_topk), generator=gen).to(dev)
+    y = torch.randn((num_experts // num_ranks, n * num_ranks, hidden), dtype=torch.bfloat16, device=dev)
+    return buf, x, idx, w, y
+
+
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+    rank = dist.get_rank()
+    lines = []
+    buf, x, idx, w, y = decode_step_inputs(n, hidden, num_experts, num_topk)
+
+    def step():
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
+        buf.low_latency_combine(y, idx, w, handle)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()  # replays keep the ranks in step (no host time between kernels)
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(41)]
+    events[0].record()
+    for i in range(40):
+        graph.replay()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    per_step = sorted(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(40))
+    lines.append(f"rank {rank} T={n}: graph step (dispatch + combine) back to back: median {per_step[20]:.1f} us, "
+                 f"min {per_step[0]:.1f}, max {per_step[-1]:.1f}")
+    dist.barrier()
+    lines += _timeline(buf, step, n)
+    dist.barrier()
+    prof = profile_calls(graph.replay, 20)
+    lines += kernel_lines(prof, 20, f"rank {rank} T={n}")
+    lines += last_call_lines(prof, 20, f"rank {rank} T={n} replay")
+    dist.barrier()
+
+    for name, fn in (("dispatch", lambda: buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)),
+                     ("dispatch+combine", step)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - start) / 50 * 1e6
+        torch.cuda.synchronize()
+        whole = (time.perf_counter() - start) / 50 * 1e6
+        lines.append(f"rank {rank} T={n}: eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(50):
+        buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    if rank == 0:
+        lines.append(f"rank 0 T={n}: host profile of 50 eager dispatches\n" + out.getvalue())
+    dist.barrier()
+    buf.destroy()
+    return "\n".join(lines)
+
+
+_POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end")
+_KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
+            ("combine", 0): "combine send", ("combine", 1): "combine recv"}
+
+
+def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
+    """The phase timeline of a replayed decode step: each block's global-timer stamps at the points
+    of csrc/kernels/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
+    Per point: the earliest, median and latest block, medians over `samples` steady-state replays."""
+    ll = buf._cuda_ll
+    traces = ll.trace()
+    graph = torch.cuda.CUDAGraph()  # captured with the trace on (the timed graph above had it off)
+    with torch.cuda.graph(graph):
+        step()
+    rows: dict[tuple, list[tuple[float, float, float]]] = {}
+    for _ in range(samples):
+        # Every replay stamps the same cells: zeroed once, then back to back as in decode (each
+        # call waits for its peers' previous one), the last replay's stamps are read.
+        for t in traces.values():
+            t.zero_()
+        for _ in range(30):
+            graph.replay()
+        torch.cuda.synchronize()
+        host = {op: t.cpu() for op, t in traces.items()}
+        origin = host["dispatch"][0, :, 0]
+        origin = int(origin[origin > 0].min())
+        for op, plane in _KERNELS:
+            for p in range(len(_POINTS)):
+                col = host[op][plane, :, p]
+                col = col[col > 0]
+                if col.numel() == 0:
+                    continue
+                us = (col - origin).double().sort().values / 1e3
+                rows.setdefault((op, plane, p), []).append(
+                    (float(us[0]), float(us[us.numel() // 2]), float(us[-1])))
+    ll.trace(False)
+    rank = dist.get_rank()
+    out = [f"rank {rank} T={n}: phase timeline of one replayed step (us from the first dispatch block's start; "
+           f"earliest / median / latest block; median of {samples} samples)"]
+    for (op, plane, p), vals in sorted(rows.items(), key=lambda kv: (list(_KERNELS).index(kv[0][:2]), kv[0][2])):
+        med = [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(3)]
+        out.append(f"rank {rank} T={n}:   {_KERNELS[(op, plane)]:26s} {_POINTS[p]:9s} "
+                   f"{med[0]:7.1f} {med[1]:7.1f} {med[2]:7.1f}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--tokens", default="1,128")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with LocalCluster(args.ranks) as cluster:
+        for text in cluster.run(rank_profile, tokens, 7168, 288, 8):
+            print(text)
+
+
+if __name__ == "__main__":
+    main()

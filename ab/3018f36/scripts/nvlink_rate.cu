@@ -1,0 +1,209 @@
+// How fast SMs move token rows between the GPUs of one host over NVLink, every GPU sending to every
+// other at once (an all-to-all, as a dispatch or combine loads the switch), by the means the
+// normal-mode kernels could use:
+//   push      a warp per token loads its row once and stores it into every peer's buffer (the
+//             intranode dispatch's senders), optionally releasing a per-row flag after it (sys scope)
+//   push-dst  a warp per (token, peer): the row is loaded once per peer, each warp stores to one GPU
+//   pull      a warp per row reads it from the peer's buffer into local memory (a receiver-pulls design)
+// at 8-32 SMs per GPU, slot strides 16-byte (the kernels' rows today) or 128-byte aligned.
+// cudaMemcpyPeerAsync to every peer at once is the copy engines' figure for the same bytes.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/nvlink_rate scripts/nvlink_rate.cu && /tmp/nvlink_rate
+// One JSON object a line: per GPU bytes leaving it (push) or entering it (pull) over NVLink per
+// second, the slowest GPU's median time of 10 launches.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "../epcomm/include/epcomm/common.cuh"
+#include "microbench.cuh"
+
+using namespace epcomm;
+
+constexpr int kRowBytes = 14336;  // 7168 BF16 channels
+constexpr int kTokens = 4096;
+constexpr int kMaxGpus = 8;
+constexpr int kThreads = 512;
+constexpr int kUnroll = 8;
+
+struct Peers {
+    uint8_t* p[kMaxGpus];
+};
+
+__device__ __forceinline__ void copy_row(int4* const* dst, int num_dst, const int4* src, int lane) {
+    constexpr int n = kRowBytes / 16;
+    for (int i = lane; i < n; i += kUnroll * kWarpSize) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i + u * kWarpSize < n) v[u] = ld_nc_int4(src + i + u * kWarpSize);
+        for (int d = 0; d < num_dst; ++d)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * kWarpSize < n) dst[d][i + u * kWarpSize] = v[u];
+    }
+}
+
+// Token t of GPU `me` goes to slot (me, t) of every peer's buffer: [source][token] rows of `stride`.
+template <bool kFlag>
+__global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Peers peers, int me, int num_gpus,
+                                                    int stride, int64_t flag) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
+    const int num_warps = gridDim.x * (kThreads / kWarpSize);
+    for (int t = warp; t < kTokens; t += num_warps) {
+        int4* dst[kMaxGpus];
+        int n = 0;
+        for (int d = 0; d < num_gpus; ++d)
+            if (d != me)
+                dst[n++] = reinterpret_cast<int4*>(peers.p[d] + (static_cast<int64_t>(me) * kTokens + t) * stride);
+        copy_row(dst, n, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
+        if (kFlag) {
+            __syncwarp();
+            if (lane < n)
+                for (int d = 0; d < n; ++d)
+                    if (d == lane)
+                        st_release_sys(reinterpret_cast<int64_t*>(reinterpret_cast<uint8_t*>(dst[d]) + stride - 16),
+                                       flag);
+        }
+    }
+}
+
+// A warp per (token, peer), peers interleaved. kPull false (push-dst): the warp loads the token's
+// row and stores it into that peer's buffer (one GPU per warp); true (pull): GPU `me` reads the
+// row the peer holds for it (slot (me, t) of the peer's buffer) into its output.
+template <bool kPull>
+__global__ void __launch_bounds__(kThreads, 1) one_peer_per_warp(const uint8_t* src, Peers peers, uint8_t* out,
+                                                                 int me, int num_gpus, int stride) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
+    const int num_warps = gridDim.x * (kThreads / kWarpSize);
+    const int num_peers = num_gpus - 1;
+    for (int r = warp; r < kTokens * num_peers; r += num_warps) {
+        const int t = r / num_peers, k = r % num_peers, peer = k < me ? k : k + 1;
+        uint8_t* slot = peers.p[peer] + (static_cast<int64_t>(me) * kTokens + t) * stride;
+        int4* dst[1] = {reinterpret_cast<int4*>(kPull ? out + static_cast<int64_t>(r) * kRowBytes : slot)};
+        // ld.global.nc for the pulled rows too: no one writes them during the kernel.
+        copy_row(dst, 1, reinterpret_cast<const int4*>(kPull ? slot : src + static_cast<int64_t>(t) * kRowBytes), lane);
+    }
+}
+
+int main() {
+    int num_gpus = 0;
+    CHECK(cudaGetDeviceCount(&num_gpus));
+    num_gpus = std::min(num_gpus, kMaxGpus);
+    if (num_gpus < 2) {
+        std::printf("{\"error\": \"needs 2 or more GPUs, %d present\"}\n", num_gpus);
+        return 0;
+    }
+    constexpr int kMaxStride = kRowBytes + 128;
+    const int64_t buf_bytes = static_cast<int64_t>(num_gpus) * kTokens * kMaxStride;
+    std::vector<uint8_t*> src(num_gpus), buf(num_gpus), out(num_gpus);
+    std::vector<cudaStream_t> streams(num_gpus * kMaxGpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        for (int p = 0; p < num_gpus; ++p)
+            if (p != g) CHECK(cudaDeviceEnablePeerAccess(p, 0));
+        CHECK(cudaMalloc(&src[g], static_cast<int64_t>(kTokens) * kRowBytes));
+        CHECK(cudaMalloc(&buf[g], buf_bytes));
+        CHECK(cudaMalloc(&out[g], static_cast<int64_t>(kTokens) * (num_gpus - 1) * kRowBytes));
+        CHECK(cudaMemset(src[g], 0x3c + g, static_cast<int64_t>(kTokens) * kRowBytes));  // not zeros
+        CHECK(cudaMemset(buf[g], 0x5a, buf_bytes));
+        for (int s = 0; s < kMaxGpus; ++s)
+            CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
+    }
+    Peers peers{};
+    for (int g = 0; g < num_gpus; ++g) peers.p[g] = buf[g];
+    const int64_t bytes = static_cast<int64_t>(kTokens) * (num_gpus - 1) * kRowBytes;  // per GPU, one way
+
+    // Launch on every GPU, then wait for all: the slowest GPU's time by its own events.
+    std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventCreate(&a[g]));
+        CHECK(cudaEventCreate(&b[g]));
+    }
+    auto run_all = [&](auto launch_on) -> double {
+        std::vector<double> times;
+        for (int it = 0; it < 13; ++it) {
+            for (int g = 0; g < num_gpus; ++g) {
+                CHECK(cudaSetDevice(g));
+                CHECK(cudaDeviceSynchronize());
+            }
+            for (int g = 0; g < num_gpus; ++g) {
+                CHECK(cudaSetDevice(g));
+                CHECK(cudaEventRecord(a[g], streams[g * kMaxGpus]));
+                launch_on(g);
+                CHECK(cudaEventRecord(b[g], streams[g * kMaxGpus]));
+            }
+            double slowest = 0;
+            for (int g = 0; g < num_gpus; ++g) {
+                CHECK(cudaSetDevice(g));
+                CHECK(cudaEventSynchronize(b[g]));
+                CHECK(cudaGetLastError());
+                float ms;
+                CHECK(cudaEventElapsedTime(&ms, a[g], b[g]));
+                slowest = std::max(slowest, ms * 1e3);
+            }
+            if (it >= 3) times.push_back(slowest);
+        }
+        std::sort(times.begin(), times.end());
+        return times[times.size() / 2];
+    };
+    auto report = [&](const char* method, int sms, int stride, double us) {
+        std::printf("{\"method\": \"%s\", \"gpus\": %d, \"sms\": %d, \"stride\": %d, \"us\": %.1f, \"gbps\": %.1f, "
+                    "\"gbps_per_sm\": %.2f}\n",
+                    method, num_gpus, sms, stride, us, bytes / us / 1e3, sms ? bytes / us / 1e3 / sms : 0.0);
+        std::fflush(stdout);
+    };
+    // The copy engines: every GPU copies its rows to every peer at once, a stream per peer.
+    {
+        std::vector<cudaEvent_t> fork(num_gpus * kMaxGpus);
+        for (int g = 0; g < num_gpus; ++g) {
+            CHECK(cudaSetDevice(g));
+            for (int s = 0; s < kMaxGpus; ++s)
+                CHECK(cudaEventCreateWithFlags(&fork[g * kMaxGpus + s], cudaEventDisableTiming));
+        }
+        const double us = run_all([&](int g) {  // fork to a stream per peer and join back, inside the events
+            cudaStream_t main_stream = streams[g * kMaxGpus];
+            CHECK(cudaEventRecord(fork[g * kMaxGpus], main_stream));
+            int k = 0;
+            for (int d = 0; d < num_gpus; ++d) {
+                if (d == g) continue;
+                cudaStream_t s = streams[g * kMaxGpus + 1 + k];
+                CHECK(cudaStreamWaitEvent(s, fork[g * kMaxGpus], 0));
+                CHECK(cudaMemcpyPeerAsync(buf[d] + static_cast<int64_t>(g) * kTokens * kRowBytes, d, src[g], g,
+                                          static_cast<int64_t>(kTokens) * kRowBytes, s));
+                CHECK(cudaEventRecord(fork[g * kMaxGpus + 1 + k], s));
+                ++k;
+            }
+            for (int j = 1; j <= k; ++j) CHECK(cudaStreamWaitEvent(main_stream, fork[g * kMaxGpus + j], 0));
+        });
+        report("memcpy-peer", 0, kRowBytes, us);
+    }
+    const int strides[] = {kRowBytes + 96 + 16, kRowBytes + 128};  // 14448 (16-aligned, today's BF16 slot), 14464
+    for (int sms : {8, 16, 24, 32}) {
+        for (int stride : strides) {
+            int64_t flag = 1;
+            report("push", sms, stride, run_all([&](int g) {
+                       push<false><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus, stride, 0);
+                   }));
+            report("push-flag", sms, stride, run_all([&](int g) {
+                       push<true><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus, stride,
+                                                                               ++flag);
+                   }));
+            report("push-dst", sms, stride, run_all([&](int g) {
+                       one_peer_per_warp<false><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, out[g], g,
+                                                                                            num_gpus, stride);
+                   }));
+            report("pull", sms, stride, run_all([&](int g) {
+                       one_peer_per_warp<true><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, out[g], g,
+                                                                                           num_gpus, stride);
+                   }));
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,250 @@
+"""Which backend and device a Buffer takes: backend='auto' (the CUDA kernels for each mode every rank
+can run them for), the device rule (DeepEP works on the current GPU whatever group it is given: vLLM
+passes its gloo group), and the refusals when ranks disagree. The GPU cases are skipped without GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import BACKEND, EpcommLog, cluster, env_var, poison_allocator
+from routing import make_inputs
+
+from epcomm import Buffer, Config
+from epcomm.backends.cuda.availability import LOW_LATENCY, NORMAL, mode_blockers
+from epcomm.bench.checks import same_bits
+from epcomm.utils.launch import group_device
+
+HIDDEN, EXPERTS, TOPK, N = 512, 16, 4, 32
+gpu_only = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+
+
+def _buffers_kwargs(num_ranks: int) -> dict:
+    return dict(num_nvl_bytes=Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks),
+                num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(N, HIDDEN, num_ranks, EXPERTS),
+                low_latency_mode=True)
+
+
+def _round_trip(buf: Buffer, dev: torch.device, seed: int) -> dict:
+    """A dispatch, a combine and a low-latency dispatch + combine on ``buf``; the outputs (copies)."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    x, topk_idx, weights = (t.to(dev) for t in make_inputs(seed, rank, 24, HIDDEN, EXPERTS, TOPK, num_ranks,
+                                                           "random"))
+    if dev.type == "cuda":
+        poison_allocator(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, EXPERTS)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=weights)
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    buf.clean_low_latency_buffer(N, HIDDEN, EXPERTS)
+    ll_x, ll_count, ll_handle, _, _ = buf.low_latency_dispatch(x, topk_idx, N, EXPERTS, use_fp8=False)
+    ll_out, _, _ = buf.low_latency_combine(ll_x, topk_idx, weights, ll_handle)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    rows = [ll_x[e, :int(c)].clone() for e, c in enumerate(ll_count.tolist())]
+    return dict(recv_x=recv_x.clone(), recv_idx=recv_idx.clone(), recv_w=recv_w.clone(), counts=counts,
+                combined=combined.clone(), combined_w=combined_w.clone(), ll_rows=rows, ll_out=ll_out.clone())
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b if not isinstance(a, torch.Tensor) else a.shape == b.shape and same_bits(a, b)
+
+
+# ----------------------------------------------------------------------------- on CPU ranks (CI)
+@contextlib.contextmanager
+def _blockers_on_rank(rank: int, fake):
+    """availability.mode_blockers replaced by ``fake`` on ``rank``, by no blocker on the others."""
+    import epcomm.buffer as buffer_module
+
+    real = buffer_module.mode_blockers
+    buffer_module.mode_blockers = fake if dist.get_rank() == rank else (lambda *args, **kwargs: {})
+    try:
+        yield
+    finally:
+        buffer_module.mode_blockers = real
+
+
+def rank_auto_on_cpu():
+    """No GPU: 'auto' is the reference backend for both modes, on the CPU, quietly; a Buffer without
+    low-latency mode reports it on the reference too. With EPCOMM_DEVICE unset, a gloo group without
+    CUDA is on the CPU."""
+    with EpcommLog() as records:
+        buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
+        normal_only = Buffer(dist.group.WORLD, 1 << 22, backend="auto")
+    assert records.messages == [], records.messages
+    assert buf.device.type == "cpu"
+    assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"} and buf.backend_name == "reference"
+    assert normal_only.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, normal_only.backends
+    out = _round_trip(buf, buf.device, seed=3)
+    buf.destroy()
+    normal_only.destroy()
+    saved = os.environ.pop("EPCOMM_DEVICE", None)  # the CPU clusters' ranks set it (epcomm.utils.launch)
+    try:
+        assert group_device() == torch.device("cpu")
+    finally:
+        if saved is not None:
+            os.environ["EPCOMM_DEVICE"] = saved
+    return int(out["recv_x"].shape[0])
+
+
+def rank_split_vote(raise_in_check: bool):
+    """One rank cannot run the kernels (or its check raises): every rank keeps both modes on the
+    reference backend, within the timeout, and the Buffer works."""
+    def blocked(*args, **kwargs):
+        if raise_in_check:
+            raise OSError("no such library")
+        return {NORMAL: "test: blocked", LOW_LATENCY: "test: blocked"}
+
+    with _blockers_on_rank(1, blocked):
+        start = time.monotonic()
+        buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
+        elapsed = time.monotonic() - start
+    assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, buf.backends
+    assert elapsed < 10, elapsed
+    out = _round_trip(buf, buf.device, seed=4)
+    buf.destroy()
+    return int(out["recv_x"].shape[0])
+
+
+@pytest.mark.skipif(BACKEND == "nccl", reason="the CPU rule: the suite runs on GPUs")
+@pytest.mark.parametrize("raise_in_check", [False, True], ids=["blocked", "check-raises"])
+def test_one_rank_unable_keeps_every_rank_on_the_reference(raise_in_check):
+    assert sum(cluster(2).run(rank_split_vote, raise_in_check)) > 0
+
+
+def rank_sizes_disagree():
+    """Ranks building different Buffers (here num_nvl_bytes) raise ValueError on every rank."""
+    with pytest.raises(ValueError, match=r"different num_nvl_bytes values .*rank 0: 1048576, rank 1: 2097152"):
+        Buffer(dist.group.WORLD, (1 + dist.get_rank()) << 20)
+    return True
+
+
+def test_ranks_building_different_buffers_all_raise():
+    cluster(2).run(rank_sizes_disagree)
+
+
+@pytest.mark.skipif(BACKEND == "nccl", reason="the CPU rule: the suite runs on GPUs")
+def test_auto_without_gpus_is_the_reference_backend():
+    assert sum(cluster(2).run(rank_auto_on_cpu)) > 0
+
+
+def rank_backends_disagree():
+    """Ranks asking for different backends raise ValueError on every rank (else they would wait on
+    each other in different protocols)."""
+    with pytest.raises(ValueError, match=r"different backend values .*rank 0: auto, rank 1: reference"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto" if dist.get_rank() == 0 else "reference")
+    return True
+
+
+def test_ranks_asking_for_different_backends_all_raise():
+    cluster(2).run(rank_backends_disagree)
+
+
+def rank_bad_device():
+    """A device that is not the CPU or a GPU, on one rank: every rank raises, none waits."""
+    if dist.get_rank() == 1:
+        with pytest.raises(ValueError, match="device must be the CPU or a CUDA device"):
+            Buffer(dist.group.WORLD, 1 << 20, device="meta")
+        with env_var("EPCOMM_DEVICE", "gpu"), pytest.raises(ValueError, match="EPCOMM_DEVICE must be cpu or cuda"):
+            Buffer(dist.group.WORLD, 1 << 20)
+    else:
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"rank\(s\) \[1\] refused"):
+                Buffer(dist.group.WORLD, 1 << 20)
+    return True
+
+
+def test_bad_device_raises_on_every_rank():
+    cluster(2).run(rank_bad_device)
+
+
+def test_mode_blockers_name_what_stops_the_kernels():
+    cpu = torch.device("cpu")
+    kwargs = dict(num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20, low_latency_mode=True, strategy="alltoall",
+                  ll_nvshmem=False)
+    blockers = mode_blockers(0, cpu, [1, 1], [0, 0], **kwargs)
+    assert set(blockers) == {NORMAL, LOW_LATENCY} and "CPU" in blockers[NORMAL]
+    # A mode the Buffer does not use is not voted on.
+    assert set(mode_blockers(0, cpu, [1], [0], **{**kwargs, "low_latency_mode": False})) == {NORMAL}
+    assert mode_blockers(0, cpu, [1], [0], **{**kwargs, "num_nvl_bytes": 0, "low_latency_mode": False}) == {}
+
+
+# ----------------------------------------------------------------------------- on GPUs
+def rank_auto_on_gpus(group_backend: str | None):
+    """'auto' on GPUs runs both modes on the kernels, bitwise equal to the reference backend. With
+    ``group_backend='gloo'`` the Buffers get a plain gloo group, as vLLM passes its CPU group: the
+    tensors are on the current GPU all the same (DeepEP's rule), for both backends."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(backend=group_backend) if group_backend else dist.group.WORLD
+    kwargs = _buffers_kwargs(dist.get_world_size())
+    outs = {}
+    for backend in ("reference", "auto"):
+        buf = Buffer(group, **kwargs, backend=backend)
+        assert buf.device == dev, (backend, buf.device)
+        want = "cuda" if backend == "auto" else "reference"
+        assert buf.backends == {NORMAL: want, LOW_LATENCY: want}, (backend, buf.backends)
+        outs[backend] = _round_trip(buf, dev, seed=5)
+        buf.destroy()
+    for key, ref in outs["reference"].items():
+        assert _same(outs["auto"][key], ref), f"rank {dist.get_rank()}: {key} differs from the reference backend"
+    return True
+
+
+@gpu_only
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("group_backend", [None, "gloo"], ids=["world", "gloo-group"])
+def test_auto_on_gpus_runs_the_kernels(ranks, group_backend):
+    cluster(ranks).run(rank_auto_on_gpus, group_backend)
+
+
+def rank_auto_falls_back():
+    """A mode the kernels cannot run stays on the reference backend, logged: here the allgather
+    strategy (normal mode), while low-latency mode still runs on the kernels."""
+    with EpcommLog() as records:
+        buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto", strategy="allgather")
+    assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "cuda"}, buf.backends
+    if dist.get_rank() == 0:  # rank 0 logs every rank's reason
+        warned = [m for m in records.messages if "normal mode runs on the reference backend" in m]
+        assert len(warned) == 1 and all(f"rank {r}: strategy='allgather'" in warned[0]
+                                        for r in range(dist.get_world_size())), records.messages
+        assert any("the CUDA kernels run low-latency mode" in m for m in records.messages), records.messages
+    else:
+        assert records.messages == [], records.messages
+    out = _round_trip(buf, buf.device, seed=9)
+    buf.destroy()
+    return int(out["recv_x"].shape[0])
+
+
+@gpu_only
+def test_auto_keeps_a_mode_the_kernels_cannot_run_on_the_reference():
+    cluster(2).run(rank_auto_falls_back)
+
+
+
+def rank_buffer_names_per_group():
+    """A Buffer's name in the store (its exchanges' keys) is equal on the ranks of its group, whatever
+    other Buffers a rank built on other groups before, and differs between groups: the meetings of two
+    expert-parallel groups' Buffers must not satisfy each other."""
+    rank = dist.get_rank()
+    solo = dist.new_group([0])  # new_group is collective over the world: every rank makes every group
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    if rank == 0:  # a per-process count of Buffers would now differ between ranks 0 and 1
+        Buffer(solo, 1 << 22, backend="reference").destroy()
+    buf = Buffer(pairs[rank // 2], 1 << 22, backend="reference")
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, buf.uid)
+    buf.destroy()
+    return names
+
+
+def test_buffer_names_are_per_group():
+    names = cluster(4).run(rank_buffer_names_per_group)[0]
+    assert names[0] == names[1] and names[2] == names[3] and names[0] != names[2], names

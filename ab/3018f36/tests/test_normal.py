@@ -1,0 +1,164 @@
+"""Normal-mode dispatch and combine on 2-4 gloo ranks, checked against a dense single-process oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import cluster
+from routing import device, make_inputs
+
+import epcomm
+from epcomm import Buffer, Config
+
+
+def _buffer(hidden_bytes: int) -> Buffer:
+    r = dist.get_world_size()
+    return Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden_bytes, r), backend="reference")
+
+
+def _expected_dispatch(all_inputs, rank, num_ranks, num_experts):
+    """Rows this rank receives: by source rank, then source token index."""
+    e_local = num_experts // num_ranks
+    xs, idxs, ws, srcs = [], [], [], []
+    for src, (x, topk_idx, w) in enumerate(all_inputs):
+        owner = torch.where(topk_idx >= 0, topk_idx // e_local, -1)
+        sel = (owner == rank).any(1)
+        xs.append(x[sel])
+        local = torch.where(owner[sel] == rank, topk_idx[sel] - rank * e_local, -1)
+        idxs.append(local)
+        ws.append(torch.where(local >= 0, w[sel], 0.0))
+        srcs.append(torch.full((int(sel.sum()),), src))
+    return torch.cat(xs), torch.cat(idxs), torch.cat(ws), torch.cat(srcs)
+
+
+def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routing, seed, fp8, col_major_scales,
+                          alignment, num_worst_tokens, use_bias):
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    tag = (f"rank={rank} R={num_ranks} T={tokens_per_rank} H={hidden} E={num_experts} K={num_topk} "
+           f"routing={routing} fp8={fp8} col_major={col_major_scales} worst={num_worst_tokens}")
+    all_inputs = [make_inputs(seed, r, tokens_per_rank[r], hidden, num_experts, num_topk, num_ranks, routing)
+                  for r in range(num_ranks)]
+    x, topk_idx, topk_weights = all_inputs[rank]
+    dev = device()
+    buf = _buffer(hidden * 2)
+
+    # Layout.
+    layout = buf.get_dispatch_layout(topk_idx.to(dev), num_experts)
+    per_rank, per_domain, per_expert, in_rank = (t.cpu() if t is not None else None for t in layout[:4])
+    e_local = num_experts // num_ranks
+    owner = torch.where(topk_idx >= 0, topk_idx // e_local, -1)
+    want_in_rank = torch.stack([(owner == r).any(1) for r in range(num_ranks)], 1) if len(x) else \
+        torch.zeros((0, num_ranks), dtype=torch.bool)
+    assert torch.equal(in_rank, want_in_rank), tag
+    assert torch.equal(per_rank, want_in_rank.sum(0).to(torch.int32)), tag
+    want_per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).to(torch.int32)
+    assert torch.equal(per_expert, want_per_expert), tag
+    assert per_domain is None, tag
+
+    # Dispatch.
+    if fp8:
+        data, scales = epcomm.per_token_cast_to_fp8(x)
+        if col_major_scales:
+            scales = scales.t().contiguous().t()
+        x_in = (data.to(dev), scales.to(dev) if not col_major_scales else scales.t().to(dev).t())
+    else:
+        x_in = x.to(dev)
+    recv_x, recv_idx, recv_w, expert_list, handle, _ = buf.dispatch(
+        x_in, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx.to(dev), topk_weights=topk_weights.to(dev), expert_alignment=alignment,
+        num_worst_tokens=num_worst_tokens)
+    recv_x = (recv_x[0].cpu(), recv_x[1].cpu() if recv_x[1].stride(1) == 1 else recv_x[1].t().cpu().t()) \
+        if fp8 else recv_x.cpu()
+    recv_idx, recv_w = recv_idx.cpu(), recv_w.cpu()
+    want_x, want_idx, want_w, want_src = _expected_dispatch(all_inputs, rank, num_ranks, num_experts)
+    n = want_x.shape[0]
+    if fp8:
+        want_data, want_scales = epcomm.per_token_cast_to_fp8(want_x)
+        assert torch.equal(recv_x[0][:n].view(torch.uint8), want_data.view(torch.uint8)), tag
+        assert torch.equal(recv_x[1][:n], want_scales), tag
+        if col_major_scales and want_scales.shape[1] > 1:
+            assert recv_x[1].stride(0) == 1, tag
+        rows = recv_x[0].shape[0]
+    else:
+        assert torch.equal(recv_x[:n].view(torch.int16), want_x.view(torch.int16)), tag
+        rows = recv_x.shape[0]
+    assert rows == (num_worst_tokens or n), tag
+    assert torch.equal(recv_idx[:n], want_idx), tag
+    assert torch.equal(recv_w[:n], want_w), tag
+    if num_worst_tokens:
+        assert expert_list == [], tag
+        assert bool((recv_idx[n:] == -1).all()), tag
+    else:
+        counts = torch.bincount(want_idx[want_idx >= 0], minlength=e_local).tolist()
+        assert expert_list == [(c + alignment - 1) // alignment * alignment for c in counts], tag
+
+    # Cached dispatch reproduces the rows.
+    cached_x, *rest = buf.dispatch(x_in, handle=handle)
+    assert rest[:3] == [None, None, None], tag
+    got = (cached_x[0] if fp8 else cached_x).cpu()
+    first = recv_x[0] if fp8 else recv_x
+    assert torch.equal(got[:n].view(torch.uint8), first[:n].view(torch.uint8)), tag
+
+    # Combine: each destination scales its rows by (rank + 1); the source sums them.
+    y = torch.zeros((rows, hidden), dtype=torch.bfloat16)
+    y_valid = (want_x.float() * (rank + 1)).to(torch.bfloat16)
+    y[:n] = y_valid
+    w_back = torch.zeros((rows, num_topk), dtype=torch.float32)
+    w_back[:n] = want_w
+    biases = None
+    if use_bias:
+        gen = torch.Generator().manual_seed(seed + 7 + rank)
+        biases = tuple(torch.randn((x.shape[0], hidden), generator=gen).to(torch.bfloat16) for _ in range(2))
+    combined, combined_w, _ = buf.combine(y.to(dev), handle, topk_weights=w_back.to(dev),
+                                          bias=tuple(b.to(dev) for b in biases) if biases else None)
+    combined, combined_w = combined.cpu(), combined_w.cpu()
+    ref = torch.zeros((x.shape[0], hidden), dtype=torch.float64)
+    ref_w = torch.zeros((x.shape[0], num_topk), dtype=torch.float64)
+    for r in range(num_ranks):
+        reach = want_in_rank[:, r]
+        ref[reach] += (x[reach].float() * (r + 1)).to(torch.bfloat16).double()
+        ref_w[reach] += torch.where(owner[reach] == r, topk_weights[reach], 0.0).double()
+    if biases is not None:
+        ref += biases[0].double() + biases[1].double()
+    assert combined.dtype == torch.bfloat16 and combined.shape == (x.shape[0], hidden), tag
+    # bf16 output: within one bf16 rounding of the float64 sum.
+    err = (combined.double() - ref).abs()
+    assert bool((err <= ref.abs() * 2 ** -8 + 1e-6).all()), f"{tag}: max err {err.max()}"
+    assert torch.allclose(combined_w.double(), ref_w, rtol=1e-6, atol=1e-6), tag
+    return n
+
+
+CASES = [
+    # (ranks, tokens per rank, hidden, experts, topk, routing)
+    (2, [64, 48], 256, 8, 4, "random"),
+    (4, [32, 0, 17, 1], 128, 16, 4, "random"),
+    (4, [40, 40, 40, 40], 128, 16, 2, "imbalanced"),
+    (4, [24, 24, 24, 24], 256, 16, 4, "empty_rank"),
+    (3, [20, 20, 20], 128, 6, 2, "one_expert"),
+    (2, [16, 16], 128, 4, 2, "all_dropped"),
+    (4, [0, 0, 0, 0], 128, 16, 4, "random"),
+    (2, [1, 1], 128, 4, 4, "random"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c[0]}-T{sum(c[1])}-{c[5]}")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_dispatch_combine(case, fp8):
+    ranks, tokens, hidden, experts, topk, routing = case
+    seed = CASES.index(case) + 100 * fp8
+    cluster(ranks).run(rank_dispatch_combine, tokens, hidden, experts, topk, routing, seed=seed, fp8=fp8,
+                       col_major_scales=False, alignment=1, num_worst_tokens=0, use_bias=False)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fp8_column_major_scales_alignment_bias(ranks):
+    cluster(ranks).run(rank_dispatch_combine, [33] * ranks, 384, 4 * ranks, 3, "random", seed=11, fp8=True,
+                       col_major_scales=True, alignment=8, num_worst_tokens=0, use_bias=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_num_worst_tokens(fp8):
+    tokens = [30, 5, 0, 12]
+    cluster(4).run(rank_dispatch_combine, tokens, 128, 16, 4, "random", seed=5, fp8=fp8, col_major_scales=False,
+                   alignment=1, num_worst_tokens=30 * 4, use_bias=True)
