@@ -32,12 +32,13 @@
 // So is a combine whose peers are all mapped (combine_fused: each block returns its units' rows,
 // its warps sharing them, then sums its tokens).
 //
-// Buffer layout: [header 48 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
+// Buffer layout: [header 64 bytes | slot 0 | slot 1] (16-byte aligned throughout, so that it fits in
 // Buffer.get_low_latency_rdma_size_hint); each low-latency call uses the slot the Buffer assigns
 // (double buffering). In a slot: acks int64[R] (first: their place must not depend on the call's
 // shapes), dispatch signals int64[E], combine signals int64[E], the dispatch area (sized for a
 // BF16 message per (expert, row), of which the messages [R][N] and the index [E_local][R][N] of
-// int32 take part: plan_message), then the combine area [E][N] rows.
+// int32 take part: plan_message; after them, on a 128-byte line, the arrival area [R][N] of a
+// dispatch by arrival), then the combine area [E][N] rows.
 // Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
 // counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
 // that peer has acknowledged the previous call that used the slot (ranks drift apart when hooks are
