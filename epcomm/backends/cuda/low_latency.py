@@ -230,7 +230,7 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.block_receive = _env.ll_block_receive()  # auto, 0 or 1; the receive side only: ranks may differ
-        self.arrival = _env.ll_arrival()  # every rank must agree (the signals' tag tells a rank that did not)
+        self.arrival = self._arrival_agreed(group)  # EPCOMM_LL_ARRIVAL, the same on every rank
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -285,6 +285,16 @@ class CudaLowLatency:
         self._combine_calls = [LLCombineCall(context=c, counters=addr(self._sent_pairs[s]))
                                for s, c in enumerate(contexts)]
         dist.barrier(group=group)
+
+    def _arrival_agreed(self, group: dist.ProcessGroup) -> bool:
+        """EPCOMM_LL_ARRIVAL, checked to be the same on every rank (collective): ranks that went by
+        arrival and counted in one call would report each other as calls of another shape."""
+        wanted = int(_env.ll_arrival())
+        flags = torch.tensor([wanted, -wanted], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        if int(flags[0]) != -int(flags[1]):
+            raise ValueError("EPCOMM_LL_ARRIVAL differs across ranks; every rank must set the same value")
+        return bool(wanted)
 
     def _combine_partials_agreed(self, group: dist.ProcessGroup) -> bool:
         """Whether combines may go by partial sums (EPCOMM_LL_COMBINE_PARTIALS not 0; which ones:

@@ -263,10 +263,14 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, Arrival
 
 // The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
 // call to every rank, so their next sends into this slot may start.
-// A GPU-scope fence, on purpose: an ack publishes no data (every path was checked: the receives
-// only read their own slot; the self-ack is read on this GPU; Net::signal acks carry nothing), it
-// only tells a peer that this rank's loads of the slot are done, so that the peer may overwrite
-// it. Those loads are done because every one of them fed a store, an address or a branch issued
+// A GPU-scope fence, on purpose: an ack publishes no data that a peer reads (every path was
+// checked: the receives only read their own slot; the self-ack is read on this GPU; Net::signal
+// acks carry nothing), it tells a peer that this rank's loads of the slot are done, so that the
+// peer may overwrite it. One exception: a dispatch by arrival stores the poison back into its own
+// arrival area before the ack, and a peer's next payload must land after it. The PTX model would
+// want a fence_sys for that; the stores go to this GPU's own L2, where the peer's NVLink stores
+// land too, once the gpu-scope fence has made them visible there, so the order holds on the
+// hardware (the same reliance as the loads below; a fence_sys here cost 1.3 us, see below). Those loads are done because every one of them fed a store, an address or a branch issued
 // before the block's barrier, so it has returned its value; the count orders every block's barrier
 // before the acks. This relies on that hardware behaviour, not on the PTX model (a gpu-scope fence
 // does not synchronize with a peer's ld.acquire.sys): a slot load added later whose value is not
@@ -504,8 +508,12 @@ __device__ ArrivalMode dispatch_mode(const DispatchArgs& a, const Layout& lay, u
     bool any_remote = false;
     for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
     // (At least two blocks, one to send and one to receive where send_plan splits them: the grid is
-    // the SM count, alike on every rank.)
-    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr && gridDim.x >= 2 &&
+    // the SM count, alike on every rank. And N tokens fit the grid's chunks: then every rank's T <= N
+    // does, so every rank launches the fused kernel, where the host asked for arrival; a rank whose
+    // T alone decided would fall back to the two kernels and go counted while its peers did not.)
+    const int grid = static_cast<int>(gridDim.x);
+    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr && grid >= 2 &&
+                      N <= grid * (kMaxChunkEntries / max(1, a.num_topk)) &&
                       m.base + static_cast<int64_t>(R) * N * a.arrival_msg_bytes <= area_end;
     const int64_t key = ld_volatile(arrival_key_word(mine, a.slot));
     m.on = able && key == a.arrival_key;
