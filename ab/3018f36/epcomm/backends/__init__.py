@@ -1,1 +1,0 @@
-"""Backends implementing the Buffer API: ``reference`` (portable torch.distributed) and ``cuda`` (kernels)."""

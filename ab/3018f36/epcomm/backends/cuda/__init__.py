@@ -1,1 +1,0 @@
-"""The CUDA backend: kernels over NVLink inside a node (work in progress; see README "Status")."""
