@@ -46,6 +46,15 @@ def _valid_rows(recv_x, recv_count):
     return [t[e, :int(recv_count[e])].contiguous() for t in parts for e in range(t.shape[0])]
 
 
+def _expert_stand_in(recv_x, use_fp8: bool) -> torch.Tensor:
+    """The experts' outputs the tests combine: every received row times (local expert + 1) / 4, from
+    its own data, in bf16. In place: at 8 ranks sharing one GPU, three fp32 copies of the rows would
+    not fit."""
+    data = recv_x[0].float() if use_fp8 else recv_x.float()
+    scale = (torch.arange(data.shape[0], device=data.device, dtype=torch.float32) + 1).view(-1, 1, 1) / 4
+    return data.nan_to_num_().mul_(scale).to(torch.bfloat16)
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and same_bits(a, b)
 
@@ -122,12 +131,7 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
             with torch.cuda.stream(side):
                 hook()
         torch.cuda.synchronize()
-        # Expert stand-in: every received row times (local expert + 1) / 4, from its own data.
-        # In place: at 8 ranks sharing one GPU, three fp32 copies of the rows would not fit.
-        data = recv_x[0].float() if use_fp8 else recv_x.float()
-        scale = (torch.arange(e_local, device=dev, dtype=torch.float32) + 1).view(-1, 1, 1) / 4
-        y = data.nan_to_num_().mul_(scale).to(torch.bfloat16)
-        del data
+        y = _expert_stand_in(recv_x, use_fp8)
         poison_allocator(dev)
         if busy:
             busy.append(busy_side_stream(dev))
@@ -603,15 +607,12 @@ def test_ll_cuda_invalid_inputs_raise_on_every_rank(ranks):
 def _ll_outputs(buf, x, topk_idx, weights, n, num_experts, flags, combine: bool) -> dict:
     """One dispatch (and, with ``combine``, a combine of its rows times (local expert + 1) / 4) of
     ``buf``, its outputs copied."""
-    e_local = num_experts // dist.get_world_size()
     poison_allocator(x.device)
     recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, n, num_experts, **flags)
     out = dict(rows=_valid_rows(recv_x, recv_count), recv_count=recv_count.clone(),
                layout_range=handle.layout_range.clone(), src_info=handle.src_info.clone())
     if combine:
-        data = recv_x[0].float() if flags["use_fp8"] else recv_x.float()
-        scale = (torch.arange(e_local, device=x.device, dtype=torch.float32) + 1).view(-1, 1, 1) / 4
-        y = data.nan_to_num_().mul_(scale).to(torch.bfloat16)
+        y = _expert_stand_in(recv_x, flags["use_fp8"])
         out["combined"] = buf.low_latency_combine(y, topk_idx, weights, handle)[0].clone()
     torch.cuda.synchronize()
     return out

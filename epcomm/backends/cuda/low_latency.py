@@ -230,7 +230,6 @@ class CudaLowLatency:
         self.timeout_ns = int(timeout_s * 1e9)
         self.transport = _choose_transport(group, self.num_ranks)
         self.block_receive = _env.ll_block_receive()  # auto, 0 or 1; the receive side only: ranks may differ
-        self.arrival = self._arrival_agreed(group)  # EPCOMM_LL_ARRIVAL, the same on every rank
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
         bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
@@ -266,7 +265,7 @@ class CudaLowLatency:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_experts = self.lib.epcomm_ll_max_experts()
         self.combine_partials_mode = _env.ll_combine_partials()  # auto, 0 or 1
-        self.combine_partials = self._combine_partials_agreed(group)
+        self.combine_partials, self.arrival = self._switches_agreed(group)
         self.last_combine_partials = False  # whether the last combine was by partial sums (tests)
 
         # Per slot, the running send's counters, 0 between calls: a dispatch's pairs written per
@@ -286,29 +285,23 @@ class CudaLowLatency:
                                for s, c in enumerate(contexts)]
         dist.barrier(group=group)
 
-    def _arrival_agreed(self, group: dist.ProcessGroup) -> bool:
-        """EPCOMM_LL_ARRIVAL, checked to be the same on every rank (collective): ranks that went by
-        arrival and counted in one call would report each other as calls of another shape."""
-        wanted = int(_env.ll_arrival())
-        flags = torch.tensor([wanted, -wanted], dtype=torch.int32, device=self.device)
+    def _switches_agreed(self, group: dist.ProcessGroup) -> tuple[bool, bool]:
+        """(Whether combines may go by partial sums, whether dispatches may go by arrival), checked in
+        one collective (every rank builds its Buffer): ranks whose switches disagree are named here,
+        not left to wait for each other in the kernels or to report each other's calls as of another
+        shape. Partial sums (EPCOMM_LL_COMBINE_PARTIALS not 0; which ones: combine_by_partials) where
+        every rank can: its kernels storing into each peer's slot (every peer mapped: the IPC
+        transport) and its send kernel fitting one block per SM (a cooperative launch). By arrival:
+        EPCOMM_LL_ARRIVAL (the kernels decide per call: dispatch_mode)."""
+        partials = ("0", "1", "auto").index(self.combine_partials_mode)
+        able = partials != 0 and self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
+        arrival = int(_env.ll_arrival())
+        flags = torch.tensor([partials, -partials, arrival, -arrival, int(able)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-        if int(flags[0]) != -int(flags[1]):
-            raise ValueError("EPCOMM_LL_ARRIVAL differs across ranks; every rank must set the same value")
-        return bool(wanted)
-
-    def _combine_partials_agreed(self, group: dist.ProcessGroup) -> bool:
-        """Whether combines may go by partial sums (EPCOMM_LL_COMBINE_PARTIALS not 0; which ones:
-        combine_by_partials): where every rank can, its kernels storing into each peer's slot (every
-        peer mapped: the IPC transport) and its send kernel fitting one block per SM (a cooperative
-        launch). Collective (every rank builds its Buffer): ranks whose switches disagree are named
-        here, not left to wait for each other in the kernels."""
-        wanted = ("0", "1", "auto").index(self.combine_partials_mode)
-        able = wanted != 0 and self.transport == "ipc" and self.lib.epcomm_ll_combine_partials_fit(self.num_sms) == 1
-        flags = torch.tensor([wanted, -wanted, int(able)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-        if int(flags[0]) != -int(flags[1]):
-            raise ValueError("EPCOMM_LL_COMBINE_PARTIALS differs across ranks; every rank must set the same value")
-        return bool(flags[2].item())
+        for i, name in ((0, "EPCOMM_LL_COMBINE_PARTIALS"), (2, "EPCOMM_LL_ARRIVAL")):
+            if int(flags[i]) != -int(flags[i + 1]):
+                raise ValueError(f"{name} differs across ranks; every rank must set the same value")
+        return bool(flags[4].item()), bool(arrival)
 
     def combine_by_partials(self, num_experts: int, hidden: int, num_max_tokens: int, num_topk: int,
                             hook: bool) -> bool:
@@ -589,6 +582,11 @@ class _DispatchShape:
         # the same, in 4-byte elements (as_strided offsets of the int32 and fp32 views)
         self.src_info_at, self.recv_count_at = src_info_offset // 4, recv_count_offset // 4
         self.scales_at = scales_offset // 4
+        # By arrival where the format has poison and every peer is mapped (IPC); the kernel decides
+        # the rest per call (dispatch_mode).
+        amsg = arrival_message_bytes(hidden, num_topk, use_fp8, use_ue8m0) if num_max_tokens < 1 << 16 else 0
+        arrival_key = area_tag(hidden, num_experts, num_max_tokens) << 32 | amsg if amsg else 0
+        self.arrival = bool(amsg) and backend.transport == "ipc" and backend.arrival
         self.records = []
         for record in backend._dispatch_calls:
             call = LLDispatchCall.from_buffer_copy(record)
@@ -599,12 +597,7 @@ class _DispatchShape:
             call.use_fp8, call.round_scale, call.use_ue8m0 = use_fp8, round_scale, use_ue8m0
             call.data_bytes, call.msg_bytes, call.num_scale_cols = data_bytes, msg, cols
             call.message_align = align
-            # By arrival where the format has poison and every peer is mapped (IPC); the kernel
-            # decides the rest per call (dispatch_mode).
-            amsg = arrival_message_bytes(hidden, num_topk, use_fp8, use_ue8m0) if num_max_tokens < 1 << 16 else 0
-            call.arrival_msg_bytes = amsg
-            call.arrival_key = area_tag(hidden, num_experts, num_max_tokens) << 32 | amsg if amsg else 0
-            self.arrival = bool(amsg) and backend.transport == "ipc" and backend.arrival
+            call.arrival_msg_bytes, call.arrival_key = amsg, arrival_key
             if use_fp8:
                 call.scale_stride_e, call.scale_stride_row, call.scale_stride_col = self.scales_strides
             self.records.append(call)
