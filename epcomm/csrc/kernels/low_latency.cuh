@@ -294,6 +294,28 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
 }
 
 
+// The checks every bounded wait makes now and then, beside its own. Whether an earlier wait of this
+// rank gave up (then so does this call: reported as abandoned).
+__device__ __forceinline__ bool abandoned(int* info, int* gave_up, int op) {
+    if (ld_volatile_int(gave_up) == 0) return false;
+    record_error(info, kErrAbandoned, op, -1);
+    return true;
+}
+// Whether `timeout_ns` have passed since `start` waiting for rank `src`: with failed-rank masking
+// src is masked from then on (not waited for again), else the timeout is reported and this rank
+// gives up (its other waits stop).
+__device__ __forceinline__ bool past_deadline(int* info, int* gave_up, int op, int src, int* mask, uint64_t start,
+                                              uint64_t timeout_ns) {
+    if (global_timer_ns() - start <= timeout_ns) return false;
+    if (mask != nullptr) {
+        atomicExch(mask + src, 1);
+    } else {
+        record_error(info, kErrTimeout, op, src);
+        give_up(gave_up);
+    }
+    return true;
+}
+
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
 // `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
@@ -318,19 +340,8 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
         }
         if ((spin & 63) == 63) {
             if (masked(mask, src)) return -1;
-            if (ld_volatile_int(gave_up) != 0) {  // an earlier wait of this rank gave up: so does this call
-                record_error(info, kErrAbandoned, op, -1);
-                return -2;
-            }
-            if (global_timer_ns() - start > timeout_ns) {
-                if (mask != nullptr) {  // failed-rank masking: stop waiting for this rank from now on
-                    atomicExch(mask + src, 1);
-                    return -1;
-                }
-                record_error(info, kErrTimeout, op, src);
-                give_up(gave_up);
-                return -2;
-            }
+            if (abandoned(info, gave_up, op)) return -2;
+            if (past_deadline(info, gave_up, op, src, mask, start, timeout_ns)) return mask != nullptr ? -1 : -2;
         }
     }
 }
@@ -345,22 +356,10 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
     const uint64_t start = global_timer_ns();
     for (int spin = 0;; ++spin) {
         if (ld_acquire_sys(ack) >= prev) return true;
-        if ((spin & 63) == 63) {
-            if (masked(mask, dst)) return false;
-            if (ld_volatile_int(gave_up) != 0) {
-                record_error(info, kErrAbandoned, op, -1);
-                return false;
-            }
-            if (global_timer_ns() - start > timeout_ns) {
-                if (mask != nullptr) {
-                    atomicExch(mask + dst, 1);
-                    return false;
-                }
-                record_error(info, kErrTimeout, op, dst);
-                give_up(gave_up);
-                return false;
-            }
-        }
+        if ((spin & 63) == 63 &&
+            (masked(mask, dst) || abandoned(info, gave_up, op) ||
+             past_deadline(info, gave_up, op, dst, mask, start, timeout_ns)))
+            return false;
     }
 }
 
@@ -494,40 +493,17 @@ struct ArrivalMode {
     int64_t base;  // the arrival area's offset in the buffer
     int tag;       // the signals' shape tag
     ArrivalKeyUpdate key_update;
+    bool remote_peers;  // some peer is reached through Net (no arrival; send_plan needs it too)
 };
 
-// Read by every block at its start (the last block of the send role updates the key: every block
-// has read it by then).
-__device__ ArrivalMode dispatch_mode(const DispatchArgs& a, const Layout& lay, uint8_t* mine) {
-    const int R = a.num_ranks, N = a.num_max_tokens;
-    const int64_t index_end = (lay.data + a.message_align - 1) / a.message_align * a.message_align +
-                              static_cast<int64_t>(R) * N * a.msg_bytes + static_cast<int64_t>(a.num_experts) * N * 4;
-    ArrivalMode m{};
-    m.base = (index_end + 127) / 128 * 128;
-    const int64_t area_end = lay.data + static_cast<int64_t>(a.num_experts) * N * (a.hidden * 2 + 16);
-    bool any_remote = false;
-    for (int r = 0; r < R; ++r) any_remote |= is_remote(a.peers, r);
-    // (At least two blocks, one to send and one to receive where send_plan splits them: the grid is
-    // the SM count, alike on every rank. And N tokens fit the grid's chunks: then every rank's T <= N
-    // does, so every rank launches the fused kernel, where the host asked for arrival; a rank whose
-    // T alone decided would fall back to the two kernels and go counted while its peers did not.)
-    const int grid = static_cast<int>(gridDim.x);
-    const bool able = a.arrival != 0 && a.arrival_key != 0 && !any_remote && a.mask == nullptr && grid >= 2 &&
-                      N <= grid * (kMaxChunkEntries / max(1, a.num_topk)) &&
-                      m.base + static_cast<int64_t>(R) * N * a.arrival_msg_bytes <= area_end;
-    const int64_t key = ld_volatile(arrival_key_word(mine, a.slot));
-    m.on = able && key == a.arrival_key;
-    m.poison = able && !m.on;
-    m.tag = m.on ? a.shape_tag ^ 0x80 : a.shape_tag;
-    // Calls that do not go by arrival keep the key only where their stores miss the area: those of
-    // its own format, whose messages and index lie before it.
-    m.key_update = {true, able ? a.arrival_key : (key == a.arrival_key ? key : 0), 0};
-    return m;
-}
 
+// Where source src's message for token t lies in a buffer's arrival area (offset in the buffer).
+__device__ __forceinline__ int64_t arrival_message_at(const DispatchArgs& a, const ArrivalMode& m, int src, int t) {
+    return m.base + (static_cast<int64_t>(src) * a.num_max_tokens + t) * a.arrival_msg_bytes;
+}
 __device__ __forceinline__ uint8_t* arrival_message(const DispatchArgs& a, const ArrivalMode& m, uint8_t* buf, int src,
                                                     int t) {
-    return buf + m.base + (static_cast<int64_t>(src) * a.num_max_tokens + t) * a.arrival_msg_bytes;
+    return buf + arrival_message_at(a, m, src, t);
 }
 
 // A message's header at a rank: word k is slot k's entry (`entry(k)`: local expert << 16 | row, or
@@ -641,6 +617,33 @@ __device__ __forceinline__ int64_t index_entry(const DispatchArgs& a, const Layo
     return index + ((static_cast<int64_t>(local_e) * R + src) * N + row) * 4;
 }
 
+// Read by every block at its start (the last block of the send role updates the key: every block
+// has read it by then).
+__device__ ArrivalMode dispatch_mode(const DispatchArgs& a, const Layout& lay, uint8_t* mine) {
+    const int R = a.num_ranks, N = a.num_max_tokens;
+    const int64_t index_end = index_entry(a, lay, a.num_experts / R, 0, 0);  // the counted path's index ends
+    ArrivalMode m{};
+    m.base = (index_end + 127) / 128 * 128;
+    const int64_t area_end = lay.data + static_cast<int64_t>(a.num_experts) * N * (a.hidden * 2 + 16);
+    for (int r = 0; r < R; ++r) m.remote_peers |= is_remote(a.peers, r);
+    // (At least two blocks, one to send and one to receive where send_plan splits them: the grid is
+    // the SM count, alike on every rank. And N tokens fit the grid's chunks: then every rank's T <= N
+    // does, so every rank launches the fused kernel, where the host asked for arrival; a rank whose
+    // T alone decided would fall back to the two kernels and go counted while its peers did not.)
+    const int grid = static_cast<int>(gridDim.x);
+    const bool able = a.arrival != 0 && a.arrival_key != 0 && !m.remote_peers && a.mask == nullptr && grid >= 2 &&
+                      N <= grid * (kMaxChunkEntries / max(1, a.num_topk)) &&
+                      m.base + static_cast<int64_t>(R) * N * a.arrival_msg_bytes <= area_end;
+    const int64_t key = ld_volatile(arrival_key_word(mine, a.slot));
+    m.on = able && key == a.arrival_key;
+    m.poison = able && !m.on;
+    m.tag = m.on ? a.shape_tag ^ 0x80 : a.shape_tag;
+    // Calls that do not go by arrival keep the key only where their stores miss the area: those of
+    // its own format, whose messages and index lie before it.
+    m.key_update = {true, able ? a.arrival_key : (key == a.arrival_key ? key : 0), 0};
+    return m;
+}
+
 // Whether an earlier pair of pair j's token, one with a row, goes to rank dst: that one holds the
 // token's message there.
 __device__ __forceinline__ bool earlier_pair_at(const int* pair_expert, const int* pair_row, int j, int num_topk,
@@ -699,8 +702,7 @@ __device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const
     rank = 0;
     if (row < 0 || earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst)) return -1;
     rank = static_cast<uint8_t>(dst);
-    const int64_t message = m.base + (static_cast<int64_t>(a.rank) * a.num_max_tokens + first + j / K) * a.arrival_msg_bytes;
-    return static_cast<int>((message + kArrivalHeaderBytes) / 16);
+    return static_cast<int>((arrival_message_at(a, m, a.rank, first + j / K) + kArrivalHeaderBytes) / 16);
 }
 
 // Which blocks send which tokens. A block that has stored its messages cannot receive until they
@@ -719,8 +721,6 @@ struct SendPlan {
 __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const ArrivalMode& m) {
     const int T = a.num_tokens, grid = static_cast<int>(gridDim.x);
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
-    bool any_remote = false;
-    for (int r = 0; r < a.num_ranks; ++r) any_remote |= is_remote(a.peers, r);
     SendPlan p{a.chunk_tokens, 1, grid};
     const int most = grid - max(1, grid / 3);
     const bool split = m.on && T <= most;  // (a.chunk_tokens is 1 then)
@@ -730,14 +730,14 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
     // other SMs idle. The fused kernel has a block per SM; the hook's send kernel a block per token
     // range (parts 1). Not with remote peers: a staged message is put whole, once every unit of
     // it is written.
-    if (p.chunk == 1 && T > 0 && !any_remote) p.parts = max(1, min(units_per_token, (split ? most : grid) / T));
+    if (p.chunk == 1 && T > 0 && !m.remote_peers) p.parts = max(1, min(units_per_token, (split ? most : grid) / T));
     if (split) p.senders = T * p.parts;
     return p;
 }
 
 // The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
 // returns the call counter.
-__device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m) {
+__device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m, const SendPlan& plan) {
     extern __shared__ int expert_counts[];  // [E] pairs before this block's tokens, then [E] all pairs
     int* before = expert_counts;
     int* total = expert_counts + a.num_experts;
@@ -758,7 +758,6 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // Every block computes the same plan (its counts depend on `parts`). Every part of a token
     // plans the token's pairs alike; part 0 writes the handle's records and the index.
     const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
-    const SendPlan plan = send_plan(a, m);
     const int parts = plan.parts, part = static_cast<int>(blockIdx.x) % parts;
     const int first = static_cast<int>(blockIdx.x) < plan.senders ? static_cast<int>(blockIdx.x) / parts * plan.chunk
                                                                    : a.num_tokens;
@@ -1179,16 +1178,9 @@ __device__ bool keep_waiting(ArrivalWait& w, const DispatchArgs& a, int src, uin
     __nanosleep(w.sleep_ns);
     w.sleep_ns = min(2 * w.sleep_ns, 256u);
     if ((++w.polls & 15) != 0) return true;
-    if (ld_volatile_int(gave_up_word(mine)) != 0) {  // another wait of this rank gave up
-        record_error(a.info, kErrAbandoned, kOpDispatch, -1);
-        return false;
-    }
-    if (global_timer_ns() - w.start > a.timeout_ns) {
-        record_error(a.info, kErrTimeout, kOpDispatch, src);
-        give_up(gave_up_word(mine));
-        return false;
-    }
-    return true;
+    int* gave_up = gave_up_word(mine);
+    return !abandoned(a.info, gave_up, kOpDispatch) &&
+           !past_deadline(a.info, gave_up, kOpDispatch, src, nullptr, w.start, a.timeout_ns);
 }
 
 // The receive role by arrival (ArrivalMode): every block waits for every (local expert, source)
@@ -1341,7 +1333,8 @@ __device__ void poison_arrival_area(const DispatchArgs& a, const ArrivalMode& m)
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    send_dispatch_messages(a, dispatch_mode(a, lay, a.peers.bufs[a.rank]));  // (never by arrival: a.arrival is 0)
+    const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);  // (never by arrival: a.arrival is 0)
+    send_dispatch_messages(a, m, send_plan(a, m));
 }
 
 // The receive hook's kernel: one block per (local expert, source).
@@ -1369,10 +1362,11 @@ template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);
-    const int64_t seq = send_dispatch_messages(a, m);
+    const SendPlan plan = send_plan(a, m);
+    const int64_t seq = send_dispatch_messages(a, m, plan);
     if (m.on) {
-        const int senders = send_plan(a, m).senders;  // all of them: every block receives after its sends
-        receive_dispatch_arrival(a, m, seq, lay, senders < static_cast<int>(gridDim.x) ? senders : 0);
+        // (all of them sending: every block receives after its sends)
+        receive_dispatch_arrival(a, m, seq, lay, plan.senders < static_cast<int>(gridDim.x) ? plan.senders : 0);
     } else if constexpr (kBlockReceive) {
         if (kBalancedReceive && a.mask == nullptr)
             receive_dispatch_balanced(a, seq, lay);
@@ -1802,26 +1796,14 @@ __device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulo
         }
         if (tag_of_call(out.x, seq) && tag_of_call(out.y, seq)) return true;
         if ((spin & 63) == 63) {
-            if (*gone || masked(mask, src)) return false;
-            if (ld_volatile_int(gave_up) != 0) {
-                record_error(info, kErrAbandoned, kOpCombine, -1);
-                return false;
-            }
+            if (*gone || masked(mask, src) || abandoned(info, gave_up, kOpCombine)) return false;
             const int64_t probe = ld_acquire_sys(shape_probe);
             if (signal_of_call(probe, seq) && ((probe >> kTagShift) & 0xff) != tag) {
                 record_error(info, kErrShapeMismatch, kOpCombine, src);
                 give_up(gave_up);
                 return false;
             }
-            if (global_timer_ns() - start > timeout_ns) {
-                if (mask != nullptr)
-                    atomicExch(mask + src, 1);
-                else {
-                    record_error(info, kErrTimeout, kOpCombine, src);
-                    give_up(gave_up);
-                }
-                return false;
-            }
+            if (past_deadline(info, gave_up, kOpCombine, src, mask, start, timeout_ns)) return false;
         }
     }
 }
