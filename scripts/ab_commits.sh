@@ -10,7 +10,8 @@
 #   GPU machine: [AB_ENV_SETS='tag=VAR=VALUE ...'] [AB_TEST_K='pytest -k expression' [AB_TEST_FILES=...]]
 #                bash scripts/ab_commits.sh run -- BENCH ARGS
 # (AB_TEST_K: each tree's own GPU tests first, default file tests/test_low_latency_cuda.py, one
-# summary line per tree; their logs go into ab.tgz as tests-SHA.log)
+# summary line per tree; their logs go into ab.tgz as tests-SHA.log; AB_TEST_TREES='SHA ...' limits
+# the tests to those trees, so a bisect's middle commits are only timed)
 # `run` builds every tree in parallel, then runs `python -m epcomm.bench --backend cuda --commit SHA
 # --json ...` with BENCH ARGS per tree and per environment set (AB_ENV_SETS: space-separated
 # tag=VAR=VALUE[,VAR=VALUE]; default: one set, no variables), twice in A..Z, Z..A order (drift
@@ -53,7 +54,7 @@ load_library(); load_nvshmem_library()" > "$res/build-$t.log" 2>&1 || echo "ab_c
     wait
     status=0
     if [ -n "${AB_TEST_K:-}" ]; then  # each tree's own GPU tests first (pytest -k AB_TEST_K), a line each
-      for t in $trees; do
+      for t in ${AB_TEST_TREES:-$trees}; do
         [ -d "ab/$t/tests" ] || { echo "ab_commits: $t has no tests"; continue; }
         in_tree "$t" env EPCOMM_TEST_BACKEND=nccl timeout -s INT "${AB_TEST_TIMEOUT_S:-240}" \
           python3 -m pytest -q -x -p no:cacheprovider ${AB_TEST_FILES:-tests/test_low_latency_cuda.py} \
