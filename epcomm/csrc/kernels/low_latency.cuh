@@ -1231,6 +1231,18 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
         const int part = static_cast<int>(item % parts), t = static_cast<int>(item / parts % N);
         const int src = static_cast<int>(item / parts / N);
         uint8_t* msg = arrival_message(a, m, mine, src, t);
+        // The part's payload words are loaded with the header, not after it: a word that is not
+        // the poison is this call's (the area is poisoned again before every ack), whatever the
+        // header says, so one memory round trip serves both (a message with no data here loads
+        // poison, unused).
+        const int q_begin = part * per_part, q_end = min(payload_int4, q_begin + per_part);
+        auto* payload = reinterpret_cast<int4*>(msg + kArrivalHeaderBytes);
+        int4 v[kArrivalPerLane];
+#pragma unroll
+        for (int i = 0; i < kArrivalPerLane; ++i) {
+            const int q = q_begin + lane + i * kWarpSize;
+            if (q < q_end) v[i] = ld_volatile_int4(payload + q);
+        }
         bool gone = false;
         uint32_t entry = kNoDestination;
         if (lane < K) {  // the header, a word a lane
@@ -1255,14 +1267,6 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
         const unsigned dests = __ballot_sync(kFullMask, valid);
         const int row_in_expert = valid ? begins[local_e * R + src] + row : 0;
 
-        const int q_begin = part * per_part, q_end = min(payload_int4, q_begin + per_part);
-        auto* payload = reinterpret_cast<int4*>(msg + kArrivalHeaderBytes);
-        int4 v[kArrivalPerLane];
-#pragma unroll
-        for (int i = 0; i < kArrivalPerLane; ++i) {
-            const int q = q_begin + lane + i * kWarpSize;
-            if (q < q_end) v[i] = ld_volatile_int4(payload + q);
-        }
         for (;;) {
             bool pending = false;
 #pragma unroll
