@@ -106,7 +106,10 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     return "\n".join(lines)
 
 
-_POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end")
+_POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end",
+           "signals", "pair-rows", "loaded")  # TracePoint's indices
+_PASS_ORDER = ("start", "ready", "signals", "pair-rows", "rows", "loaded", "cast", "stored", "written", "signalled",
+               "arrived", "received", "end")  # the order a block passes them (the printed order)
 _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 
@@ -133,7 +136,7 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
         origin = host["dispatch"][0, :, 0]
         origin = int(origin[origin > 0].min())
         for op, plane in _KERNELS:
-            for p in range(len(_POINTS)):
+            for p in range(min(len(_POINTS), host[op].shape[-1])):
                 col = host[op][plane, :, p]
                 col = col[col > 0]
                 if col.numel() == 0:
@@ -145,7 +148,12 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
     rank = dist.get_rank()
     out = [f"rank {rank} T={n}: phase timeline of one replayed step (us from the first dispatch block's start; "
            f"earliest / median / latest block; median of {samples} samples)"]
-    for (op, plane, p), vals in sorted(rows.items(), key=lambda kv: (list(_KERNELS).index(kv[0][:2]), kv[0][2])):
+    order = [_POINTS.index(name) for name in _PASS_ORDER]
+
+    def printed(kv) -> tuple[int, int]:
+        return list(_KERNELS).index(kv[0][:2]), order.index(kv[0][2])
+
+    for (op, plane, p), vals in sorted(rows.items(), key=printed):
         med = [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(3)]
         out.append(f"rank {rank} T={n}:   {_KERNELS[(op, plane)]:26s} {_POINTS[p]:9s} "
                    f"{med[0]:7.1f} {med[1]:7.1f} {med[2]:7.1f}")
