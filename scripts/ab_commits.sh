@@ -11,7 +11,9 @@
 #                bash scripts/ab_commits.sh run -- BENCH ARGS
 # (AB_TEST_K: each tree's own GPU tests first, default file tests/test_low_latency_cuda.py, one
 # summary line per tree; their logs go into ab.tgz as tests-SHA.log; AB_TEST_TREES='SHA ...' limits
-# the tests to those trees, so a bisect's middle commits are only timed)
+# the tests to those trees, so a bisect's middle commits are only timed; AB_PROFILE='ARGS': after
+# the benchmark, each tree's scripts/ll_profile.py ARGS, its rank-0 lines into ab.tgz as
+# profile-SHA.txt, the dispatch send's phase timeline printed)
 # `run` builds every tree in parallel, then runs `python -m epcomm.bench --backend cuda --commit SHA
 # --json ...` with BENCH ARGS per tree and per environment set (AB_ENV_SETS: space-separated
 # tag=VAR=VALUE[,VAR=VALUE]; default: one set, no variables), twice in A..Z, Z..A order (drift
@@ -77,6 +79,13 @@ load_library(); load_nvshmem_library()" > "$res/build-$t.log" 2>&1 || echo "ab_c
         done
       done
     done
+    if [ -n "${AB_PROFILE:-}" ]; then  # each tree's phase timeline (scripts/ll_profile.py), after the timing
+      for t in $trees; do
+        in_tree "$t" timeout "${AB_PROFILE_TIMEOUT_S:-90}" python3 scripts/ll_profile.py $AB_PROFILE 2>&1 \
+          | grep "^rank 0" > "$res/profile-$t.txt" || status=1
+        grep -E "dispatch send|_fused" "$res/profile-$t.txt" | sed "s/^/profile $t: /"
+      done
+    fi
     exit $status
     ;;
   *)

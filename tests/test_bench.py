@@ -372,6 +372,8 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     shim.mkdir()
     (shim / "python3").write_text(
         '#!/bin/bash\n[ "$1" = "-c" ] && exit 0\n[ "$2" = "pytest" ] && { echo "ran pytest ${*: -2}"; exit 0; }\n'
+        '[ "$1" = "scripts/ll_profile.py" ] && '
+        '{ echo "rank 0 dispatch send v=$(cat epcomm/version.txt) $*"; exit 0; }\n'
         'prev=""; for a in "$@"; do [ "$prev" = "--json" ] && j=$a; '
         'prev=$a; done\necho "[]" > "$j"\n'
         'echo "     normal   epcomm-cuda v=$(cat epcomm/version.txt) pct=${EPCOMM_COMBINE_SEND_SMS_PCT:-none} $*"\n')
@@ -392,3 +394,10 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert f"ab_commits: {shas[0]} has no tests" in out, out
     assert f"ab_commits: {shas[1]} tests: ran pytest -k ll and fast" in out, out
+    # AB_TEST_TREES: the tests of those trees only; AB_PROFILE: each tree's phase timeline after the timing
+    out = subprocess.run(["bash", script, "run", "--", "--modes", "normal"],
+                         env={**env, "AB_TEST_K": "ll", "AB_TEST_TREES": shas[0], "AB_PROFILE": "--ranks 4"},
+                         capture_output=True, text=True, check=True).stdout
+    assert f"ab_commits: {shas[0]} has no tests" in out and f"{shas[1]} tests" not in out, out
+    for sha in shas:
+        assert f"profile {sha}: rank 0 dispatch send v=" in out, out
