@@ -144,8 +144,8 @@ constexpr int kOpDispatch = 5, kOpCombine = 6;
 // stores the global timer at each point it passes, after the barrier that ends the phase. A
 // call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
 // in every normal call: one untaken branch per point.
-constexpr int kTracePoints = 13, kTraceBlocks = 4096;
-enum TracePoint {  // 0-9 in the order a block passes them; 10-12 break up the dispatch's rows phase
+constexpr int kTracePoints = 12, kTraceBlocks = 4096;
+enum TracePoint {  // 0-9 in the order a block passes them; 10-11 break up the dispatch's rows phase
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
     kTraceRows = 2,       // dispatch: the rows of the block's pairs are known and planned (the data is next)
@@ -161,7 +161,6 @@ enum TracePoint {  // 0-9 in the order a block passes them; 10-12 break up the d
     // dispatch send, between kTraceReady and kTraceCast (a barrier before the first while tracing):
     kTraceSignals = 10,   // the counts signalled early (by arrival) or the empty experts' signals issued
     kTracePairRows = 11,  // the rows of the block's pairs known (and the missing tokens' headers stored)
-    kTraceLoaded = 12,    // dispatch, thread 0 alone: its first unit's channels returned (before the cast)
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
@@ -565,10 +564,8 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
     }
     const bool whole_unit = (unit + 1) * 2 * kWarpSize <= num_int4;  // all four groups (H % 512 == 0)
     const bool stamp = a.trace != nullptr && first_unit;  // the warp's first (thread 0 stamps)
-    if (stamp) {  // each stamp waits for its values: the loaded words, then the cast ones
-        asm volatile("" ::"r"(r0.x), "r"(r1.x));
-        trace_point(a.trace, 0, kTraceLoaded);
-        asm volatile("" ::"r"(q0.x), "r"(q1.x));
+    if (stamp) {  // the stamp waits for the cast values
+        asm volatile("" ::"r"(q0.x), "r"(q1.x), "r"(r0.x), "r"(r1.x));
         trace_point(a.trace, 0, kTraceCast);
     }
     for (int k = 0; k < a.num_topk; ++k) {
@@ -851,9 +848,10 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     for (int j = tid; j < num_pairs; j += kThreads)
         pair_offset16[j] = m.on ? plan_arrival_message(a, m, pair_expert, pair_row, first, j, pair_rank[j])
                                 : plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
-    // Each of the block's tokens' header at each rank (part 0 of the token). Where every block sends
-    // (no receive-only blocks read the messages as they land), after the data: no receiver reads a
-    // header before its own block's stores have landed, and the data is what the kernel waits for.
+    // Each of the block's tokens' header at each rank (part 0 of the token). Where send_plan does not
+    // split (T above 2/3 of the grid: no receive-only blocks read the messages as they land, only
+    // the few blocks without a token when T < grid), after the data: a block that sent reads no
+    // header before its own stores have landed, and the data is what the kernel waits for.
     // (The header stores before the data held the median block 3.0 us between its rows and its
     // first data store; after it: EP4, 128 tokens, 4 x H100, graph dispatch 29.8 / 29.9 us against
     // 30.8 / 30.8, kernel 23.5 us against 25.1, bench/results/2026-11-27_ep4-ll-headers-last-*.)
