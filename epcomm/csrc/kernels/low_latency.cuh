@@ -273,8 +273,9 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, Arrival
 // arrival area before the ack, and a peer's next payload must land after it. The PTX model would
 // want a fence_sys for that; the stores go to this GPU's own L2, where the peer's NVLink stores
 // land too, once the gpu-scope fence has made them visible there, so the order holds on the
-// hardware (the same reliance as the loads below; a fence_sys here cost 1.3 us, see below). Those loads are done because every one of them fed a store, an address or a branch issued
-// before the block's barrier, so it has returned its value; the count orders every block's barrier
+// hardware (the same reliance as the loads below; a fence_sys here cost 1.3 us, see below). Those
+// loads are done because every one of them fed a store, an address or a branch issued before the
+// block's barrier, so it has returned its value; the count orders every block's barrier
 // before the acks. This relies on that hardware behaviour, not on the PTX model (a gpu-scope fence
 // does not synchronize with a peer's ld.acquire.sys): a slot load added later whose value is not
 // consumed before the barrier (a prefetch, an unawaited bulk copy) would need the fence_sys back.
@@ -509,15 +510,24 @@ __device__ __forceinline__ uint8_t* arrival_message(const DispatchArgs& a, const
     return buf + arrival_message_at(a, m, src, t);
 }
 
+// A 64-bit word tagged with a call: the call counter's low 32 bits above a 32-bit value (the
+// arrival headers, the combine's request records). A word that shows a call's counter holds that
+// call's value.
+__device__ __forceinline__ uint64_t tagged(uint32_t value, int64_t seq) {
+    return static_cast<uint64_t>(static_cast<uint32_t>(seq)) << 32 | value;
+}
+__device__ __forceinline__ bool tag_of_call(uint64_t word, int64_t seq) {
+    return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(seq);
+}
+
 // A message's header at a rank: word k is slot k's entry (`entry(k)`: local expert << 16 | row, or
 // kNoDestination) beside the call counter, in 16-byte stores of two words each (weak stores: each
 // aligned 8-byte word lands whole, and a strong system-scope store costs more to issue).
 template <class Entry>
 __device__ __forceinline__ void store_arrival_header(uint8_t* msg, const Entry& entry, int num_topk, int64_t seq) {
     auto* words = reinterpret_cast<uint64_t*>(msg);
-    const uint64_t tag = static_cast<uint64_t>(static_cast<uint32_t>(seq)) << 32;
     for (int k = 0; k < num_topk; k += 2) {
-        const uint64_t w0 = tag | entry(k), w1 = tag | (k + 1 < num_topk ? entry(k + 1) : kNoDestination);
+        const uint64_t w0 = tagged(entry(k), seq), w1 = tagged(k + 1 < num_topk ? entry(k + 1) : kNoDestination, seq);
         *reinterpret_cast<ulonglong2*>(words + k) = make_ulonglong2(w0, w1);
     }
 }
@@ -708,6 +718,11 @@ __device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const
     return static_cast<int>((arrival_message_at(a, m, a.rank, first + j / K) + kArrivalHeaderBytes) / 16);
 }
 
+// A token's units of 512 channels (a warp's share of it in send_unit: 64 16-byte words of x).
+__device__ __forceinline__ int send_units_per_token(const DispatchArgs& a) {
+    return (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
+}
+
 // Which blocks send which tokens. A block that has stored its messages cannot receive until they
 // have left: its loads wait behind its stores in flight over NVLink (EP4, 128 tokens, 4 x H100,
 // 85601d4: blocks with tokens read the counts at 15.2 us, ~5 us after their last store, the
@@ -723,7 +738,6 @@ struct SendPlan {
 };
 __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const ArrivalMode& m) {
     const int T = a.num_tokens, grid = static_cast<int>(gridDim.x);
-    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
     SendPlan p{a.chunk_tokens, 1, grid};
     const int most = grid - max(1, grid / 3);
     const bool split = m.on && T <= most;  // (a.chunk_tokens is 1 then)
@@ -733,7 +747,7 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
     // other SMs idle. The fused kernel has a block per SM; the hook's send kernel a block per token
     // range (parts 1). Not with remote peers: a staged message is put whole, once every unit of
     // it is written.
-    if (p.chunk == 1 && T > 0 && !m.remote_peers) p.parts = max(1, min(units_per_token, (split ? most : grid) / T));
+    if (p.chunk == 1 && T > 0 && !m.remote_peers) p.parts = max(1, min(send_units_per_token(a), (split ? most : grid) / T));
     if (split) p.senders = T * p.parts;
     return p;
 }
@@ -760,7 +774,6 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
     // Every block computes the same plan (its counts depend on `parts`). Every part of a token
     // plans the token's pairs alike; part 0 writes the handle's records and the index.
-    const int units_per_token = (a.hidden / 8 + 2 * kWarpSize - 1) / (2 * kWarpSize);
     const int parts = plan.parts, part = static_cast<int>(blockIdx.x) % parts;
     const int first = static_cast<int>(blockIdx.x) < plan.senders ? static_cast<int>(blockIdx.x) / parts * plan.chunk
                                                                    : a.num_tokens;
@@ -876,7 +889,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // Each warp loads 512 channels of a token once and stores them (cast to FP8, or as they are)
     // into every message of the token that holds data: x read once.
     uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
-    const int block_units = (units_per_token - part + parts - 1) / parts;  // units of each token here
+    const int block_units = (send_units_per_token(a) - part + parts - 1) / parts;  // units of each token here
     for (int v = warp; v < (last - first) * block_units; v += kWarpsPerBlock) {
         const int c = v / block_units;
         send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
@@ -1263,15 +1276,15 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
         uint32_t entry = kNoDestination;
         if (lane < K) {  // the header, a word a lane
             const auto* word = reinterpret_cast<const int64_t*>(msg) + lane;
-            int64_t v = ld_volatile(word);
-            while (static_cast<uint32_t>(static_cast<uint64_t>(v) >> 32) != static_cast<uint32_t>(seq)) {
+            int64_t header = ld_volatile(word);
+            while (!tag_of_call(static_cast<uint64_t>(header), seq)) {
                 if (!keep_waiting(w, a, src, mine)) {
                     gone = true;
                     break;
                 }
-                v = ld_volatile(word);
+                header = ld_volatile(word);
             }
-            if (!gone) entry = static_cast<uint32_t>(v);
+            if (!gone) entry = static_cast<uint32_t>(header);
         }
         if (__any_sync(kFullMask, gone)) break;  // given up: the call is reported
         const unsigned named = __ballot_sync(kFullMask, entry != kNoDestination);
@@ -1758,16 +1771,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 // rounding of each partial (the issue's tolerance for combine).
 // In a slot's combine area (Layout::combine_data, [E][N] rows): partials [R][N] rows (rank r's
 // for token t at [r][t]), then requests [R][N] records of request_bytes (source s's for token t
-// at [s][t], for t below the source's token count, which record [s][0] holds too). A record is tagged, so that
-// the expert side serves each token as its record lands rather than after the source's signal
-// (which a fence and the source's slowest block hold back: at EP4, 128 tokens it came 4.3 us after
-// the median block's records, with NVLink idle meanwhile): a uint64 {pair count, call counter},
-// 8 bytes unused, then per pair two uint64 {local expert * N + row, counter} and {weight bits,
-// counter}, stored as one 16-byte vector; record [s][0]'s unused 8 bytes: {the source's token count,
-// counter}, stored first (a token past it has no record). Every 64-bit element is single-copy atomic (relaxed,
-// system scope) and carries the call counter's low 32 bits, so an element that shows this call's
-// counter holds this call's value, whatever order the elements land in; nothing else is read
-// through them (the rows summed are this rank's own), so no acquire is needed.
+// at [s][t], for t below the source's token count, which record [s][0] holds too). A record is
+// tagged, so that the expert side serves each token as its record lands rather than after the
+// source's signal (which a fence and the source's slowest block hold back: at EP4, 128 tokens it
+// came 4.3 us after the median block's records, with NVLink idle meanwhile): a uint64 {pair count,
+// call counter}, 8 bytes unused, then per pair two uint64 {local expert * N + row, counter} and
+// {weight bits, counter}, stored as one 16-byte vector; record [s][0]'s unused 8 bytes: {the
+// source's token count, counter}, stored first (a token past it has no record). Every 64-bit
+// element is single-copy atomic (relaxed, system scope) and carries the call counter's low 32 bits,
+// so an element that shows this call's counter holds this call's value, whatever order the elements
+// land in; nothing else is read through them (the rows summed are this rank's own), so no acquire
+// is needed.
 // Signals: combine_signals[s] (source s's requests, count = its tokens; it carries the verdict on
 // the source's inputs, and is waited for before the partials' signal, long after it came),
 // combine_signals[R + r] (rank r's partials). The host uses the mode only where these fit
@@ -1779,12 +1793,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
 // The send kernel is cooperative (its blocks wait for each other's signals through the peers).
 constexpr int kPartialsRequestsDone = 0, kPartialsDiffers = 1, kPartialsDone = 2, kPartialsUnserved = 3;
 
-__device__ __forceinline__ uint64_t tagged(uint32_t value, int64_t seq) {
-    return static_cast<uint64_t>(static_cast<uint32_t>(seq)) << 32 | value;
-}
-__device__ __forceinline__ bool tag_of_call(uint64_t word, int64_t seq) {
-    return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(seq);
-}
 __device__ __forceinline__ void st_relaxed_sys_v2(uint64_t* ptr, uint64_t a, uint64_t b) {
     asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(ptr), "l"(a), "l"(b) : "memory");
 }
