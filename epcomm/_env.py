@@ -55,6 +55,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                "and the counts leave before the data; 0 = the counts follow the data (a fence) "
                                "and the receivers copy once they arrive. Read when a Buffer is built; every rank "
                                "must agree"),
+    "EPCOMM_LL_DISPATCH_SENDERS": ("auto", "CUDA low-latency mode, a dispatch by arrival: how many blocks (one "
+                                           "per SM) store the messages while the others only receive; with more "
+                                           "tokens than that, each sender takes every n-th token. auto: 2/3 of "
+                                           "the SMs up to that many tokens, else every block. Read when a Buffer "
+                                           "is built"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),
@@ -115,6 +120,20 @@ def ll_arrival() -> bool:
     if value not in ("1", "0"):
         raise ValueError(f"EPCOMM_LL_ARRIVAL must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def ll_dispatch_senders() -> int:
+    """EPCOMM_LL_DISPATCH_SENDERS as a block count, 0 for auto."""
+    raw = env_str("EPCOMM_LL_DISPATCH_SENDERS").strip()
+    if raw == "auto":
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"EPCOMM_LL_DISPATCH_SENDERS must be auto or a number of blocks, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"EPCOMM_LL_DISPATCH_SENDERS must be >= 1, got {value}")
+    return value
 
 
 def ll_combine_partials() -> str:

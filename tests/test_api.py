@@ -146,6 +146,12 @@ def test_low_latency_transport_settings():
         assert _env.ll_combine_partials() == "1"
     with env_var("EPCOMM_LL_COMBINE_PARTIALS", "on"), pytest.raises(ValueError, match="auto, 0 or 1"):
         _env.ll_combine_partials()
+    assert _env.ll_dispatch_senders() == 0  # auto
+    with env_var("EPCOMM_LL_DISPATCH_SENDERS", " 44 "):
+        assert _env.ll_dispatch_senders() == 44
+    for bad, message in (("0", ">= 1"), ("half", "auto or a number of blocks")):
+        with env_var("EPCOMM_LL_DISPATCH_SENDERS", bad), pytest.raises(ValueError, match=message):
+            _env.ll_dispatch_senders()
 
 
 def test_send_tma_setting():

@@ -626,21 +626,23 @@ def _arrival_key_of_slot(buf, slot: int) -> int:
     return int(buf._cuda_ll.shared.tensor[48:64].view(torch.int64)[slot])
 
 
-def rank_ll_arrival():
+def rank_ll_arrival(senders: str = "auto"):
     """Dispatch by arrival (EPCOMM_LL_ARRIVAL=1, the default; low_latency.cuh): a buffer's first FP8
     dispatch of a shape in a slot goes the counted way and poisons the slot's arrival area, the next
     ones there go by arrival; a call of another format or shape between (which may write over the
     area) makes the next one poison it again. The slot's key, read before each dispatch, must be what
     that rule says (so the test knows which calls went by arrival: most of them); every output of the
     sequence bitwise the reference's, fresh inputs each call, with T < N and T = 0 on some ranks;
-    dispatches without a combine between so that both slots see each path."""
+    dispatches without a combine between so that both slots see each path. ``senders``:
+    EPCOMM_LL_DISPATCH_SENDERS (few senders give each several tokens by stride, send_plan)."""
     from epcomm.backends.cuda.low_latency import area_tag, arrival_message_bytes
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     hidden, num_experts, num_topk = 7168, 36 * num_ranks, 8
     e_local = num_experts // num_ranks
-    cuda, ref = (_buffer(b, 128, hidden, num_experts) for b in ("cuda", "reference"))
+    with env_var("EPCOMM_LL_DISPATCH_SENDERS", senders):
+        cuda, ref = (_buffer(b, 128, hidden, num_experts) for b in ("cuda", "reference"))
     fp8, bf16 = mode_flags("fp8"), mode_flags("bf16")
     # (N, tokens of this rank, format, with a combine)
     steps = ([(128, 128, fp8, True)] * 3 + [(128, 77, fp8, False)] * 2 + [(128, 128, bf16, True)] +
@@ -682,6 +684,13 @@ def rank_ll_arrival():
 @pytest.mark.parametrize("ranks", RANKS)
 def test_ll_cuda_dispatch_by_arrival(ranks):
     cluster(ranks).run(rank_ll_arrival, timeout_s=300)
+
+
+# 5: 26 tokens a sender by stride at T = 128 (16 at 77, 4 at N = 16); 40: 4, 2 and 1 (split parts).
+@pytest.mark.parametrize("senders", ["5", "40"])
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_ll_cuda_dispatch_by_arrival_few_senders(ranks, senders):
+    cluster(ranks).run(rank_ll_arrival, senders, timeout_s=300)
 
 
 def rank_ll_cuda_fuzz(max_examples: int):

@@ -174,7 +174,7 @@ class LLDispatchCall(ctypes.Structure):
                 *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col arrival_key"),
                 *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
                 *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
-                                        "block_receive message_align arrival arrival_msg_bytes")]
+                                        "block_receive message_align arrival arrival_msg_bytes send_blocks unused")]
 
 
 class LLCombineCall(ctypes.Structure):
@@ -279,7 +279,10 @@ class CudaLowLatency:
         contexts = [LLCallContext(peer_bufs=ctypes.addressof(self.shared.ptrs), info=self.info[s].data_ptr(),
                                   timeout_ns=self.timeout_ns, slot_bytes=self.slot_bytes, rank=self.rank,
                                   num_ranks=self.num_ranks, slot=s, num_sms=self.num_sms) for s in range(2)]
-        self._dispatch_calls = [LLDispatchCall(context=c, sent_pairs=addr(self._sent_pairs[s]))
+        # The blocks of a dispatch by arrival that send (0: the kernel's choice; send_plan). Each
+        # rank plans its own sends, so ranks need not agree.
+        senders = _env.ll_dispatch_senders()
+        self._dispatch_calls = [LLDispatchCall(context=c, sent_pairs=addr(self._sent_pairs[s]), send_blocks=senders)
                                 for s, c in enumerate(contexts)]
         self._combine_calls = [LLCombineCall(context=c, counters=addr(self._sent_pairs[s]))
                                for s, c in enumerate(contexts)]

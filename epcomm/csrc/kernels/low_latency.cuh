@@ -438,6 +438,7 @@ struct DispatchArgs {
     int slot;
     int64_t slot_bytes;
     int chunk_tokens;         // tokens per block of the send kernel
+    int send_blocks;          // by arrival: blocks that send (send_plan; 0: its own choice)
     int shape_tag;            // 8-bit hash of the call's shape (every rank must make the same)
     int* sent_pairs;          // [E] written pairs per expert of the running send (0 between calls)
     int* mask;                // [R] int32, or nullptr (no failed-rank masking)
@@ -524,12 +525,14 @@ __device__ __forceinline__ bool tag_of_call(uint64_t word, int64_t seq) {
 // kNoDestination) beside the call counter, in 16-byte stores of two words each (weak stores: each
 // aligned 8-byte word lands whole, and a strong system-scope store costs more to issue).
 template <class Entry>
+__device__ __forceinline__ void store_arrival_header_words(uint8_t* msg, const Entry& entry, int k, int num_topk,
+                                                           int64_t seq) {
+    const uint64_t w0 = tagged(entry(k), seq), w1 = tagged(k + 1 < num_topk ? entry(k + 1) : kNoDestination, seq);
+    *reinterpret_cast<ulonglong2*>(reinterpret_cast<uint64_t*>(msg) + k) = make_ulonglong2(w0, w1);
+}
+template <class Entry>
 __device__ __forceinline__ void store_arrival_header(uint8_t* msg, const Entry& entry, int num_topk, int64_t seq) {
-    auto* words = reinterpret_cast<uint64_t*>(msg);
-    for (int k = 0; k < num_topk; k += 2) {
-        const uint64_t w0 = tagged(entry(k), seq), w1 = tagged(k + 1 < num_topk ? entry(k + 1) : kNoDestination, seq);
-        *reinterpret_cast<ulonglong2*>(words + k) = make_ulonglong2(w0, w1);
-    }
+    for (int k = 0; k < num_topk; k += 2) store_arrival_header_words(msg, entry, k, num_topk, seq);
 }
 
 // An FP8 data word that would read as the poison (four negative NaNs) becomes four positive ones.
@@ -673,7 +676,7 @@ __device__ __forceinline__ int64_t remote_index_staging(const DispatchArgs& a, c
     return lay.combine_data + static_cast<int64_t>(a.num_max_tokens) * a.msg_bytes;
 }
 
-// Where pair j of the block (token t = first + j / K) has its data written, once every pair's row
+// Where pair j of the block (of its token t, whose pairs start at [t][0]) has its data written, once every pair's row
 // is known: in rank `rank`'s buffer at byte 16 * the value returned (layouts are 16-byte aligned;
 // the host keeps buffers under 32 GiB), -1 for nowhere. The token's first pair with a row at a
 // mapped rank (the holder) gets the token's message there; for a remote rank, the token's first
@@ -683,17 +686,17 @@ __device__ __forceinline__ int64_t remote_index_staging(const DispatchArgs& a, c
 // Computed by one thread per pair instead of by each of a token's warps for each of its messages
 // (with divisions and peer-table lookups on every warp's way to its stores).
 __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout& lay, uint8_t* const* bufs,
-                                            const int* pair_expert, const int* pair_row, int first, int j,
+                                            const int* pair_expert, const int* pair_row, int t, int j,
                                             bool write_index, uint8_t& rank) {
     const int K = a.num_topk, R = a.num_ranks, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = a.num_experts / R;
     const int row = pair_row[j], e = pair_expert[j];
     rank = 0;
     if (row < 0) return -1;
-    const int dst = e / experts_per_rank, t = first + j / K;
+    const int dst = e / experts_per_rank;
     if (is_remote(a.peers, dst)) {
         if (write_index)
-            reinterpret_cast<int*>(bufs[me] + remote_index_staging(a, lay))[static_cast<int64_t>(first) * K + j] = t;
+            reinterpret_cast<int*>(bufs[me] + remote_index_staging(a, lay))[static_cast<int64_t>(t) * K + j % K] = t;
         for (int i = j - j % K; i < j; ++i)  // an earlier remote pair of the token has it staged
             if (pair_row[i] >= 0 && is_remote(a.peers, pair_expert[i] / experts_per_rank)) return -1;
         rank = static_cast<uint8_t>(me);
@@ -709,13 +712,13 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
 // for nowhere): the payload of the token's message at the pair's rank, for the token's first pair
 // with a row there.
 __device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const ArrivalMode& m, const int* pair_expert,
-                                                    const int* pair_row, int first, int j, uint8_t& rank) {
+                                                    const int* pair_row, int t, int j, uint8_t& rank) {
     const int K = a.num_topk, experts_per_rank = a.num_experts / a.num_ranks;
     const int row = pair_row[j], dst = pair_expert[j] / experts_per_rank;
     rank = 0;
     if (row < 0 || earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst)) return -1;
     rank = static_cast<uint8_t>(dst);
-    return static_cast<int>((arrival_message_at(a, m, a.rank, first + j / K) + kArrivalHeaderBytes) / 16);
+    return static_cast<int>((arrival_message_at(a, m, a.rank, t) + kArrivalHeaderBytes) / 16);
 }
 
 // A token's units of 512 channels (a warp's share of it in send_unit: 64 16-byte words of x).
@@ -730,34 +733,49 @@ __device__ __forceinline__ int send_units_per_token(const DispatchArgs& a) {
 // the blocks from `senders` on send nothing and receive while the data lands (4 x H100, 3018f36,
 // against the counted path: 22.3 -> 20.8 us at 1 token, 25.4 -> 22.1 at 32, 27.6 -> 25.6 at 64);
 // with more tokens every block sends a token and then receives (128 tokens: 32.7 -> 31.3 us, 256:
-// 45.8 -> 43.9, 85601d4), as packing two or three tokens on the senders cost more than the
-// early copies gained (256: 45.5 -> 51.5). Counted, every block sends. Each rank plans its own
-// (T differs).
+// 45.8 -> 43.9, 85601d4). Counted, every block sends. Each rank plans its own (T differs).
+// EPCOMM_LL_DISPATCH_SENDERS (a.send_blocks) sets the senders' count by arrival: with more tokens
+// than senders, sender b owns tokens b, b + senders, b + 2 senders, ... (`stride`), so that every
+// rank's tokens land in about token order (each SM's stores drain in the order it issued them) and
+// the receivers, which take messages in token order, copy each one while later ones are in flight.
+// (Contiguous ranges of two or three tokens a sender, read in source order, cost more than the
+// early copies gained: 256 tokens, 45.5 -> 51.5 us.)
 struct SendPlan {
-    int chunk, parts, senders;
+    int chunk;    // tokens a sending block owns, at most
+    int parts;    // blocks a token's units are split among (part p takes units p, p + parts, ...)
+    int senders;  // blocks that send; the others only receive
+    int stride;   // a block's tokens: first, first + stride, ... (1: a contiguous range)
 };
 __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const ArrivalMode& m) {
     const int T = a.num_tokens, grid = static_cast<int>(gridDim.x);
-    SendPlan p{a.chunk_tokens, 1, grid};
-    const int most = grid - max(1, grid / 3);
+    SendPlan p{a.chunk_tokens, 1, grid, 1};
+    const int asked = m.on && !m.remote_peers && a.send_blocks > 0 && a.send_blocks < grid ? a.send_blocks : 0;
+    if (asked > 0 && T > asked) {  // (the host sized the shared counts for it and checked the pairs fit)
+        p.chunk = (T + asked - 1) / asked;
+        p.senders = p.stride = asked;
+        return p;
+    }
+    const int most = asked > 0 ? asked : grid - max(1, grid / 3);
     const bool split = m.on && T <= most;  // (a.chunk_tokens is 1 then)
     // With fewer tokens than sending blocks, a token's units (512 channels each) are split among
-    // `parts` blocks (part p takes units p, p + parts, ...): one SM storing all of a token's
-    // messages (8 x 7 KB at top-8, H 7168) is bound by its own store rate, and at one token the
-    // other SMs idle. The fused kernel has a block per SM; the hook's send kernel a block per token
-    // range (parts 1). Not with remote peers: a staged message is put whole, once every unit of
-    // it is written.
+    // `parts` blocks: one SM storing all of a token's messages (8 x 7 KB at top-8, H 7168) is bound
+    // by its own store rate, and at one token the other SMs idle. The fused kernel has a block per
+    // SM; the hook's send kernel a block per token range (parts 1). Not with remote peers: a
+    // staged message is put whole, once every unit of it is written.
     if (p.chunk == 1 && T > 0 && !m.remote_peers) p.parts = max(1, min(send_units_per_token(a), (split ? most : grid) / T));
     if (split) p.senders = T * p.parts;
     return p;
 }
 
-// The send role of a dispatch, run by every block of the kernel (block b owns a range of tokens);
+// The send role of a dispatch, run by every block of the kernel (block b owns tokens by the plan);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m, const SendPlan& plan) {
-    extern __shared__ int expert_counts[];  // [E] pairs before this block's tokens, then [E] all pairs
-    int* before = expert_counts;
-    int* total = expert_counts + a.num_experts;
+    // [E] all pairs, then [segments][E] the pairs before each of this block's tokens: segment c
+    // counts those before token c of the block and after token c - 1, then a scan sums them. A
+    // contiguous range has one (the pairs before it: the range's own pairs give the rest).
+    extern __shared__ int expert_counts[];
+    int* total = expert_counts;
+    int* before = expert_counts + a.num_experts;
     __shared__ int pair_expert[kMaxChunkEntries];  // this block's pairs: expert (-1: none)
     __shared__ int pair_row[kMaxChunkEntries];     // and row in the expert's block (-1: not sent)
     __shared__ int pair_offset16[kMaxChunkEntries];  // and where its data goes: plan_message (static shared
@@ -774,13 +792,17 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
     // Every block computes the same plan (its counts depend on `parts`). Every part of a token
     // plans the token's pairs alike; part 0 writes the handle's records and the index.
-    const int parts = plan.parts, part = static_cast<int>(blockIdx.x) % parts;
-    const int first = static_cast<int>(blockIdx.x) < plan.senders ? static_cast<int>(blockIdx.x) / parts * plan.chunk
-                                                                   : a.num_tokens;
-    const int last = min(a.num_tokens, first + plan.chunk);
-    const int num_pairs = max(0, last - first) * K;
+    const int parts = plan.parts, part = static_cast<int>(blockIdx.x) % parts, stride = plan.stride;
+    const int b = static_cast<int>(blockIdx.x);
+    const int first = b >= plan.senders ? a.num_tokens : stride == 1 ? b / parts * plan.chunk : b;
+    const int num_own = first >= a.num_tokens ? 0
+                        : stride == 1        ? min(a.num_tokens - first, plan.chunk)
+                                             : (a.num_tokens - 1 - first) / stride + 1;
+    const auto token_of = [&](int c) { return first + c * stride; };  // the block's token c
+    const int num_pairs = num_own * K;
+    const int segments = stride == 1 ? 1 : max(1, num_own);
 
-    for (int e = tid; e < 2 * E; e += kThreads) expert_counts[e] = 0;
+    for (int e = tid; e < (1 + segments) * E; e += kThreads) expert_counts[e] = 0;
     if (tid < R) bufs[tid] = a.peers.bufs[tid];
     __syncthreads();
     // Warp 0 waits for the acknowledgements while the other warps count: the two waits overlap.
@@ -793,7 +815,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
         // one at a time would cost a memory round trip per pair); this block's own pairs' experts
         // are kept on the way.
         constexpr int kCounters = kThreads - kWarpSize, kCountBatch = 4;
-        const int num_all = a.num_tokens * K, own_begin = first * K;
+        const int num_all = a.num_tokens * K;
         for (int base = tid - kWarpSize; base < num_all; base += kCountBatch * kCounters) {
             int64_t ids[kCountBatch];
 #pragma unroll
@@ -807,18 +829,23 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
                 const int64_t e = ids[u];
                 if (e < -1 || e >= E) bad = true;
                 const bool valid = e >= 0 && e < E;
-                if (i >= own_begin && i < own_begin + num_pairs) {
-                    pair_expert[i - own_begin] = valid ? static_cast<int>(e) : -1;
+                const int t = i / K, after = (t - first) / stride;  // (after: where t >= first)
+                if (t >= first && (t - first) % stride == 0 && after < num_own) {
+                    pair_expert[after * K + i % K] = valid ? static_cast<int>(e) : -1;
                     if (part == 0) a.topk_copy[i] = e;  // the handle's copy, from the register
                 }
                 if (!valid) continue;
                 atomicAdd(total + e, 1);
-                if (i < own_begin) atomicAdd(before + e, 1);
+                const int segment = t < first ? 0 : after + 1;
+                if (segment < segments) atomicAdd(before + segment * E + e, 1);
             }
         }
     }
     __syncthreads();
-    for (int e = tid; e < E; e += kThreads) bad |= total[e] > N;  // more pairs for one expert than N
+    for (int e = tid; e < E; e += kThreads) {
+        bad |= total[e] > N;  // more pairs for one expert than N
+        for (int c = 1; c < segments; ++c) before[c * E + e] += before[(c - 1) * E + e];
+    }
     // Every block counted every pair, so all of them agree on this (it goes into every signal).
     const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
     trace_point(a.trace, 0, kTraceReady);
@@ -837,15 +864,17 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     if (a.trace != nullptr) __syncthreads();
     trace_point(a.trace, 0, kTraceSignals);
     for (int j = tid; j < num_pairs; j += kThreads) {
-        const int e = pair_expert[j];
+        const int e = pair_expert[j], c = j / K;
         int row = -1;
         if (e >= 0) {
-            row = before[e];
-            for (int i = 0; i < j; ++i) row += pair_expert[i] == e;
+            // the pairs before the token's segment, then the block's own pairs before j from it
+            const int from = segments == 1 ? 0 : c * K;
+            row = before[(segments == 1 ? 0 : c) * E + e];
+            for (int i = from; i < j; ++i) row += pair_expert[i] == e;
             if (row >= N || skip_dst[e / experts_per_rank]) row = -1;  // past the block's room: dropped
         }
         pair_row[j] = row;
-        if (part == 0) a.slot_map[static_cast<int64_t>(first) * K + j] = row;
+        if (part == 0) a.slot_map[static_cast<int64_t>(token_of(c)) * K + j % K] = row;
     }
 
     if (m.on) {  // the headers of tokens this rank does not have (t >= T): no message, at every rank
@@ -859,8 +888,9 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     __syncthreads();  // every pair's row is known
     trace_point(a.trace, 0, kTracePairRows);
     for (int j = tid; j < num_pairs; j += kThreads)
-        pair_offset16[j] = m.on ? plan_arrival_message(a, m, pair_expert, pair_row, first, j, pair_rank[j])
-                                : plan_message(a, lay, bufs, pair_expert, pair_row, first, j, part == 0, pair_rank[j]);
+        pair_offset16[j] = m.on ? plan_arrival_message(a, m, pair_expert, pair_row, token_of(j / K), j, pair_rank[j])
+                                : plan_message(a, lay, bufs, pair_expert, pair_row, token_of(j / K), j, part == 0,
+                                               pair_rank[j]);
     // Each of the block's tokens' header at each rank (part 0 of the token). Where send_plan does not
     // split (T above 2/3 of the grid: no receive-only blocks read the messages as they land, only
     // the few blocks without a token when T < grid), after the data: a block that sent reads no
@@ -868,21 +898,25 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // (The header stores before the data held the median block 3.0 us between its rows and its
     // first data store; after it: EP4, 128 tokens, 4 x H100, graph dispatch 29.8 / 29.9 us against
     // 30.8 / 30.8, kernel 23.5 us against 25.1, bench/results/2026-11-27_ep4-ll-headers-last-*.)
-    const bool headers_last = plan.senders >= static_cast<int>(gridDim.x);
+    // A sender of tokens by stride (receivers copy the first while the later are in flight) stores
+    // each token's headers after that token's data instead: the warp that sent its last unit.
+    const bool headers_last = plan.senders >= static_cast<int>(gridDim.x) && stride == 1;
+    const bool headers_per_token = m.on && part == 0 && stride > 1;
+    const auto header_entry = [&](int c, int dst) {
+        return [&, c, dst](int k) {
+            const int j = c * K + k, e = pair_expert[j], row = pair_row[j];
+            return row >= 0 && e / experts_per_rank == dst
+                       ? static_cast<uint32_t>(e % experts_per_rank) << 16 | static_cast<uint32_t>(row)
+                       : kNoDestination;
+        };
+    };
     const auto store_headers = [&] {
-        for (int i = tid; i < (last - first) * R; i += kThreads) {
+        for (int i = tid; i < num_own * R; i += kThreads) {
             const int c = i / R, dst = i % R;
-            if (skip_dst[dst]) continue;
-            const auto entry = [&](int k) {
-                const int j = c * K + k, e = pair_expert[j], row = pair_row[j];
-                return row >= 0 && e / experts_per_rank == dst
-                           ? static_cast<uint32_t>(e % experts_per_rank) << 16 | static_cast<uint32_t>(row)
-                           : kNoDestination;
-            };
-            store_arrival_header(arrival_message(a, m, bufs[dst], me, first + c), entry, K, seq);
+            if (!skip_dst[dst]) store_arrival_header(arrival_message(a, m, bufs[dst], me, token_of(c)), header_entry(c, dst), K, seq);
         }
     };
-    if (m.on && part == 0 && !headers_last) store_headers();
+    if (m.on && part == 0 && !headers_last && !headers_per_token) store_headers();
     __syncthreads();
     trace_point(a.trace, 0, kTraceRows);
 
@@ -890,10 +924,19 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // into every message of the token that holds data: x read once.
     uint8_t* staging = mine + lay.combine_data;  // [N] messages, for remote peers
     const int block_units = (send_units_per_token(a) - part + parts - 1) / parts;  // units of each token here
-    for (int v = warp; v < (last - first) * block_units; v += kWarpsPerBlock) {
+    for (int v = warp; v < num_own * block_units; v += kWarpsPerBlock) {
         const int c = v / block_units;
-        send_unit(a, bufs, first + c, part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
+        send_unit(a, bufs, token_of(c), part + v % block_units * parts, pair_offset16 + c * K, pair_rank + c * K,
                   v == warp, lane);
+        if (headers_per_token && v % block_units == block_units - 1) {  // a 16-byte pair of words a lane
+            const int words = (K + 1) / 2;
+            for (int i = lane; i < R * words; i += kWarpSize) {
+                const int dst = i / words;
+                if (!skip_dst[dst])
+                    store_arrival_header_words(arrival_message(a, m, bufs[dst], me, token_of(c)), header_entry(c, dst),
+                                               i % words * 2, K, seq);
+            }
+        }
     }
     if (m.on && part == 0 && headers_last) store_headers();
     __syncthreads();
@@ -903,10 +946,10 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
         const int64_t index_staging = remote_index_staging(a, lay);
         bool put = false;
         for (int j = warp; j < num_pairs; j += kWarpsPerBlock) {
-            const int row = pair_row[j], e = pair_expert[j], dst = e / experts_per_rank, t = first + j / K;
+            const int row = pair_row[j], e = pair_expert[j], dst = e / experts_per_rank, t = token_of(j / K);
             if (row < 0 || !is_remote(a.peers, dst)) continue;
             Net::put_warp(mine + index_entry(a, lay, e % experts_per_rank, me, row),
-                          mine + index_staging + (static_cast<int64_t>(first) * K + j) * 4, 4, dst);
+                          mine + index_staging + (static_cast<int64_t>(t) * K + j % K) * 4, 4, dst);
             if (!earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst))
                 Net::put_warp(mine + messages_base(a, lay) + (static_cast<int64_t>(me) * N + t) * a.msg_bytes,
                               staging + static_cast<int64_t>(t) * a.msg_bytes, a.msg_bytes, dst);
@@ -1257,8 +1300,10 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
     ArrivalWait w{global_timer_ns(), 32, 0};
     for (int64_t item = static_cast<int64_t>(block) * kWarpsPerBlock + warp; item < items; item += warps) {
         w.sleep_ns = 32;
-        const int part = static_cast<int>(item % parts), t = static_cast<int>(item / parts % N);
-        const int src = static_cast<int>(item / parts / N);
+        // Token-major: messages land in about token order at every source (send_plan), and a
+        // warp's later items are later tokens.
+        const int part = static_cast<int>(item % parts), src = static_cast<int>(item / parts % R);
+        const int t = static_cast<int>(item / parts / R);
         uint8_t* msg = arrival_message(a, m, mine, src, t);
         // The part's payload words are loaded with the header, not after it: a word that is not
         // the poison is this call's (the area is poisoned again before every ack), whatever the
@@ -2191,6 +2236,8 @@ struct LLDispatchCall {
     int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
     int32_t block_receive, message_align;
     int32_t arrival, arrival_msg_bytes;  // whether the call may go by arrival (the host's half), its messages' bytes
+    int32_t send_blocks;  // by arrival, the blocks that send (EPCOMM_LL_DISPATCH_SENDERS; 0: send_plan's choice)
+    int32_t unused;       // (records have no implicit padding)
 };
 
 struct LLCombineCall {
@@ -2226,7 +2273,8 @@ constexpr auto fields_of<ll::LLDispatchCall>() {
                       EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
                       EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
                       EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(block_receive),
-                      EPCOMM_FIELD(message_align), EPCOMM_FIELD(arrival), EPCOMM_FIELD(arrival_msg_bytes)};
+                      EPCOMM_FIELD(message_align), EPCOMM_FIELD(arrival), EPCOMM_FIELD(arrival_msg_bytes),
+                      EPCOMM_FIELD(send_blocks), EPCOMM_FIELD(unused)};
 }
 template <>
 constexpr auto fields_of<ll::LLCombineCall>() {
@@ -2258,6 +2306,9 @@ int chunk_tokens(int num_tokens, int num_topk, int num_sms) {
     if (chunk > most) chunk = most;
     return chunk > 0 ? chunk : 1;
 }
+
+// The most dynamic shared memory of a dispatch's send role (without opting in to more).
+constexpr size_t kMaxSendShared = 48 * 1024;
 
 int num_blocks(int num_tokens, int chunk) {
     const int blocks = (num_tokens + chunk - 1) / chunk;
@@ -2352,9 +2403,21 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     a.arrival_msg_bytes = c.arrival_msg_bytes;
     a.arrival_key = c.arrival_key;
     const int num_sms = c.context.num_sms, num_experts = c.num_experts;
-    const size_t shared = 2 * sizeof(int) * static_cast<size_t>(num_experts);
+    // The send role's counts: all pairs per expert, and those before each of a block's tokens (one
+    // range a block, or one segment per token where send_plan gives senders tokens by stride).
+    // Without the default 48 KB of dynamic shared memory, or pairs over a block's arrays, the
+    // senders' count is send_plan's own.
+    int segments = 1;
+    a.send_blocks = phase == 0 && c.arrival != 0 && c.send_blocks > 0 && c.send_blocks < num_sms ? c.send_blocks : 0;
+    if (a.send_blocks > 0 && c.num_tokens > a.send_blocks) {
+        segments = (c.num_tokens + a.send_blocks - 1) / a.send_blocks;
+        if (segments * c.num_topk > ll::kMaxChunkEntries ||
+            (1 + segments) * sizeof(int) * static_cast<size_t>(num_experts) > kMaxSendShared)
+            a.send_blocks = 0, segments = 1;
+    }
+    const size_t shared = (1 + segments) * sizeof(int) * static_cast<size_t>(num_experts);
     const bool together = c.block_receive != 0;
-    const size_t most_shared = 2 * sizeof(int) * ll::kMaxExperts;
+    const size_t most_shared = kMaxSendShared;
     if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
         (together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, most_shared, num_sms)
                   : fits_at_once<ll::dispatch_fused<false>>(num_sms, most_shared, num_sms))) {
