@@ -2307,8 +2307,9 @@ int chunk_tokens(int num_tokens, int num_topk, int num_sms) {
     return chunk > 0 ? chunk : 1;
 }
 
-// The most dynamic shared memory of a dispatch's send role (without opting in to more).
-constexpr size_t kMaxSendShared = 48 * 1024;
+// The most dynamic shared memory of a dispatch's send role: its counts at kMaxExperts, which fit
+// beside the kernel's static arrays (~14 KB) under the 48 KB a launch gets without opting in to more.
+constexpr size_t kMaxSendShared = 2 * sizeof(int) * ll::kMaxExperts;
 
 int num_blocks(int num_tokens, int chunk) {
     const int blocks = (num_tokens + chunk - 1) / chunk;
@@ -2405,8 +2406,8 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     const int num_sms = c.context.num_sms, num_experts = c.num_experts;
     // The send role's counts: all pairs per expert, and those before each of a block's tokens (one
     // range a block, or one segment per token where send_plan gives senders tokens by stride).
-    // Without the default 48 KB of dynamic shared memory, or pairs over a block's arrays, the
-    // senders' count is send_plan's own.
+    // Where they would not fit kMaxSendShared, or the pairs a block's arrays, the senders' count is
+    // send_plan's own.
     int segments = 1;
     a.send_blocks = phase == 0 && c.arrival != 0 && c.send_blocks > 0 && c.send_blocks < num_sms ? c.send_blocks : 0;
     if (a.send_blocks > 0 && c.num_tokens > a.send_blocks) {
