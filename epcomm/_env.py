@@ -58,8 +58,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_LL_DISPATCH_SENDERS": ("auto", "CUDA low-latency mode, a dispatch by arrival: how many blocks (one "
                                            "per SM) store the messages while the others only receive; with more "
                                            "tokens than that, each sender takes every n-th token. auto: 2/3 of "
-                                           "the SMs up to that many tokens, else every block. Read when a Buffer "
-                                           "is built"),
+                                           "the SMs up to that many tokens, else a third of them. Read when a "
+                                           "Buffer is built"),
     "EPCOMM_LL_REMOTE_RANKS": ("", "CUDA low-latency mode: ranks (comma-separated, or all) that every rank reaches "
                                    "through NVSHMEM puts even where NVLink could map them, to test the "
                                    "inter-node path on one host; implies the nvshmem transport"),

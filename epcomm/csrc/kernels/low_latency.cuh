@@ -54,6 +54,8 @@
 // token's message once, and its pairs' index entries, in its own combine area, a combine stages
 // the rows for a source in its own dispatch area.
 #pragma once
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -734,11 +736,11 @@ __device__ __forceinline__ int send_units_per_token(const DispatchArgs& a) {
 // against the counted path: 22.3 -> 20.8 us at 1 token, 25.4 -> 22.1 at 32, 27.6 -> 25.6 at 64);
 // with more tokens every block sends a token and then receives (128 tokens: 32.7 -> 31.3 us, 256:
 // 45.8 -> 43.9, 85601d4). Counted, every block sends. Each rank plans its own (T differs).
-// EPCOMM_LL_DISPATCH_SENDERS (a.send_blocks) sets the senders' count by arrival: with more tokens
-// than senders, sender b owns tokens b, b + senders, b + 2 senders, ... (`stride`), so that every
-// rank's tokens land in about token order (each SM's stores drain in the order it issued them) and
-// the receivers, which take messages in token order, copy each one while later ones are in flight.
-// (Contiguous ranges of two or three tokens a sender, read in source order, cost more than the
+// With more tokens, a.send_blocks (the host's: a third of the SMs, or EPCOMM_LL_DISPATCH_SENDERS)
+// send and sender b owns tokens b, b + senders, b + 2 senders, ... (`stride`), so that every rank's
+// tokens land in about token order (each SM's stores drain in the order it issued them) and the
+// receivers, which take messages in token order, copy each one while later ones are in flight.
+// (Contiguous ranges of two or three tokens a sender, read in source order, had cost more than the
 // early copies gained: 256 tokens, 45.5 -> 51.5 us.)
 struct SendPlan {
     int chunk;    // tokens a sending block owns, at most
@@ -786,9 +788,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, me = a.rank, N = a.num_max_tokens;
     const int experts_per_rank = E / R;
     uint8_t* mine = a.peers.bufs[me];
+    __shared__ int64_t call_seq;
     trace_point(a.trace, 0, kTraceStart);
-    const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
     // Every block computes the same plan (its counts depend on `parts`). Every part of a token
     // plans the token's pairs alike; part 0 writes the handle's records and the index.
@@ -805,11 +806,15 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     for (int e = tid; e < (1 + segments) * E; e += kThreads) expert_counts[e] = 0;
     if (tid < R) bufs[tid] = a.peers.bufs[tid];
     __syncthreads();
-    // Warp 0 waits for the acknowledgements while the other warps count: the two waits overlap.
+    // Warp 0 reads the call counters and waits for the acknowledgements while the other warps
+    // count: the counting warps' loads go out first thing, not after a round trip for the counters.
     bool bad = false;
     if (warp == 0) {
-        if (tid < R)  // a peer still reading the previous call of this slot must acknowledge it first
+        if (tid == 0) call_seq = next_seq(mine);
+        if (tid < R) {  // a peer still reading the previous call of this slot must acknowledge it first
+            const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
             skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
+        }
     } else {
         // Every pair, in batches of kCountBatch loads in flight per thread (a load, then its atomics,
         // one at a time would cost a memory round trip per pair); this block's own pairs' experts
@@ -848,10 +853,17 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     }
     // Every block counted every pair, so all of them agree on this (it goes into every signal).
     const int64_t invalid = __syncthreads_or(bad) ? kInvalidInputBit : 0;
+    const int64_t seq = call_seq;
     trace_point(a.trace, 0, kTraceReady);
     // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
-    // so it travels while the messages are written. By arrival, every expert's count does.
-    for (int e = blockIdx.x + static_cast<int>(gridDim.x) * tid; e < E; e += static_cast<int>(gridDim.x) * kThreads) {
+    // so it travels while the messages are written. By arrival, every expert's count does. Where
+    // some blocks only receive, they store these (and the missing tokens' headers below): a
+    // sender's loads of x would wait behind its NVLink stores in flight (2.3 -> 3.3 us from its rows
+    // to its first cast, EP4, 128 tokens, 44 senders).
+    const int grid = static_cast<int>(gridDim.x);
+    const int signal_blocks = plan.senders < grid ? grid - plan.senders : grid;
+    const int signal_block = plan.senders < grid ? b - plan.senders : b;  // < 0: none here
+    for (int e = signal_block + signal_blocks * tid; signal_block >= 0 && e < E; e += signal_blocks * kThreads) {
         const int dst = e / experts_per_rank;
         if ((total[e] != 0 && !m.on) || skip_dst[dst]) continue;
         const int64_t offset = lay.dispatch_signals + 8 * ((e % experts_per_rank) * R + me);
@@ -879,7 +891,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
 
     if (m.on) {  // the headers of tokens this rank does not have (t >= T): no message, at every rank
         const int missing = (N - min(a.num_tokens, N)) * R;
-        for (int i = static_cast<int>(blockIdx.x) * kThreads + tid; i < missing; i += static_cast<int>(gridDim.x) * kThreads) {
+        for (int i = signal_block * kThreads + tid; signal_block >= 0 && i < missing; i += signal_blocks * kThreads) {
             const auto none = [](int) { return kNoDestination; };
             if (!skip_dst[i % R]) store_arrival_header(arrival_message(a, m, bufs[i % R], me, a.num_tokens + i / R), none, K, seq);
         }
@@ -900,7 +912,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // 30.8 / 30.8, kernel 23.5 us against 25.1, bench/results/2026-11-27_ep4-ll-headers-last-*.)
     // A sender of tokens by stride (receivers copy the first while the later are in flight) stores
     // each token's headers after that token's data instead: the warp that sent its last unit.
-    const bool headers_last = plan.senders >= static_cast<int>(gridDim.x) && stride == 1;
+    const bool headers_last = plan.senders >= grid && stride == 1;
     const bool headers_per_token = m.on && part == 0 && stride > 1;
     const auto header_entry = [&](int c, int dst) {
         return [&, c, dst](int k) {
@@ -2408,8 +2420,11 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     // range a block, or one segment per token where send_plan gives senders tokens by stride).
     // Where they would not fit kMaxSendShared, or the pairs a block's arrays, the senders' count is
     // send_plan's own.
-    int segments = 1;
-    a.send_blocks = phase == 0 && c.arrival != 0 && c.send_blocks > 0 && c.send_blocks < num_sms ? c.send_blocks : 0;
+    // Unasked, a third of the SMs send where T is above what 2/3 of them take a token each
+    // (send_plan's own split up to there).
+    int segments = 1, senders = c.send_blocks;
+    if (senders == 0 && c.num_tokens > num_sms - std::max(1, num_sms / 3)) senders = std::max(1, num_sms / 3);
+    a.send_blocks = phase == 0 && c.arrival != 0 && senders > 0 && senders < num_sms ? senders : 0;
     if (a.send_blocks > 0 && c.num_tokens > a.send_blocks) {
         segments = (c.num_tokens + a.send_blocks - 1) / a.send_blocks;
         if (segments * c.num_topk > ll::kMaxChunkEntries ||
