@@ -327,19 +327,11 @@ __device__ __forceinline__ bool past_deadline(int* info, int* gave_up, int op, i
 // `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
 // relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land
 // (the counts, sent before the data, read as arriving at 15.3 us of a 20.5 us dispatch, EP4, 128
-// tokens, 4 x H100, cdab994). Those counts are waited for by every receiving block at once, ahead
-// of the data, while the senders load x: their polls back off (to ~1 us apart), as the same lines
-// polled back to back by ~88 blocks held every sender's first load of x until the counts were in
-// (3.3 us from a sender's rows to its first cast, against 1.1 us where no block waits then).
+// tokens, 4 x H100, cdab994).
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
                            int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
     const uint64_t start = global_timer_ns();
-    unsigned sleep_ns = 64;
     for (int spin = 0;; ++spin) {
-        if (!acquire && spin > 0) {
-            __nanosleep(sleep_ns);
-            sleep_ns = min(2 * sleep_ns, 1024u);
-        }
         const int64_t v = acquire ? ld_acquire_sys(signal) : ld_volatile(signal);
         if (signal_of_call(v, seq)) {
             if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
