@@ -9,9 +9,10 @@
 // sending side differs.
 //
 // With the receive hook a call is two kernels, so that no SM is held while data is in flight:
-//   send: block b owns a contiguous range of this rank's tokens. Every block counts, in shared
-//         memory, the (token, top-k slot) pairs of each expert (all of them, and those before its
-//         range), which gives each of its pairs the row it takes in the expert's block without any
+//   send: block b owns a contiguous range of this rank's tokens (or, in a dispatch by arrival with
+//         fewer senders than tokens, every n-th token: send_plan). Every block counts, in shared
+//         memory, the (token, top-k slot) pairs of each expert (all of them, and those before each
+//         of its tokens), which gives each of its pairs the row it takes in the expert's block without any
 //         inter-block traffic: rows follow ascending (token, slot), so outputs are deterministic and
 //         equal to the reference backend's. One thread per pair plans its message and stores its
 //         index entry (plan_message); each warp then loads 512 channels of a token once, casts
@@ -741,7 +742,11 @@ __device__ __forceinline__ int send_units_per_token(const DispatchArgs& a) {
 // tokens land in about token order (each SM's stores drain in the order it issued them) and the
 // receivers, which take messages in token order, copy each one while later ones are in flight.
 // (Contiguous ranges of two or three tokens a sender, read in source order, had cost more than the
-// early copies gained: 256 tokens, 45.5 -> 51.5 us.)
+// early copies gained: 256 tokens, 45.5 -> 51.5 us.) Senders swept in one call (EP4, 4 x H100,
+// 6818d0b, eager / graph us; every block sending: 128 tokens 31.1 / 30.4, 256 44.4 / 44.8): 88
+// senders 33.2 / 32.4 and 46.8 / 46.1 (44 receivers are too few), 66 30.3 / 29.7 and 40.4 / 40.3,
+// 44 30.8 / 29.2 and 40.5 / 40.1, 33 31.5 / 31.0 and 39.8 / 39.7
+// (bench/results/2026-11-27_ep4-ll-senders-sweep-*).
 struct SendPlan {
     int chunk;    // tokens a sending block owns, at most
     int parts;    // blocks a token's units are split among (part p takes units p, p + parts, ...)
@@ -857,9 +862,12 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     trace_point(a.trace, 0, kTraceReady);
     // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
     // so it travels while the messages are written. By arrival, every expert's count does. Where
-    // some blocks only receive, they store these (and the missing tokens' headers below): a
-    // sender's loads of x would wait behind its NVLink stores in flight (2.3 -> 3.3 us from its rows
-    // to its first cast, EP4, 128 tokens, 44 senders).
+    // some blocks only receive, they store these (and the missing tokens' headers below), so that a
+    // sender's first NVLink stores are its data (a block's loads wait behind its stores in flight).
+    // With the call counters read by warp 0 (above), at 66 senders (EP4, 128 tokens, 4 x H100):
+    // graph dispatch 28.2 / 27.6 us against 28.7 / 29.1 (cb953a7 vs 6818d0b), its `ready` 1.9 us
+    // against 2.7; a sender's first cast still comes 3.3 us after its rows: not these stores, nor
+    // the receivers' polls of the counts (147076a backed them off: no change), hold it.
     const int grid = static_cast<int>(gridDim.x);
     const int signal_blocks = plan.senders < grid ? grid - plan.senders : grid;
     const int signal_block = plan.senders < grid ? b - plan.senders : b;  // < 0: none here
