@@ -410,6 +410,12 @@ def _ll_trace(use_hook, partials):
     buf = _buffer("cuda", n, hidden, num_experts)
     # the mode taken (else the partial sums' order below would go untested)
     assert buf._cuda_ll.combine_by_partials(num_experts, hidden, n, 4, use_hook) == partials
+    # The fused dispatch fits the device (a kernel whose shared memory outgrew it would send every
+    # call through the two kernels, correct but slower, and nothing else would say so).
+    ll = buf._cuda_ll
+    fused = ll.lib.epcomm_ll_dispatch_fused_fit(ll.num_sms) == 1
+    assert fused, "dispatch_fused does not fit one block per SM: every dispatch would take the two kernels"
+
     traces = buf._cuda_ll.trace()
     recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True,
                                                           return_recv_hook=use_hook)
@@ -424,9 +430,12 @@ def _ll_trace(use_hook, partials):
         sends, recvs = t.cpu()
         for name, plane in (("send", sends), ("receive", recvs)):
             used = plane[(plane > 0).any(dim=1)]
-            # A dispatch without a hook is one cooperative kernel (plane 0 only), unless the launch fell
-            # back to the two kernels (too few SMs free): then its receive plane is stamped too.
-            if name == "receive" and op == "dispatch" and not use_hook and used.shape[0] == 0:
+            # A dispatch without a hook is one cooperative kernel (plane 0 only). With a GPU of its
+            # own (no MPS, no green context, no rank beside it) a rank's launch must not fall back
+            # to the two kernels; ranks sharing a GPU may (too few SMs free at once).
+            if name == "receive" and op == "dispatch" and not use_hook:
+                alone = num_ranks <= torch.cuda.device_count()
+                assert used.shape[0] == 0 or not alone, f"rank {rank}: a dispatch without a hook ran as two kernels"
                 continue
             assert used.shape[0] > 0, f"rank {rank} {op} {name}: no block stamped"
             # TracePoint's indices in the order thread 0 passes them (10-11 inside a dispatch send's rows phase)

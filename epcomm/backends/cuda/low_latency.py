@@ -201,8 +201,9 @@ def bind_calls(lib: ctypes.CDLL) -> None:
     for function in (lib.epcomm_ll_event_create, lib.epcomm_ll_event_synchronize, lib.epcomm_ll_stream_wait_event,
                      lib.epcomm_ll_event_destroy):
         function.restype = ctypes.c_int
-    lib.epcomm_ll_combine_partials_fit.argtypes = [ctypes.c_int]
-    lib.epcomm_ll_combine_partials_fit.restype = ctypes.c_int
+    for function in (lib.epcomm_ll_combine_partials_fit, lib.epcomm_ll_dispatch_fused_fit):
+        function.argtypes = [ctypes.c_int]
+        function.restype = ctypes.c_int
 
 
 def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:

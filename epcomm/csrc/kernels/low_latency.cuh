@@ -2461,6 +2461,16 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     return static_cast<int>(cudaGetLastError());
 }
 
+// Whether a dispatch without a hook can run as one cooperative kernel here (dispatch_fused, either
+// receive, one block per SM with the most shared memory a call uses); else every such call takes
+// the two kernels (measured: 36.0 against ~30 us at EP4, 128 tokens), which the tests must see.
+int epcomm_ll_dispatch_fused_fit(int num_sms) {
+    return fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms) &&
+                   fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms)
+               ? 1
+               : 0;
+}
+
 // Whether a combine by partial sums can launch here: its send kernel fits one block per SM of the
 // device (registers, shared memory). Not whether the process may use every SM: under MPS or green
 // contexts the cooperative launch can still be refused at the call, which then raises.
