@@ -1,7 +1,11 @@
 """Where a low-latency call's time goes on the GPU machine: per-kernel device time (torch.profiler,
 as DeepEP's tests measure) and the host time of an eager call (cProfile), per token count.
 
-Usage (on the GPU machine): python scripts/ll_profile.py [--ranks 2] [--tokens 1,128]
+Usage (on the GPU machine): python scripts/ll_profile.py [--ranks 2] [--tokens 1,128] [--after dispatch]
+
+--after dispatch: the replayed step is two dispatches (the timeline shows the second) instead of a
+dispatch and a combine, so a dispatch starts with the state its own kernel left (instruction cache,
+address translations) rather than the combine's: a phase that shrinks then was a cold start.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
 from epcomm.utils.launch import LocalCluster  # noqa: E402
 
 
-def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int) -> str:
-    return "\n".join(_profile(n, hidden, num_experts, num_topk) for n in tokens)
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, after: str = "combine") -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk, after) for n in tokens)
 
 
 def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
@@ -44,14 +48,17 @@ def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
     return buf, x, idx, w, y
 
 
-def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str) -> str:
     rank = dist.get_rank()
     lines = []
     buf, x, idx, w, y = decode_step_inputs(n, hidden, num_experts, num_topk)
 
     def step():
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
-        buf.low_latency_combine(y, idx, w, handle)
+        if after == "dispatch":  # (two results alive at once: the double buffering's limit)
+            buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
+        else:
+            buf.low_latency_combine(y, idx, w, handle)
 
     for _ in range(5):
         step()
@@ -70,7 +77,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
         events[i + 1].record()
     torch.cuda.synchronize()
     per_step = sorted(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(40))
-    lines.append(f"rank {rank} T={n}: graph step (dispatch + combine) back to back: median {per_step[20]:.1f} us, "
+    lines.append(f"rank {rank} T={n}: graph step (dispatch + {after}) back to back: median {per_step[20]:.1f} us, "
                  f"min {per_step[0]:.1f}, max {per_step[-1]:.1f}")
     dist.barrier()
     lines += _timeline(buf, step, n)
@@ -81,7 +88,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
     dist.barrier()
 
     for name, fn in (("dispatch", lambda: buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)),
-                     ("dispatch+combine", step)):
+                     (f"dispatch+{after}", step)):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(50):
@@ -164,10 +171,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     parser.add_argument("--tokens", default="1,128")
+    parser.add_argument("--after", choices=("combine", "dispatch"), default="combine",
+                        help="what a replayed step has after its dispatch [combine]")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     with LocalCluster(args.ranks) as cluster:
-        for text in cluster.run(rank_profile, tokens, 7168, 288, 8):
+        for text in cluster.run(rank_profile, tokens, 7168, 288, 8, args.after):
             print(text)
 
 
