@@ -921,7 +921,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // A sender of tokens by stride (receivers copy the first while the later are in flight) stores
     // each token's headers after that token's data instead: the warp that sent its last unit.
     const bool headers_last = plan.senders >= grid && stride == 1;
-    const bool headers_per_token = m.on && part == 0 && stride > 1;
+    // (hidden 0: no unit to follow, so the headers go before, as store_headers stores them)
+    const bool headers_per_token = m.on && part == 0 && stride > 1 && send_units_per_token(a) > 0;
     const auto header_entry = [&](int c, int dst) {
         return [&, c, dst](int k) {
             const int j = c * K + k, e = pair_expert[j], row = pair_row[j];
