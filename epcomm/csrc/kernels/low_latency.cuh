@@ -55,8 +55,6 @@
 // token's message once, and its pairs' index entries, in its own combine area, a combine stages
 // the rows for a source in its own dispatch area.
 #pragma once
-#include <algorithm>
-
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -747,6 +745,13 @@ __device__ __forceinline__ int send_units_per_token(const DispatchArgs& a) {
 // senders 33.2 / 32.4 and 46.8 / 46.1 (44 receivers are too few), 66 30.3 / 29.7 and 40.4 / 40.3,
 // 44 30.8 / 29.2 and 40.5 / 40.1, 33 31.5 / 31.0 and 39.8 / 39.7
 // (bench/results/2026-11-27_ep4-ll-senders-sweep-*).
+// Unasked (EPCOMM_LL_DISPATCH_SENDERS auto), the senders of a dispatch by arrival on `grid` blocks:
+// 2/3 of them up to that many tokens (a token or part of one each), beyond it the other third (each
+// every n-th token). One rule for send_plan and for the host, which sizes the senders' shared counts.
+__host__ __device__ __forceinline__ int auto_senders(int num_tokens, int grid) {
+    const int most = grid - (grid / 3 > 1 ? grid / 3 : 1);
+    return num_tokens <= most ? most : grid - most;
+}
 struct SendPlan {
     int chunk;    // tokens a sending block owns, at most
     int parts;    // blocks a token's units are split among (part p takes units p, p + parts, ...)
@@ -762,7 +767,7 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
         p.senders = p.stride = asked;
         return p;
     }
-    const int most = asked > 0 ? asked : grid - max(1, grid / 3);
+    const int most = asked > 0 ? asked : auto_senders(T, grid);  // (fewer than T beyond the split)
     const bool split = m.on && T <= most;  // (a.chunk_tokens is 1 then)
     // With fewer tokens than sending blocks, a token's units (512 channels each) are split among
     // `parts` blocks: one SM storing all of a token's messages (8 x 7 KB at top-8, H 7168) is bound
@@ -888,9 +893,9 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
         int row = -1;
         if (e >= 0) {
             // the pairs before the token's segment, then the block's own pairs before j from it
-            const int from = segments == 1 ? 0 : c * K;
-            row = before[(segments == 1 ? 0 : c) * E + e];
-            for (int i = from; i < j; ++i) row += pair_expert[i] == e;
+            const int segment = segments == 1 ? 0 : c;
+            row = before[segment * E + e];
+            for (int i = segment * K; i < j; ++i) row += pair_expert[i] == e;
             if (row >= N || skip_dst[e / experts_per_rank]) row = -1;  // past the block's room: dropped
         }
         pair_row[j] = row;
@@ -2429,10 +2434,8 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     // range a block, or one segment per token where send_plan gives senders tokens by stride).
     // Where they would not fit kMaxSendShared, or the pairs a block's arrays, the senders' count is
     // send_plan's own.
-    // Unasked, a third of the SMs send where T is above what 2/3 of them take a token each
-    // (send_plan's own split up to there).
     int segments = 1, senders = c.send_blocks;
-    if (senders == 0 && c.num_tokens > num_sms - std::max(1, num_sms / 3)) senders = std::max(1, num_sms / 3);
+    if (senders == 0) senders = ll::auto_senders(c.num_tokens, num_sms);
     a.send_blocks = phase == 0 && c.arrival != 0 && senders > 0 && senders < num_sms ? senders : 0;
     if (a.send_blocks > 0 && c.num_tokens > a.send_blocks) {
         segments = (c.num_tokens + a.send_blocks - 1) / a.send_blocks;
