@@ -114,9 +114,9 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str) -
 
 
 _POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "arrived", "received", "end",
-           "signals", "pair-rows")  # TracePoint's indices
-_PASS_ORDER = ("start", "ready", "signals", "pair-rows", "rows", "cast", "stored", "written", "signalled",
-               "arrived", "received", "end")  # the order a block passes them (the printed order)
+           "signals", "pair-rows", "entered", "loaded")  # TracePoint's indices
+_PASS_ORDER = ("start", "ready", "signals", "pair-rows", "rows", "entered", "loaded", "cast", "stored", "written",
+               "signalled", "arrived", "received", "end")  # the order a block passes them (the printed order)
 _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 

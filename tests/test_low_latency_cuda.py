@@ -438,10 +438,10 @@ def _ll_trace(use_hook, partials):
                 assert used.shape[0] == 0 or not alone, f"rank {rank}: a dispatch without a hook ran as two kernels"
                 continue
             assert used.shape[0] > 0, f"rank {rank} {op} {name}: no block stamped"
-            # TracePoint's indices in the order thread 0 passes them (10-11 inside a dispatch send's rows phase)
-            order = [0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9]
+            # TracePoint's indices in the order thread 0 passes them (10-13 inside a dispatch send's phases)
+            order = [0, 1, 10, 11, 2, 12, 13, 3, 4, 5, 6, 7, 8, 9]
             if partials and op == "combine" and name == "send":
-                order = [0, 1, 10, 11, 2, 3, 4, 5, 7, 6, 8, 9]
+                order = [0, 1, 10, 11, 2, 12, 13, 3, 4, 5, 7, 6, 8, 9]
             for block in used:
                 block = block[list(order)]
                 passed = block[block > 0]

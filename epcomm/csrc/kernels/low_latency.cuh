@@ -145,8 +145,8 @@ constexpr int kOpDispatch = 5, kOpCombine = 6;
 // stores the global timer at each point it passes, after the barrier that ends the phase. A
 // call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
 // in every normal call: one untaken branch per point.
-constexpr int kTracePoints = 12, kTraceBlocks = 4096;
-enum TracePoint {  // 0-9 in the order a block passes them; 10-11 break up the dispatch's rows phase
+constexpr int kTracePoints = 14, kTraceBlocks = 4096;
+enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the dispatch's send phases
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
     kTraceRows = 2,       // dispatch: the rows of the block's pairs are known and planned (the data is next)
@@ -162,6 +162,9 @@ enum TracePoint {  // 0-9 in the order a block passes them; 10-11 break up the d
     // dispatch send, between kTraceReady and kTraceCast (a barrier before the first while tracing):
     kTraceSignals = 10,   // the counts signalled early (by arrival) or the empty experts' signals issued
     kTracePairRows = 11,  // the rows of the block's pairs known (and the missing tokens' headers stored)
+    // dispatch send, thread 0 alone, between kTraceRows and kTraceCast:
+    kTraceEntered = 12,   // its first unit's loads of x about to issue
+    kTraceLoaded = 13,    // and their values back
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
@@ -563,8 +566,14 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
     const int i0 = unit * 2 * kWarpSize + lane, i1 = i0 + kWarpSize;
     const bool v0 = i0 < num_int4, v1 = i1 < num_int4;
     const auto* x = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.hidden);
+    const bool stamp = a.trace != nullptr && first_unit;  // the warp's first (thread 0 stamps)
+    if (stamp) trace_point(a.trace, 0, kTraceEntered);
     const int4 r0 = v0 ? ld_nc_int4(x + i0) : make_int4(0, 0, 0, 0);
     const int4 r1 = v1 ? ld_nc_int4(x + i1) : make_int4(0, 0, 0, 0);
+    if (stamp) {  // the stamp waits for the loaded values
+        asm volatile("" ::"r"(r0.x), "r"(r1.x));
+        trace_point(a.trace, 0, kTraceLoaded);
+    }
     uint2 q0 = {}, q1 = {};
     float s0 = 0.f, s1 = 0.f, s0_high = 0.f, s1_high = 0.f;
     if (a.mode.fp8) {
@@ -577,7 +586,6 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
         s1_high = __shfl_sync(kFullMask, s1, 16);
     }
     const bool whole_unit = (unit + 1) * 2 * kWarpSize <= num_int4;  // all four groups (H % 512 == 0)
-    const bool stamp = a.trace != nullptr && first_unit;  // the warp's first (thread 0 stamps)
     if (stamp) {  // the stamp waits for the cast values
         asm volatile("" ::"r"(q0.x), "r"(q1.x), "r"(r0.x), "r"(r1.x));
         trace_point(a.trace, 0, kTraceCast);
@@ -779,6 +787,19 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
     return p;
 }
 
+// Whether senders by stride plan their pairs a warp per token group (send_dispatch_messages)
+// instead of a thread per pair scanning the token's earlier pairs in shared memory, once for the
+// rows and once for the plan, a barrier after each. Those two passes held every sender 0.8 and
+// 2.0 us (phase timeline, EP4, 128 tokens, 4 x H100; a sender's pair-rows 3.1 us, rows 5.1, first
+// x load 5.2), where the receive-only blocks passed the same points at 2.3 and 2.5. Measured, not
+// the cause: x not in L2 (prefetched at the start: same), the argument bank's lines (read at the
+// start: same), the receivers' polls (receivers asleep: same), the instruction cache (the plan's
+// code run once before: as slow again), a moment of the call (senders held 3 us at the start: the
+// same 2 us in the plan pass, later); a 32-ns %globaltimer. With one warp pass and one barrier
+// (same call): rows 3.4, first x load 3.6, kernel 20.5-21.3 us against 21.9-22.3 in a replayed
+// graph; bench 27.8 / 27.2 us eager / graph against 28.3 / 27.7 (bench/results/2026-11-27_ep4-ll-warp-plan-*).
+constexpr bool kWarpPlan = true;
+
 // The send role of a dispatch, run by every block of the kernel (block b owns tokens by the plan);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m, const SendPlan& plan) {
@@ -871,8 +892,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // sender's first NVLink stores are its data (a block's loads wait behind its stores in flight).
     // With the call counters read by warp 0 (above), at 66 senders (EP4, 128 tokens, 4 x H100):
     // graph dispatch 28.2 / 27.6 us against 28.7 / 29.1 (cb953a7 vs 6818d0b), its `ready` 1.9 us
-    // against 2.7; a sender's first cast still comes 3.3 us after its rows: not these stores, nor
-    // the receivers' polls of the counts (147076a backed them off: no change), hold it.
+    // against 2.7. (A sender's data then started ~3 us after its counts: its rows and plan passes
+    // below, not these stores; see kWarpPlan.)
     const int grid = static_cast<int>(gridDim.x);
     const int signal_blocks = plan.senders < grid ? grid - plan.senders : grid;
     const int signal_block = plan.senders < grid ? b - plan.senders : b;  // < 0: none here
@@ -888,7 +909,37 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     }
     if (a.trace != nullptr) __syncthreads();
     trace_point(a.trace, 0, kTraceSignals);
-    for (int j = tid; j < num_pairs; j += kThreads) {
+    // By stride (one token a segment), rows and plan in one pass, a warp per 32 / K tokens: a pair's
+    // row counts the token's earlier pairs of its expert (match on token and expert), and it holds
+    // the token's message at its rank if no earlier pair with a row goes there (match on token and
+    // rank), where the loops below scan the token's earlier pairs from shared memory pair by pair.
+    const bool warp_plan = kWarpPlan && m.on && stride > 1 && K <= kWarpSize;
+    if (warp_plan) {
+        const int per_warp = kWarpSize / K, within = lane / K, k = lane % K;
+        const unsigned earlier = (1u << lane) - 1;
+        for (int c0 = warp * per_warp; c0 < num_own; c0 += kWarpsPerBlock * per_warp) {
+            const int c = c0 + within, j = c * K + k;
+            const bool live = within < per_warp && c < num_own;
+            const int e = live ? pair_expert[j] : -1;
+            const unsigned same_expert = __match_any_sync(kFullMask, e >= 0 ? within * (E + 1) + e : -1 - lane);
+            int row = -1, dst = 0;
+            if (e >= 0) {
+                dst = e / experts_per_rank;
+                row = before[c * E + e] + __popc(same_expert & earlier);
+                if (row >= N || skip_dst[dst]) row = -1;  // past the block's room: dropped
+            }
+            const unsigned same_rank = __match_any_sync(kFullMask, row >= 0 ? within * R + dst : -1 - lane);
+            if (live) {
+                const bool holds = row >= 0 && (same_rank & earlier) == 0;
+                pair_row[j] = row;
+                pair_rank[j] = holds ? static_cast<uint8_t>(dst) : 0;
+                pair_offset16[j] =
+                    holds ? static_cast<int>((arrival_message_at(a, m, me, token_of(c)) + kArrivalHeaderBytes) / 16) : -1;
+                if (part == 0) a.slot_map[static_cast<int64_t>(token_of(c)) * K + k] = row;
+            }
+        }
+    }
+    for (int j = tid; !warp_plan && j < num_pairs; j += kThreads) {
         const int e = pair_expert[j], c = j / K;
         int row = -1;
         if (e >= 0) {
@@ -912,7 +963,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
 
     __syncthreads();  // every pair's row is known
     trace_point(a.trace, 0, kTracePairRows);
-    for (int j = tid; j < num_pairs; j += kThreads)
+    for (int j = tid; !warp_plan && j < num_pairs; j += kThreads)
         pair_offset16[j] = m.on ? plan_arrival_message(a, m, pair_expert, pair_row, token_of(j / K), j, pair_rank[j])
                                 : plan_message(a, lay, bufs, pair_expert, pair_row, token_of(j / K), j, part == 0,
                                                pair_rank[j]);
