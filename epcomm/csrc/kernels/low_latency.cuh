@@ -913,7 +913,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // row counts the token's earlier pairs of its expert (match on token and expert), and it holds
     // the token's message at its rank if no earlier pair with a row goes there (match on token and
     // rank), where the loops below scan the token's earlier pairs from shared memory pair by pair.
-    const bool warp_plan = kWarpPlan && m.on && stride > 1 && K <= kWarpSize;
+    const bool warp_plan = kWarpPlan && m.on && stride > 1 && K >= 1 && K <= kWarpSize;
     if (warp_plan) {
         const int per_warp = kWarpSize / K, within = lane / K, k = lane % K;
         const unsigned earlier = (1u << lane) - 1;
