@@ -717,6 +717,11 @@ __device__ __forceinline__ int plan_message(const DispatchArgs& a, const Layout&
     return static_cast<int>((messages_base(a, lay) + (static_cast<int64_t>(me) * N + t) * a.msg_bytes) / 16);
 }
 
+// Where this rank's message of token t keeps its payload at every rank, in 16-byte units.
+__device__ __forceinline__ int arrival_payload16(const DispatchArgs& a, const ArrivalMode& m, int t) {
+    return static_cast<int>((arrival_message_at(a, m, a.rank, t) + kArrivalHeaderBytes) / 16);
+}
+
 // Where pair j's data goes by arrival (at byte 16 * the value returned of rank `rank`'s buffer, -1
 // for nowhere): the payload of the token's message at the pair's rank, for the token's first pair
 // with a row there.
@@ -727,7 +732,7 @@ __device__ __forceinline__ int plan_arrival_message(const DispatchArgs& a, const
     rank = 0;
     if (row < 0 || earlier_pair_at(pair_expert, pair_row, j, K, experts_per_rank, dst)) return -1;
     rank = static_cast<uint8_t>(dst);
-    return static_cast<int>((arrival_message_at(a, m, a.rank, t) + kArrivalHeaderBytes) / 16);
+    return arrival_payload16(a, m, t);
 }
 
 // A token's units of 512 channels (a warp's share of it in send_unit: 64 16-byte words of x).
@@ -933,8 +938,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
                 const bool holds = row >= 0 && (same_rank & earlier) == 0;
                 pair_row[j] = row;
                 pair_rank[j] = holds ? static_cast<uint8_t>(dst) : 0;
-                pair_offset16[j] =
-                    holds ? static_cast<int>((arrival_message_at(a, m, me, token_of(c)) + kArrivalHeaderBytes) / 16) : -1;
+                pair_offset16[j] = holds ? arrival_payload16(a, m, token_of(c)) : -1;
                 if (part == 0) a.slot_map[static_cast<int64_t>(token_of(c)) * K + k] = row;
             }
         }
@@ -2496,10 +2500,9 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     }
     const size_t shared = (1 + segments) * sizeof(int) * static_cast<size_t>(num_experts);
     const bool together = c.block_receive != 0;
-    const size_t most_shared = kMaxSendShared;
     if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
-        (together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, most_shared, num_sms)
-                  : fits_at_once<ll::dispatch_fused<false>>(num_sms, most_shared, num_sms))) {
+        (together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms)
+                  : fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms))) {
         const cudaError_t launched = together ? launch_cooperative(ll::dispatch_fused<true>, num_sms, shared, stream, a)
                                               : launch_cooperative(ll::dispatch_fused<false>, num_sms, shared, stream, a);
         if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
