@@ -918,19 +918,22 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // row counts the token's earlier pairs of its expert (match on token and expert), and it holds
     // the token's message at its rank if no earlier pair with a row goes there (match on token and
     // rank), where the loops below scan the token's earlier pairs from shared memory pair by pair.
-    const bool warp_plan = kWarpPlan && m.on && stride > 1 && K >= 1 && K <= kWarpSize;
+    // A contiguous range (one segment: a pair's row counts the range's earlier pairs of its expert,
+    // whatever their token) of at most 32 pairs goes to one warp, its pairs in one group.
+    const bool warp_plan = kWarpPlan && m.on && K >= 1 && K <= kWarpSize && (stride > 1 || num_pairs <= kWarpSize);
     if (warp_plan) {
-        const int per_warp = kWarpSize / K, within = lane / K, k = lane % K;
+        const int per_warp = stride > 1 ? kWarpSize / K : num_own, within = lane / K, k = lane % K;
         const unsigned earlier = (1u << lane) - 1;
         for (int c0 = warp * per_warp; c0 < num_own; c0 += kWarpsPerBlock * per_warp) {
             const int c = c0 + within, j = c * K + k;
             const bool live = within < per_warp && c < num_own;
             const int e = live ? pair_expert[j] : -1;
-            const unsigned same_expert = __match_any_sync(kFullMask, e >= 0 ? within * (E + 1) + e : -1 - lane);
+            const int group = stride > 1 ? within : 0, segment = stride > 1 ? c : 0;
+            const unsigned same_expert = __match_any_sync(kFullMask, e >= 0 ? group * (E + 1) + e : -1 - lane);
             int row = -1, dst = 0;
             if (e >= 0) {
                 dst = e / experts_per_rank;
-                row = before[c * E + e] + __popc(same_expert & earlier);
+                row = before[segment * E + e] + __popc(same_expert & earlier);
                 if (row >= N || skip_dst[dst]) row = -1;  // past the block's room: dropped
             }
             const unsigned same_rank = __match_any_sync(kFullMask, row >= 0 ? within * R + dst : -1 - lane);
