@@ -6,6 +6,10 @@ Usage (on the GPU machine): python scripts/ll_profile.py [--ranks 2] [--tokens 1
 --after dispatch: the replayed step is two dispatches (the timeline shows the second) instead of a
 dispatch and a combine, so a dispatch starts with the state its own kernel left (instruction cache,
 address translations) rather than the combine's: a phase that shrinks then was a cold start.
+
+--cold: a second timeline where every replay follows the benchmark's L2 flush and head start
+(epcomm.bench.timing.cold_start), as the benchmark times a call: what the cold caches add to the
+kernel, apart from the events' own overhead in the benchmark's columns.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ sys.path.insert(0, ".")
 from profiling import kernel_lines, last_call_lines, profile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
+from epcomm.bench.timing import cold_start, l2_flush_buffer  # noqa: E402
 from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
 from epcomm.utils.launch import LocalCluster  # noqa: E402
 
 
-def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, after: str = "combine") -> str:
-    return "\n".join(_profile(n, hidden, num_experts, num_topk, after) for n in tokens)
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, after: str = "combine",
+                 cold: bool = False) -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk, after, cold) for n in tokens)
 
 
 def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
@@ -48,7 +54,7 @@ def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
     return buf, x, idx, w, y
 
 
-def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str) -> str:
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str, cold: bool) -> str:
     rank = dist.get_rank()
     lines = []
     buf, x, idx, w, y = decode_step_inputs(n, hidden, num_experts, num_topk)
@@ -82,6 +88,9 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str) -
     dist.barrier()
     lines += _timeline(buf, step, n)
     dist.barrier()
+    if cold:
+        lines += _timeline(buf, step, n, cold=True)
+        dist.barrier()
     prof = profile_calls(graph.replay, 20)
     lines += kernel_lines(prof, 20, f"rank {rank} T={n}")
     lines += last_call_lines(prof, 20, f"rank {rank} T={n} replay")
@@ -121,10 +130,12 @@ _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dis
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 
 
-def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
+def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: bool = False) -> list[str]:
     """The phase timeline of a replayed decode step: each block's global-timer stamps at the points
     of csrc/kernels/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
-    Per point: the earliest, median and latest block, medians over `samples` steady-state replays."""
+    Per point: the earliest, median and latest block, medians over `samples` steady-state replays.
+    `cold`: each replay after the benchmark's L2 flush and head start (timing.cold_start)."""
+    flush = l2_flush_buffer(torch.device("cuda", torch.cuda.current_device())) if cold else None
     ll = buf._cuda_ll
     traces = ll.trace()
     graph = torch.cuda.CUDAGraph()  # captured with the trace on (the timed graph above had it off)
@@ -137,6 +148,8 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
         for t in traces.values():
             t.zero_()
         for _ in range(30):
+            if flush is not None:
+                cold_start(flush)
             graph.replay()
         torch.cuda.synchronize()
         host = {op: t.cpu() for op, t in traces.items()}
@@ -155,7 +168,8 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5) -> list[str]:
                         (float(us[0]), float(us[us.numel() // 2]), float(us[-1])))
     ll.trace(False)
     rank = dist.get_rank()
-    out = [f"rank {rank} T={n}: phase timeline of one replayed step (us from the first dispatch block's start; "
+    out = [f"rank {rank} T={n}: phase timeline of one replayed step{' after an L2 flush' if cold else ''} "
+           "(us from the first dispatch block's start; "
            f"earliest / median / latest block; median of {samples} samples)"]
     order = [_POINTS.index(name) for name in _PASS_ORDER]
 
@@ -188,10 +202,12 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,128")
     parser.add_argument("--after", choices=("combine", "dispatch"), default="combine",
                         help="what a replayed step has after its dispatch [combine]")
+    parser.add_argument("--cold", action="store_true",
+                        help="also a timeline of replays that each follow an L2 flush, as the benchmark times")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     with LocalCluster(args.ranks) as cluster:
-        for text in cluster.run(rank_profile, tokens, 7168, 288, 8, args.after):
+        for text in cluster.run(rank_profile, tokens, 7168, 288, 8, args.after, args.cold):
             print(text)
 
 
