@@ -9,7 +9,9 @@ address translations) rather than the combine's: a phase that shrinks then was a
 
 --cold: a second timeline where every replay follows the benchmark's L2 flush and head start
 (epcomm.bench.timing.cold_start), as the benchmark times a call: what the cold caches add to the
-kernel, apart from the events' own overhead in the benchmark's columns.
+kernel, apart from the events' own overhead in the benchmark's columns. --cold read: the flush
+reads the 256 MB instead of writing it, so L2 is left cold but clean: a phase that is slow after
+the write and not after the read waits for dirty lines going back to HBM, not for misses.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ sys.path.insert(0, ".")
 from profiling import kernel_lines, last_call_lines, profile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
-from epcomm.bench.timing import cold_start, l2_flush_buffer  # noqa: E402
+from epcomm.bench.timing import HEAD_START_CYCLES, cold_start, l2_flush_buffer  # noqa: E402
 from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
 from epcomm.utils.launch import LocalCluster  # noqa: E402
 
 
 def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, after: str = "combine",
-                 cold: bool = False) -> str:
+                 cold: str = "") -> str:
     return "\n".join(_profile(n, hidden, num_experts, num_topk, after, cold) for n in tokens)
 
 
@@ -54,7 +56,7 @@ def decode_step_inputs(n: int, hidden: int, num_experts: int, num_topk: int):
     return buf, x, idx, w, y
 
 
-def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str, cold: bool) -> str:
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str, cold: str) -> str:
     rank = dist.get_rank()
     lines = []
     buf, x, idx, w, y = decode_step_inputs(n, hidden, num_experts, num_topk)
@@ -89,7 +91,7 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str, c
     lines += _timeline(buf, step, n)
     dist.barrier()
     if cold:
-        lines += _timeline(buf, step, n, cold=True)
+        lines += _timeline(buf, step, n, cold=cold)
         dist.barrier()
     prof = profile_calls(graph.replay, 20)
     lines += kernel_lines(prof, 20, f"rank {rank} T={n}")
@@ -130,11 +132,12 @@ _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dis
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 
 
-def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: bool = False) -> list[str]:
+def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: str = "") -> list[str]:
     """The phase timeline of a replayed decode step: each block's global-timer stamps at the points
     of csrc/kernels/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
     Per point: the earliest, median and latest block, medians over `samples` steady-state replays.
-    `cold`: each replay after the benchmark's L2 flush and head start (timing.cold_start)."""
+    `cold` "write": each replay after the benchmark's L2 flush and head start (timing.cold_start);
+    "read": after a read of the same 256 MB (L2 cold but clean) and the same head start."""
     flush = l2_flush_buffer(torch.device("cuda", torch.cuda.current_device())) if cold else None
     ll = buf._cuda_ll
     traces = ll.trace()
@@ -148,7 +151,10 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: bool = False) -
         for t in traces.values():
             t.zero_()
         for _ in range(30):
-            if flush is not None:
+            if flush is not None and cold == "read":
+                flush.max()  # (a reduction: every line read, none written but its one result)
+                torch.cuda._sleep(HEAD_START_CYCLES)
+            elif flush is not None:
                 cold_start(flush)
             graph.replay()
         torch.cuda.synchronize()
@@ -168,7 +174,8 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: bool = False) -
                         (float(us[0]), float(us[us.numel() // 2]), float(us[-1])))
     ll.trace(False)
     rank = dist.get_rank()
-    out = [f"rank {rank} T={n}: phase timeline of one replayed step{' after an L2 flush' if cold else ''} "
+    after_flush = {"": "", "write": " after an L2 flush", "read": " after an L2 flush by reads"}[cold]
+    out = [f"rank {rank} T={n}: phase timeline of one replayed step{after_flush} "
            "(us from the first dispatch block's start; "
            f"earliest / median / latest block; median of {samples} samples)"]
     order = [_POINTS.index(name) for name in _PASS_ORDER]
@@ -202,8 +209,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,128")
     parser.add_argument("--after", choices=("combine", "dispatch"), default="combine",
                         help="what a replayed step has after its dispatch [combine]")
-    parser.add_argument("--cold", action="store_true",
-                        help="also a timeline of replays that each follow an L2 flush, as the benchmark times")
+    parser.add_argument("--cold", nargs="?", const="write", default="", choices=("write", "read"),
+                        help="also a timeline of replays that each follow an L2 flush, as the benchmark times "
+                        "(write), or a flush by reads that leaves L2 clean (read)")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     with LocalCluster(args.ranks) as cluster:
