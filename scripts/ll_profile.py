@@ -31,7 +31,7 @@ sys.path.insert(0, ".")
 from profiling import kernel_lines, last_call_lines, profile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
-from epcomm.bench.timing import HEAD_START_CYCLES, cold_start, l2_flush_buffer  # noqa: E402
+from epcomm.bench.timing import cold_start, l2_flush_buffer  # noqa: E402
 from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
 from epcomm.utils.launch import LocalCluster  # noqa: E402
 
@@ -137,7 +137,7 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: str = "") -> li
     of csrc/kernels/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
     Per point: the earliest, median and latest block, medians over `samples` steady-state replays.
     `cold` "write": each replay after the benchmark's L2 flush and head start (timing.cold_start);
-    "read": after a read of the same 256 MB (L2 cold but clean) and the same head start."""
+    "read": the same with the 256 MB read instead of written (L2 cold but clean)."""
     flush = l2_flush_buffer(torch.device("cuda", torch.cuda.current_device())) if cold else None
     ll = buf._cuda_ll
     traces = ll.trace()
@@ -151,11 +151,8 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: str = "") -> li
         for t in traces.values():
             t.zero_()
         for _ in range(30):
-            if flush is not None and cold == "read":
-                flush.max()  # (a reduction: every line read, none written but its one result)
-                torch.cuda._sleep(HEAD_START_CYCLES)
-            elif flush is not None:
-                cold_start(flush)
+            if flush is not None:
+                cold_start(flush, write=cold == "write")
             graph.replay()
         torch.cuda.synchronize()
         host = {op: t.cpu() for op, t in traces.items()}

@@ -42,10 +42,15 @@ def gpu_barrier(device: torch.device) -> None:
     dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
 
 
-def cold_start(flush: torch.Tensor, before: Callable[[], None] | None = None) -> None:
+def cold_start(flush: torch.Tensor, before: Callable[[], None] | None = None, write: bool = True) -> None:
     """Queue what precedes a timed span on the GPU: the L2 flush (``flush``, from
-    :func:`l2_flush_buffer`), then, after the host work ``before`` if any, the head start."""
-    flush.zero_()
+    :func:`l2_flush_buffer`), then, after the host work ``before`` if any, the head start.
+    The benchmark's flush writes the buffer (as DeepEP's does), leaving L2 full of dirty lines;
+    ``write=False`` reads it instead (a reduction), leaving L2 cold but clean (a profiling probe)."""
+    if write:
+        flush.zero_()
+    else:
+        flush.max()
     if before is not None:
         before()
     torch.cuda._sleep(HEAD_START_CYCLES)

@@ -792,9 +792,10 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
     return p;
 }
 
-// Whether senders by stride plan their pairs a warp per token group (send_dispatch_messages)
-// instead of a thread per pair scanning the token's earlier pairs in shared memory, once for the
-// rows and once for the plan, a barrier after each. Those two passes held every sender 0.8 and
+// Whether senders by stride, and senders of a contiguous range of at most 32 pairs, plan their
+// pairs a warp per token group (send_dispatch_messages) instead of a thread per pair scanning the
+// token's earlier pairs in shared memory, once for the rows and once for the plan, a barrier after
+// each (by arrival only). Those two passes held every sender 0.8 and
 // 2.0 us (phase timeline, EP4, 128 tokens, 4 x H100; a sender's pair-rows 3.1 us, rows 5.1, first
 // x load 5.2), where the receive-only blocks passed the same points at 2.3 and 2.5. Measured, not
 // the cause: x not in L2 (prefetched at the start: same), the argument bank's lines (read at the
