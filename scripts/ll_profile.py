@@ -128,6 +128,7 @@ _POINTS = ("start", "ready", "rows", "cast", "stored", "written", "signalled", "
            "signals", "pair-rows", "entered", "loaded")  # TracePoint's indices
 _PASS_ORDER = ("start", "ready", "signals", "pair-rows", "rows", "entered", "loaded", "cast", "stored", "written",
                "signalled", "arrived", "received", "end")  # the order a block passes them (the printed order)
+_SM = 14  # TracePoint kTraceSm: not a time, the block's SM + 1 (the fused dispatch's send role stamps it)
 _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dispatch recv",
             ("combine", 0): "combine send", ("combine", 1): "combine recv"}
 
@@ -184,7 +185,22 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: str = "") -> li
         med = [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(3)]
         out.append(f"rank {rank} T={n}:   {_KERNELS[(op, plane)] + role:38s} {_POINTS[p]:9s} "
                    f"{med[0]:7.1f} {med[1]:7.1f} {med[2]:7.1f}")
+    out.extend(_senders_by_sm(rank, n, host["dispatch"][0], origin))
     return out
+
+
+def _senders_by_sm(rank: int, n: int, stamps: torch.Tensor, origin: int) -> list[str]:
+    """The fused dispatch's senders in the last replay, in SM order, each as block@SM:written (us
+    from the step's start): whether the senders that store their messages last share a part of the
+    GPU (their `written` spread is wider than their share of the work: EP4, 128 tokens, 8.6 to 13.4 us)."""
+    if stamps.shape[-1] <= _SM:
+        return []
+    sent = ((stamps[:, _POINTS.index("entered")] > 0) & (stamps[:, _SM] > 0)).nonzero().flatten().tolist()
+    if not sent:
+        return []
+    rows = sorted((int(stamps[b, _SM]) - 1, b, (int(stamps[b, _POINTS.index("written")]) - origin) / 1e3) for b in sent)
+    return [f"rank {rank} T={n}: senders by SM (block@SM:written us): "
+            + " ".join(f"{b}@{sm}:{w:.1f}" for sm, b, w in rows)]
 
 
 def _roles(op: str, plane: int, stamps: torch.Tensor) -> dict[str, torch.Tensor]:

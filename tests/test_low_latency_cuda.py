@@ -427,7 +427,10 @@ def _ll_trace(use_hook, partials):
         hook()
     torch.cuda.synchronize()
     for op, t in traces.items():
-        sends, recvs = t.cpu()
+        sends, recvs = t.cpu()[..., :14]  # the times (point 14, kTraceSm, is the block's SM + 1)
+        sms = t.cpu()[0, :, 14][sends[:, 0] > 0]
+        if op == "dispatch":  # (its send role stamps them)
+            assert bool(((sms >= 1) & (sms <= 1024)).all()), f"rank {rank}: SM stamps {sms.tolist()}"
         for name, plane in (("send", sends), ("receive", recvs)):
             used = plane[(plane > 0).any(dim=1)]
             # A dispatch without a hook is one cooperative kernel (plane 0 only). With a GPU of its

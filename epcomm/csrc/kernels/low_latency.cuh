@@ -145,7 +145,7 @@ constexpr int kOpDispatch = 5, kOpCombine = 6;
 // stores the global timer at each point it passes, after the barrier that ends the phase. A
 // call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
 // in every normal call: one untaken branch per point.
-constexpr int kTracePoints = 14, kTraceBlocks = 4096;
+constexpr int kTracePoints = 15, kTraceBlocks = 4096;
 enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the dispatch's send phases
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
@@ -165,12 +165,22 @@ enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the d
     // dispatch send, thread 0 alone, between kTraceRows and kTraceCast:
     kTraceEntered = 12,   // its first unit's loads of x about to issue
     kTraceLoaded = 13,    // and their values back
+    // not a time: the SM the block ran on, plus one (stamped with kTraceStart by the dispatch send), to
+    // tell whether the blocks that lag run on SMs of one part of the GPU
+    kTraceSm = 14,
 };
 
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
     if (trace != nullptr && threadIdx.x == 0 && blockIdx.x < kTraceBlocks)  // a longer grid stamps its first blocks
         trace[(static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + point] =
             static_cast<int64_t>(global_timer_ns());
+}
+__device__ __forceinline__ void trace_sm(int64_t* trace, int plane) {
+    if (trace != nullptr && threadIdx.x == 0 && blockIdx.x < kTraceBlocks) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        trace[(static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + kTraceSm] = sm + 1;
+    }
 }
 
 struct Peers {
@@ -827,6 +837,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     uint8_t* mine = a.peers.bufs[me];
     __shared__ int64_t call_seq;
     trace_point(a.trace, 0, kTraceStart);
+    trace_sm(a.trace, 0);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
     // Every block computes the same plan (its counts depend on `parts`). Every part of a token
     // plans the token's pairs alike; part 0 writes the handle's records and the index.
