@@ -426,11 +426,16 @@ def _ll_trace(use_hook, partials):
     if use_hook:
         hook()
     torch.cuda.synchronize()
+    sm_point = 14  # TracePoint kTraceSm, the last point: no time, the block's SM + 1
     for op, t in traces.items():
-        sends, recvs = t.cpu()[..., :14]  # the times (point 14, kTraceSm, is the block's SM + 1)
-        sms = t.cpu()[0, :, 14][sends[:, 0] > 0]
-        if op == "dispatch":  # (its send role stamps them)
+        t = t.cpu()
+        assert t.shape[-1] == sm_point + 1, f"trace points {t.shape[-1]}: kTraceSm is no longer the last"
+        sends, recvs = t[..., :sm_point]  # the times
+        if op == "dispatch":  # its send role stamps every block's SM; nothing else does
+            sms = t[0, :, sm_point][sends[:, 0] > 0]
             assert bool(((sms >= 1) & (sms <= 1024)).all()), f"rank {rank}: SM stamps {sms.tolist()}"
+        no_sm = t[1:, :, sm_point] if op == "dispatch" else t[:, :, sm_point]
+        assert bool((no_sm == 0).all()), f"rank {rank} {op}: an SM stamp where none belongs"
         for name, plane in (("send", sends), ("receive", recvs)):
             used = plane[(plane > 0).any(dim=1)]
             # A dispatch without a hook is one cooperative kernel (plane 0 only). With a GPU of its

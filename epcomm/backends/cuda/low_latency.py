@@ -320,7 +320,8 @@ class CudaLowLatency:
         """Have the following calls record their phase timeline (scripts/ll_profile.py): per op
         ("dispatch", "combine"), an int64 tensor [2 kernels (send, receive), blocks, points] of global
         timer values (ns) that each block stores as it passes the points of csrc/kernels/low_latency.cuh
-        (TracePoint); 0 where a block did not pass. Each call overwrites its op's tensor. For
+        (TracePoint); 0 where a block did not pass. The last point (kTraceSm) is no time: the block's
+        SM + 1, stamped by the dispatch's send role only. Each call overwrites its op's tensor. For
         diagnosis only: not to be used inside a captured graph that outlives the tensors."""
         if not on:
             self.traces = None

@@ -142,11 +142,12 @@ __device__ __forceinline__ void give_up(int* gave_up) {
 constexpr int kOpDispatch = 5, kOpCombine = 6;
 
 // Phase timeline of a call (scripts/ll_profile.py): with a trace array, thread 0 of every block
-// stores the global timer at each point it passes, after the barrier that ends the phase. A
+// stores the global timer at each point it passes, after the barrier that ends the phase (and,
+// at kTraceSm, not a time: its SM). A
 // call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
 // in every normal call: one untaken branch per point.
 constexpr int kTracePoints = 15, kTraceBlocks = 4096;
-enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the dispatch's send phases
+enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the dispatch's send phases; 14 no time
     kTraceStart = 0,
     kTraceReady = 1,      // the slot's acknowledgements waited for (and, dispatch, the pairs counted)
     kTraceRows = 2,       // dispatch: the rows of the block's pairs are known and planned (the data is next)
@@ -1401,14 +1402,20 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
         const int part = static_cast<int>(item % parts), src = static_cast<int>(item / parts % R);
         const int t = static_cast<int>(item / parts / R);
         uint8_t* msg = arrival_message(a, m, mine, src, t);
-        // The part's payload words are loaded once the header is here, not with it: a warp waits
-        // a few microseconds for its message, and while ~1400 warps poll, 2 KB a poll slow the
-        // NVLink stores landing into the same L2, where 64 bytes of header do not. With the
-        // payload polled beside the header (one round trip less once it lands), EP4, 128 tokens,
-        // 4 x H100, one call: eager dispatch 27.7 / 28.0 us against 27.4 / 27.0 now, graph 27.5 /
-        // 27.2 against 26.6 / 26.3, replayed-graph kernel 20.6 against 20.2; 256 tokens 37.9 /
-        // 37.6 against 36.9 / 36.7 (bench/results/2026-11-27_ep4-ll-poll-ab-*). Polling the payload
-        // with a longer backoff instead (up to 1 us, from 256 ns) was slower: 28.1 / 28.3 us.
+        // The part's payload words are loaded once the header is here, not before it. They were
+        // loaded first, with the header's first poll, to save a round trip where both were there
+        // at once; but a warp mostly waits for its message (it reaches its item ~2 us into the
+        // kernel, the data lands over the next ~10), so that load found poison and was thrown
+        // away, and once the header came the warp first slept (its backoff, grown to up to 256 ns
+        // while it waited for the header) and then loaded the payload again. Where the senders go
+        // by stride (T above 2/3 of the SMs; at EP4 from 89 tokens) a token's headers follow its
+        // data, so the payload is (nearly all) there with its header. In one call against the
+        // order before (EP4, 128 tokens, 4 x H100; this code as f63236a against 17bc684): eager
+        // dispatch 27.4 / 27.0 us against 27.7 / 28.0, graph 26.6 / 26.3 against 27.5 / 27.2,
+        // replayed-graph kernel 20.2 against 20.6; 256 tokens 36.9 / 36.7 against 37.9 / 37.6
+        // (bench/results/2026-11-27_ep4-ll-poll-ab-*; 1-64 tokens, where the headers go first, were
+        // not in that A/B). A longer backoff (up to 1 us, for header and payload alike: 1f64492)
+        // was slower: 28.1 / 28.3 us.
         const int q_begin = part * per_part, q_end = min(payload_int4, q_begin + per_part);
         auto* payload = reinterpret_cast<int4*>(msg + kArrivalHeaderBytes);
         int4 v[kArrivalPerLane];
