@@ -32,6 +32,7 @@ case $step in
       paths=()  # the tests too where the commit has them (a tree's own tests can run against it)
       for p in epcomm scripts tests pyproject.toml; do git cat-file -e "$full:$p" 2>/dev/null && paths+=("$p"); done
       mkdir -p "ab/$full" && git archive "$full" "${paths[@]}" | tar -x -C "ab/$full" || exit 1
+      echo "$full" >> ab/TREES
       echo "ab_commits: ab/$full"
     done
     echo "ab_commits: run on the GPU machine: bash scripts/ab_commits.sh run -- BENCH ARGS; then rm -rf ab"
@@ -43,7 +44,9 @@ case $step in
     res=$(mktemp -d)/ab
     mkdir -p "$res"
     trap 'tar czf "$OUT/ab.tgz" -C "$(dirname "$res")" ab && echo "ab_commits: packed $OUT/ab.tgz"' EXIT
-    trees=$(ls ab)
+    # The trees `prepare` made (ab/TREES): the GPU machine keeps what earlier sessions copied under ab/,
+    # and their trees would run too (2026-11-27: two stale trees, ~2 minutes of device time).
+    if [ -f ab/TREES ]; then trees=$(cat ab/TREES); else trees=$(ls ab); fi
     in_tree() {  # in_tree SHA CMD...: CMD in that commit's tree, with its own kernel cache
       local t=$1
       shift
