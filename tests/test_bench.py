@@ -341,8 +341,9 @@ def test_compare_flags_slower_times_of_the_same_configurations(tmp_path, capsys)
 
 def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     """scripts/ab_commits.sh in a scratch repository: `prepare` archives each commit's tree under ab/,
-    `run` (with a stand-in python3 that records its arguments) runs the bench per tree and per
-    AB_ENV_SETS entry, A..Z then Z..A, and packs every JSON into $OUT/ab.tgz."""
+    `run` (with a stand-in python3 that records its arguments) runs the bench per tree of those (not
+    another left under ab/) and per AB_ENV_SETS entry, A..Z then Z..A, and packs every JSON into
+    $OUT/ab.tgz."""
     import shutil
     import tarfile
 
@@ -366,8 +367,10 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
                                    check=True).stdout.strip())
     script = str(repo / "scripts" / "ab_commits.sh")
     subprocess.run(["bash", script, "prepare", *shas], check=True, capture_output=True)
-    assert sorted(os.listdir(repo / "ab")) == sorted(shas)
+    assert sorted(os.listdir(repo / "ab")) == sorted([*shas, "TREES"])
     assert (repo / "ab" / shas[0] / "epcomm" / "version.txt").read_text() == "1"
+    # a tree an earlier session left under ab/ (the GPU machine keeps them): not one of prepare's, not run
+    shutil.copytree(repo / "ab" / shas[0], repo / "ab" / "0stale")
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "python3").write_text(
