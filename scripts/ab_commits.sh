@@ -40,13 +40,13 @@ case $step in
   run)
     [ "${1:-}" = "--" ] && shift
     source scripts/device_env.sh
-    [ -d ab ] || { echo "ab_commits: no ab/ (run prepare first, here)"; exit 2; }
+    [ -f ab/TREES ] || { echo "ab_commits: no ab/TREES (run prepare first, here)"; exit 2; }
     res=$(mktemp -d)/ab
     mkdir -p "$res"
     trap 'tar czf "$OUT/ab.tgz" -C "$(dirname "$res")" ab && echo "ab_commits: packed $OUT/ab.tgz"' EXIT
     # The trees `prepare` made (ab/TREES): the GPU machine keeps what earlier sessions copied under ab/,
     # and their trees would run too (2026-11-27: two stale trees, ~2 minutes of device time).
-    if [ -f ab/TREES ]; then trees=$(sort -u ab/TREES); else trees=$(ls ab); fi
+    trees=$(sort -u ab/TREES)
     in_tree() {  # in_tree SHA CMD...: CMD in that commit's tree, with its own kernel cache
       local t=$1
       shift

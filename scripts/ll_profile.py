@@ -195,12 +195,17 @@ def _senders_by_sm(rank: int, n: int, stamps: torch.Tensor, origin: int) -> list
     GPU (their `written` spread is wider than their share of the work: EP4, 128 tokens, 8.6 to 13.4 us)."""
     if stamps.shape[-1] <= _SM:
         return []
-    sent = ((stamps[:, _POINTS.index("entered")] > 0) & (stamps[:, _SM] > 0)).nonzero().flatten().tolist()
+    sent = (_senders(stamps) & (stamps[:, _SM] > 0)).nonzero().flatten().tolist()
     if not sent:
         return []
     rows = sorted((int(stamps[b, _SM]) - 1, b, (int(stamps[b, _POINTS.index("written")]) - origin) / 1e3) for b in sent)
     return [f"rank {rank} T={n}: senders by SM (block@SM:written us): "
             + " ".join(f"{b}@{sm}:{w:.1f}" for sm, b, w in rows)]
+
+
+def _senders(stamps: torch.Tensor) -> torch.Tensor:
+    """A fused dispatch's blocks that sent: those that stamped `entered` (a first load of x)."""
+    return stamps[:, _POINTS.index("entered")] > 0
 
 
 def _roles(op: str, plane: int, stamps: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -210,7 +215,7 @@ def _roles(op: str, plane: int, stamps: torch.Tensor) -> dict[str, torch.Tensor]
     receive, and a median block read as a sender hid the senders' 2.8 us rows phase); else all."""
     every = stamps[:, 0] > 0
     if op == "dispatch" and plane == 0:
-        sent = stamps[:, _POINTS.index("entered")] > 0
+        sent = _senders(stamps)
         if sent.any() and (every & ~sent).any():
             return {": senders": sent, ": receivers": every & ~sent}
     return {"": every}

@@ -171,16 +171,20 @@ enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the d
     kTraceSm = 14,
 };
 
+// Thread 0's cell of this block at `point` (nullptr: no trace, or not thread 0, or past the traced
+// blocks: a longer grid stamps its first ones).
+__device__ __forceinline__ int64_t* trace_cell(int64_t* trace, int plane, TracePoint point) {
+    if (trace == nullptr || threadIdx.x != 0 || blockIdx.x >= kTraceBlocks) return nullptr;
+    return trace + (static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + point;
+}
 __device__ __forceinline__ void trace_point(int64_t* trace, int plane, TracePoint point) {
-    if (trace != nullptr && threadIdx.x == 0 && blockIdx.x < kTraceBlocks)  // a longer grid stamps its first blocks
-        trace[(static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + point] =
-            static_cast<int64_t>(global_timer_ns());
+    if (int64_t* cell = trace_cell(trace, plane, point)) *cell = static_cast<int64_t>(global_timer_ns());
 }
 __device__ __forceinline__ void trace_sm(int64_t* trace, int plane) {
-    if (trace != nullptr && threadIdx.x == 0 && blockIdx.x < kTraceBlocks) {
+    if (int64_t* cell = trace_cell(trace, plane, kTraceSm)) {
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        trace[(static_cast<int64_t>(plane) * kTraceBlocks + blockIdx.x) * kTracePoints + kTraceSm] = sm + 1;
+        *cell = sm + 1;
     }
 }
 
