@@ -7,6 +7,7 @@ rows at large ones. Then a timeline of each call: where the host and the GPU are
 fresh dispatch: its wait for the counts, and the receive launch after it).
 
 Usage (on the GPU machine): python scripts/normal_profile.py [--ranks 1] [--tokens 512,4096] [--num-sms 24]
+                                 [--dtype bf16|fp8]   (fp8: x cast per token, 1x128 scales, as the bench)
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ sys.path.insert(0, ".")
 
 from profiling import MarkedLibrary, Marks, kernel_lines, last_call_lines, profile_calls, timeline_lines  # noqa: E402
 
-from epcomm import Buffer  # noqa: E402
+from epcomm import Buffer, per_token_cast_to_fp8  # noqa: E402
 from epcomm.backends.cuda.intranode import buffer_bytes_needed  # noqa: E402
 from epcomm.bench.workloads import make_rank_inputs  # noqa: E402
 from epcomm.utils.launch import LocalCluster  # noqa: E402
 
 
-def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, num_sms: int) -> str:
-    return "\n".join(_profile(n, hidden, num_experts, num_topk, num_sms) for n in tokens)
+def rank_profile(tokens: list[int], hidden: int, num_experts: int, num_topk: int, num_sms: int,
+                 dtype: str = "bf16") -> str:
+    return "\n".join(_profile(n, hidden, num_experts, num_topk, num_sms, dtype) for n in tokens)
 
 
-def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int) -> str:
+def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int, dtype: str) -> str:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     Buffer.set_num_sms(num_sms)
@@ -41,13 +43,17 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: int)
     buf = Buffer(dist.group.WORLD, num_bytes, backend="cuda")
     mine = make_rank_inputs(0, rank, n, hidden, num_experts, num_topk)
     x, idx, w = mine.x.to(dev), mine.topk_idx.to(dev), mine.topk_weights.to(dev)
+    if dtype == "fp8":
+        x = per_token_cast_to_fp8(x)  # (data, scales): the dispatch takes the pair
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    # The combine sends BF16 back whatever the dispatch carried.
+    combine_x = recv_x if dtype == "bf16" else torch.randn(recv_x[0].shape, dtype=torch.bfloat16, device=dev)
     calls = {"dispatch": lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w),
              "cached dispatch": lambda: buf.dispatch(x, handle=handle),
-             "combine": lambda: buf.combine(recv_x, handle)}
+             "combine": lambda: buf.combine(combine_x, handle)}
     lines = []
     for name, fn in calls.items():
         prof = profile_calls(fn, 20, warmup=5)
@@ -121,10 +127,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     parser.add_argument("--tokens", default="512,4096")
     parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     with LocalCluster(args.ranks) as cluster:
-        for text in cluster.run(rank_profile, tokens, 7168, 256, 8, args.num_sms):
+        for text in cluster.run(rank_profile, tokens, 7168, 256, 8, args.num_sms, args.dtype):
             print(text)
 
 

@@ -181,9 +181,10 @@ def test_readme_lists_every_environment_variable_with_its_default():
 def test_send_sms_split():
     """EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT: a percentage in (0, 100) or auto (the default), which
     splits a call's SMs by the bytes each role moves (send_share): at 2 ranks 2/3 of a fused
-    dispatch's SMs send, 1/3 of a split dispatch's, and 10 of a combine's 24 (its senders' NVLink
-    stores are slower than its reducers' sums); at one rank the side with nothing to move keeps one SM.
-    Above 2 ranks a fused dispatch's senders stop at the count that fills the links (send_blocks)."""
+    dispatch's SMs send, 1/3 of a split dispatch's (fewer for FP8 rows), and 10 of a combine's 24
+    (its senders' NVLink stores are slower than its reducers' sums); at one rank the side with
+    nothing to move keeps one SM. Above 2 ranks a fused dispatch's senders stop at the count that
+    fills the links (send_blocks)."""
     from epcomm.backends.cuda.intranode import send_blocks, send_share
 
     for name in ("EPCOMM_DISPATCH_SEND_SMS_PCT", "EPCOMM_COMBINE_SEND_SMS_PCT"):
@@ -201,6 +202,9 @@ def test_send_sms_split():
     assert [send_blocks("dispatch_fused", r, 24) for r in (1, 2, 4, 8)] == [23, 16, 11, 11]
     assert [send_blocks("dispatch_fused", 4, n) for n in (8, 16)] == [5, 9]
     assert [send_blocks("combine", r, 24) for r in (1, 2, 4)] == [1, 10, 12]
+    # An FP8 split dispatch gives its receivers more (their per-row work weighs more): 8 of 24 at 4 ranks.
+    assert [send_blocks("dispatch_split", 4, 24), send_blocks("dispatch_split_fp8", 4, 24)] == [10, 8]
+    assert [send_blocks("dispatch_split_fp8", r, 16) for r in (1, 2, 4, 8)] == [1, 4, 5, 6]
     assert send_blocks("dispatch_fused", 4, 24, pct=66.7) == 16  # a set share is not capped
     with pytest.raises(ValueError, match="unknown work"):
         send_share("gather", 2)

@@ -90,6 +90,15 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 # (the rule with equal rates) 295-308 us, 9 284-288, 10 276, 11 291.5; 10 of 24 is this ratio.
 _COMBINE_REDUCE_PER_SEND = 1.43
 
+# Time a receiving SM takes per byte of an FP8 row (data + scales) against a sending SM's, in a split
+# dispatch (sends launched before the host reads the counts): half a BF16 row's bytes, but the
+# per-row work (the token's index, top-k entries and scales) stays, and it weighs more on the copy
+# into recv_x than on the stores to a peer. 4 x H100, fresh FP8 dispatch, 2048-16384 tokens
+# (bench/results/2026-11-28_ep4-fp8-split-pct-*): at 24 SMs 8 senders (this ratio) 363 us at 4096
+# tokens, 1258 at 16384, against 10 (equal rates) 419 / 1381 and 6 421 / 1501; at 16 SMs 5 against 7
+# and 4: 494 / 1758 against 591 / 1996 and 592 / 2171. Measured at 4 ranks; 2 and 8 owed.
+_FP8_SPLIT_RECEIVE_PER_SEND = 1.5
+
 
 # Sending SMs past which a fused dispatch's senders gain nothing, at more than 2 ranks: their stores
 # to the peers are bound by the links, not by the SMs (4 x H100, 4 GPUs storing to each other:
@@ -121,6 +130,8 @@ def send_share(work: str, num_ranks: int) -> float:
         work            senders move                   receivers / reducers move   share (equal rates)
         dispatch_fused  1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
         dispatch_split  (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
+        dispatch_split_fp8  as dispatch_split, but a receiver's byte weighs
+                        _FP8_SPLIT_RECEIVE_PER_SEND against a sender's: 1/3 at 4 ranks (8 of 24 SMs)
         combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
 
     Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM for a row copy,
@@ -134,6 +145,9 @@ def send_share(work: str, num_ranks: int) -> float:
         return num_ranks / (2 * num_ranks - 1)
     if work == "dispatch_split":
         return (num_ranks - 1) / (2 * num_ranks - 1)
+    if work == "dispatch_split_fp8":
+        sent = (num_ranks - 1) / num_ranks
+        return sent / (sent + _FP8_SPLIT_RECEIVE_PER_SEND)
     if work == "combine":
         sent = (num_ranks - 1) / num_ranks * _COMBINE_REDUCE_PER_SEND
         return sent / (sent + 1)
@@ -471,7 +485,9 @@ class CudaIntranode:
         inputs of the last _set_dispatch_inputs, on `stream` (a cudaStream_t; default: the current one)."""
         call = self._dispatch_call
         call.mode, call.op = mode, op_code
-        call.num_send_blocks = self._send_blocks(num_sms, "dispatch_fused" if mode == 0 else "dispatch_split")
+        # Both halves of a split take the same count (the receive half's blocks are the rest).
+        work = "dispatch_fused" if mode == 0 else "dispatch_split_fp8" if call.num_scales else "dispatch_split"
+        call.num_send_blocks = self._send_blocks(num_sms, work)
         call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
         call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
         call.recv_topk_idx, call.recv_topk_weights = addr(recv_topk_idx), addr(recv_topk_weights)
