@@ -29,7 +29,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                             "count (README)"),
     "EPCOMM_SEND_TMA": ("0", "CUDA backend, normal mode inside a node: 1 = senders move rows with bulk copies "
                              "(TMA) through shared memory, several rows in flight per warp; 0 = register copies "
-                             "(faster as measured on 2 H200: see the README)"),
+                             "(faster as measured on 2 H200 and 4 H100: see the README)"),
     "EPCOMM_LL_TRANSPORT": ("auto", "CUDA low-latency mode: ipc (CUDA IPC, one host), nvshmem (NVSHMEM symmetric "
                                     "heap; NVLink peers still get direct stores) or auto (ipc on one host, else "
                                     "nvshmem)"),
