@@ -13,7 +13,8 @@
 #   tokens  the same at 24 SMs, 512-16384 tokens                                       #3 #8
 #   split   the SM split at 24 SMs: auto (the default), the fixed 50%/33% of before 2026-11-24,
 #           one sending SM more and fewer than auto (cached dispatch and combine), and two more and
-#           fewer for the combine (its sender/reducer rate ratio is from 2 ranks), and the combine
+#           fewer for the combine (its sender/reducer rate ratio is from 2 ranks), the FP8 fresh
+#           dispatch's share (from 4 ranks) against the BF16 one and one sender fewer, and the combine
 #           senders' words in flight (kCombineSendUnroll 4 or 8)                       #3 #8
 #   ll      low latency, 1-256 tokens: base (the defaults: partial sums from 64 tokens), the
 #           combine per expert and by partial sums at every token count, partial sums in two
@@ -105,6 +106,13 @@ import torch; c = s('combine', torch.cuda.device_count(), 24); \
 p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.1f}')")
     EPCOMM_COMBINE_SEND_SMS_PCT=$more2 bench split-combine-more2 --modes normal --num-sms 24 --dtype bf16 || status=1
     EPCOMM_COMBINE_SEND_SMS_PCT=$fewer2 bench split-combine-fewer2 --modes normal --num-sms 24 --dtype bf16 || status=1
+    # the FP8 fresh dispatch's share (_FP8_SPLIT_RECEIVE_PER_SEND, measured at 4 ranks): auto against the BF16
+    # share and one sender fewer than auto (the variable moves the cached dispatch too: read the fresh column)
+    read -r f8bf16 f8fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; \
+import torch; r = torch.cuda.device_count(); b, f = s('dispatch_split', r, 24), s('dispatch_split_fp8', r, 24); \
+print(f'{b / 24 * 100:.1f}', f'{max(1, f - 1) / 24 * 100:.1f}')")
+    EPCOMM_DISPATCH_SEND_SMS_PCT=$f8bf16 bench split-fp8-bf16-share --modes normal --num-sms 24 --dtype fp8 || status=1
+    EPCOMM_DISPATCH_SEND_SMS_PCT=$f8fewer bench split-fp8-fewer --modes normal --num-sms 24 --dtype fp8 || status=1
     # the combine senders' words in flight (kCombineSendUnroll 4 against 8), each at auto and two senders fewer
     # (more words in flight per sender may want fewer senders)
     OUT=$out VARIANT_TIMEOUT_S=120 bash scripts/variants.sh 'send4' \
