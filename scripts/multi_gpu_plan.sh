@@ -92,7 +92,7 @@ case $step in
     EPCOMM_DISPATCH_SEND_SMS_PCT=50 EPCOMM_COMBINE_SEND_SMS_PCT=33 bench split-fixed --modes normal --num-sms 24 \
       || status=1
     read -r more fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; \
-import torch; r = torch.cuda.device_count(); d, c = s('dispatch_fused', r, 24), s('combine', r, 24); \
+import torch; r = torch.cuda.device_count(); d, c = s('dispatch', r, 24), s('combine', r, 24); \
 p = lambda blocks, k: min(23, max(1, blocks + k)) / 24 * 100; \
 print(f'{p(d, 1):.1f},{p(c, 1):.1f}', f'{p(d, -1):.1f},{p(c, -1):.1f}')")
     EPCOMM_DISPATCH_SEND_SMS_PCT=${more%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${more#*,} bench split-more --modes normal \
@@ -106,10 +106,10 @@ import torch; c = s('combine', torch.cuda.device_count(), 24); \
 p = lambda k: min(23, max(1, c + k)) / 24 * 100; print(f'{p(2):.1f}', f'{p(-2):.1f}')")
     EPCOMM_COMBINE_SEND_SMS_PCT=$more2 bench split-combine-more2 --modes normal --num-sms 24 --dtype bf16 || status=1
     EPCOMM_COMBINE_SEND_SMS_PCT=$fewer2 bench split-combine-fewer2 --modes normal --num-sms 24 --dtype bf16 || status=1
-    # the FP8 fresh dispatch's share (_FP8_SPLIT_RECEIVE_PER_SEND, measured at 4 ranks): auto against the BF16
-    # share and one sender fewer than auto (the variable moves the cached dispatch too: read the fresh column)
+    # the FP8 dispatch's share (_FP8_RECEIVE_PER_SEND, measured at 4 ranks): auto against the BF16 share and
+    # one sender fewer than auto (fresh and cached dispatch take the same share: read both columns)
     read -r f8bf16 f8fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; \
-import torch; r = torch.cuda.device_count(); b, f = s('dispatch_split', r, 24), s('dispatch_split_fp8', r, 24); \
+import torch; r = torch.cuda.device_count(); b, f = s('dispatch', r, 24), s('dispatch_fp8', r, 24); \
 print(f'{b / 24 * 100:.1f}', f'{max(1, f - 1) / 24 * 100:.1f}')")
     EPCOMM_DISPATCH_SEND_SMS_PCT=$f8bf16 bench split-fp8-bf16-share --modes normal --num-sms 24 --dtype fp8 || status=1
     EPCOMM_DISPATCH_SEND_SMS_PCT=$f8fewer bench split-fp8-fewer --modes normal --num-sms 24 --dtype fp8 || status=1

@@ -180,11 +180,10 @@ def test_readme_lists_every_environment_variable_with_its_default():
 
 def test_send_sms_split():
     """EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT: a percentage in (0, 100) or auto (the default), which
-    splits a call's SMs by the bytes each role moves (send_share): at 2 ranks 2/3 of a fused
-    dispatch's SMs send, 1/3 of a split dispatch's (fewer for FP8 rows), and 10 of a combine's 24
-    (its senders' NVLink stores are slower than its reducers' sums); at one rank the side with
-    nothing to move keeps one SM. Above 2 ranks a fused dispatch's senders stop at the count that
-    fills the links (send_blocks)."""
+    splits a call's SMs by the bytes each role moves (send_share): at 2 ranks 1/3 of a dispatch's
+    SMs send (fewer for FP8 rows), 2/3 where the senders also write the rank's own rows (a fused
+    dispatch at 2 ranks), and 10 of a combine's 24 (its senders' NVLink stores are slower than its
+    reducers' sums); at one rank the side with nothing to move keeps one SM."""
     from epcomm.backends.cuda.intranode import send_blocks, send_share
 
     for name in ("EPCOMM_DISPATCH_SEND_SMS_PCT", "EPCOMM_COMBINE_SEND_SMS_PCT"):
@@ -194,18 +193,19 @@ def test_send_sms_split():
         for bad, message in (("half", "a percentage or auto"), ("100", r"must lie in \(0, 100\)")):
             with env_var(name, bad), pytest.raises(ValueError, match=message):
                 _env.send_sms_pct(name)
-    assert send_share("dispatch_fused", 2) == pytest.approx(2 / 3)
-    assert send_share("dispatch_split", 2) == pytest.approx(1 / 3)
+    assert send_share("dispatch", 2) == pytest.approx(1 / 3)
+    assert send_share("dispatch_own", 2) == pytest.approx(2 / 3) and send_share("dispatch_own", 1) == 1.0
+    assert [send_blocks("dispatch_own", r, 24) for r in (1, 2)] == [23, 16]
     assert round(24 * send_share("combine", 2)) == 10
-    assert [round(24 * send_share(w, 8)) for w in ("dispatch_fused", "dispatch_split", "combine")] == [13, 11, 13]
-    assert send_share("dispatch_fused", 1) == 1.0 and send_share("combine", 1) == 0.0
-    assert [send_blocks("dispatch_fused", r, 24) for r in (1, 2, 4, 8)] == [23, 16, 11, 11]
-    assert [send_blocks("dispatch_fused", 4, n) for n in (8, 16)] == [5, 9]
+    assert [round(24 * send_share(w, 8)) for w in ("dispatch", "combine")] == [11, 13]
+    assert send_share("dispatch", 1) == 0.0 and send_share("combine", 1) == 0.0
+    assert [send_blocks("dispatch", r, 24) for r in (1, 2, 4, 8)] == [1, 8, 10, 11]
     assert [send_blocks("combine", r, 24) for r in (1, 2, 4)] == [1, 10, 12]
-    # An FP8 split dispatch gives its receivers more (their per-row work weighs more): 8 of 24 at 4 ranks.
-    assert [send_blocks("dispatch_split", 4, 24), send_blocks("dispatch_split_fp8", 4, 24)] == [10, 8]
-    assert [send_blocks("dispatch_split_fp8", r, 16) for r in (1, 2, 4, 8)] == [1, 4, 5, 6]
-    assert send_blocks("dispatch_fused", 4, 24, pct=66.7) == 16  # a set share is not capped
+    # FP8 rows give the receivers more (their per-row work weighs more): 8 of 24 at 4 ranks.
+    assert send_blocks("dispatch_fp8", 4, 24) == 8
+    assert [send_blocks("dispatch_fp8", r, 16) for r in (1, 2, 4, 8)] == [1, 4, 5, 6]
+    assert send_blocks("dispatch", 4, 24, pct=66.7) == 16  # a set share
+    assert send_blocks("dispatch", 4, 24, pct=99) == 23  # every role keeps one SM
     with pytest.raises(ValueError, match="unknown work"):
         send_share("gather", 2)
 

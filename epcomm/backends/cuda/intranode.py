@@ -90,36 +90,22 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 # (the rule with equal rates) 295-308 us, 9 284-288, 10 276, 11 291.5; 10 of 24 is this ratio.
 _COMBINE_REDUCE_PER_SEND = 1.43
 
-# Time a receiving SM takes per byte of an FP8 row (data + scales) against a sending SM's, in a split
-# dispatch (sends launched before the host reads the counts): half a BF16 row's bytes, but the
-# per-row work (the token's index, top-k entries and scales) stays, and it weighs more on the copy
-# into recv_x than on the stores to a peer. 4 x H100, fresh FP8 dispatch, 2048-16384 tokens
-# (bench/results/2026-11-28_ep4-fp8-split-pct-*): at 24 SMs 8 senders (this ratio) 363 us at 4096
-# tokens, 1258 at 16384, against 10 (equal rates) 419 / 1381 and 6 421 / 1501; at 16 SMs 5 against 7
-# and 4: 494 / 1758 against 591 / 1996 and 592 / 2171. Measured at 4 ranks; 2 and 8 owed.
-_FP8_SPLIT_RECEIVE_PER_SEND = 1.5
-
-
-# Sending SMs past which a fused dispatch's senders gain nothing, at more than 2 ranks: their stores
-# to the peers are bound by the links, not by the SMs (4 x H100, 4 GPUs storing to each other:
-# 297 GB/s leave each GPU at 8 SMs, 313-330 at 16-32, scripts/nvlink_rate.cu,
-# bench/results/2026-11-27_ep4-nvlink-rate-*), so more senders only take SMs from the receivers. EP4,
-# 24 SMs, 4096 tokens, cached BF16 dispatch by senders: 9 629 us, 10 606, 11 598, 12 611, 14 637
-# (R/(2R-1)), 16 696 (`bench/results/2026-11-27_ep4-split-*`). At 2 ranks half the senders' bytes are
-# this rank's own rows (no link): 16 of 24 243 us, 12 281, 8 385, no cap. Measured at 4 ranks; 8 owed.
-_FUSED_DISPATCH_LINK_SENDERS = 11
+# Time a receiving SM takes per byte of an FP8 row (data + scales) against a sending SM's in
+# dispatch: half a BF16 row's bytes, but the per-row work (the token's index, top-k entries and
+# scales) stays, and it weighs more on the copy into recv_x than on the stores to a peer. 4 x H100,
+# fresh FP8 dispatch, 2048-16384 tokens (bench/results/2026-11-28_ep4-fp8-split-pct-*): at 24 SMs 8
+# senders (this ratio) 363 us at 4096 tokens, 1258 at 16384, against 10 (equal rates) 419 / 1381 and
+# 6 421 / 1501; at 16 SMs 5 against 7 and 4: 494 / 1758 against 591 / 1996 and 592 / 2171. The
+# cached dispatch (the fused kernel), at 8 senders since its receivers copy the own rows too:
+# 342 / 1212-1219 us against 351-355 / 1278-1292 at 11 (`-fused-local-by-receivers-*`). Measured at
+# 4 ranks; 2 and 8 owed.
+_FP8_RECEIVE_PER_SEND = 1.5
 
 
 def send_blocks(work: str, num_ranks: int, num_sms: int, pct: float | None = None) -> int:
     """The SMs of a call that send, at least one for each role: `pct` percent of num_sms when given
-    (EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT), else send_share's share, a fused dispatch's at most
-    _FUSED_DISPATCH_LINK_SENDERS at more than 2 ranks."""
-    if pct is not None:
-        blocks = round(num_sms * pct / 100)
-    else:
-        blocks = round(num_sms * send_share(work, num_ranks))
-        if work == "dispatch_fused" and num_ranks > 2:
-            blocks = min(blocks, _FUSED_DISPATCH_LINK_SENDERS)
+    (EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT), else send_share's share."""
+    blocks = round(num_sms * (pct / 100 if pct is not None else send_share(work, num_ranks)))
     return min(max(1, blocks), max(1, num_sms - 1))
 
 
@@ -128,26 +114,28 @@ def send_share(work: str, num_ranks: int) -> float:
     the same time. Per byte that a rank receives in dispatch (or sends back in combine), with R ranks:
 
         work            senders move                   receivers / reducers move   share (equal rates)
-        dispatch_fused  1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
-        dispatch_split  (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
-        dispatch_split_fp8  as dispatch_split, but a receiver's byte weighs
-                        _FP8_SPLIT_RECEIVE_PER_SEND against a sender's: 1/3 at 4 ranks (8 of 24 SMs)
+        dispatch        (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
+        dispatch_fp8    as dispatch, but a receiver's byte weighs
+                        _FP8_RECEIVE_PER_SEND against a sender's: 1/3 at 4 ranks (8 of 24 SMs)
+        dispatch_own    1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
         combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
 
-    Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM for a row copy,
-    scripts/copy_rate.cu; 2 x H200, 24 SMs: cached dispatch 234 us at 2/3 against 258 at 1/2). In
-    combine a sender's stores to a peer move slower than a reducer's local sums
-    (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs at 2 ranks
-    (8 with equal rates), 12 at 4, 13 at 8 (the rate at 4 and 8 ranks is owed: multi_gpu_plan.sh
-    STEP=split A/Bs one sender more and fewer). At one rank the senders of a combine or a split
-    dispatch have nothing to move, and those of a fused dispatch everything."""
-    if work == "dispatch_fused":
-        return num_ranks / (2 * num_ranks - 1)
-    if work == "dispatch_split":
+    A dispatch's receivers copy this rank's own rows from x (`dispatch`), but a fused kernel's
+    (cached, num_worst_tokens) at 1 or 2 ranks has its senders write them (`dispatch_own`; see
+    CudaIntranode._launch_dispatch). Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM
+    for a row copy, scripts/copy_rate.cu; 2 x H200, 24 SMs: dispatch_own 234 us at 2/3 against 258
+    at 1/2). In combine a sender's stores to a peer move slower than a reducer's
+    local sums (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs
+    at 2 ranks (8 with equal rates), 12 at 4, 13 at 8 (the rate at 4 and 8 ranks is owed:
+    multi_gpu_plan.sh STEP=split A/Bs one sender more and fewer). At one rank the side with nothing
+    to move keeps one SM."""
+    if work == "dispatch":
         return (num_ranks - 1) / (2 * num_ranks - 1)
-    if work == "dispatch_split_fp8":
+    if work == "dispatch_own":
+        return num_ranks / (2 * num_ranks - 1)
+    if work == "dispatch_fp8":
         sent = (num_ranks - 1) / num_ranks
-        return sent / (sent + _FP8_SPLIT_RECEIVE_PER_SEND)
+        return sent / (sent + _FP8_RECEIVE_PER_SEND)
     if work == "combine":
         sent = (num_ranks - 1) / num_ranks * _COMBINE_REDUCE_PER_SEND
         return sent / (sent + 1)
@@ -175,7 +163,7 @@ class DispatchCall(ctypes.Structure):
                                         "cap_rows"),
                 *fields(ctypes.c_int32, "num_tokens x_bytes num_scales num_topk has_topk has_weights experts_per_rank "
                                         "row_stride"),
-                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma")]
+                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma local_by_receiver pad0")]
 
 
 class CombineCall(ctypes.Structure):
@@ -485,8 +473,19 @@ class CudaIntranode:
         inputs of the last _set_dispatch_inputs, on `stream` (a cudaStream_t; default: the current one)."""
         call = self._dispatch_call
         call.mode, call.op = mode, op_code
+        # This rank's own rows (no link to cross) are copied from x by the receivers in a split's
+        # receive half, and in the fused kernel above 2 ranks: there the senders' stores are bound
+        # by the links, so every sender's store should cross one (EP4, 24 SMs, 4 x H100, cached
+        # dispatch in one call: BF16 4096 / 16384 tokens 571 / 2147 us against 577 / 2162 with the
+        # senders writing them, FP8 342 / 1216 against 353 / 1285). At 2 ranks, where half the rows
+        # are the rank's own and one link carries the other half, the fused kernel's senders write
+        # them (2 of 4 H100s, A/B in one call: BF16 239-240 / 856-858 us against 295-298 /
+        # 1028-1138, FP8 169 / 533-535 against 276-284 / 1004-1013;
+        # bench/results/2026-11-28_ep{4,2}-fused-local-by-receivers-*).
+        by_receivers = mode != 0 or self.num_ranks > 2
+        call.local_by_receiver = by_receivers
         # Both halves of a split take the same count (the receive half's blocks are the rest).
-        work = "dispatch_fused" if mode == 0 else "dispatch_split_fp8" if call.num_scales else "dispatch_split"
+        work = ("dispatch_fp8" if call.num_scales else "dispatch") if by_receivers else "dispatch_own"
         call.num_send_blocks = self._send_blocks(num_sms, work)
         call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
         call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)

@@ -504,7 +504,10 @@ struct DispatchArgs {
     float* recv_topk_weights;
     int num_out_rows;           // num_recv (host-synced) or num_worst_tokens
     int num_send_blocks;        // fused kernel: blocks [0, num_send_blocks) send, the rest receive
-    bool local_by_receiver;     // this rank's rows to itself: copied by the receivers straight from x
+    // This rank's rows to itself: copied by the receivers straight from x (a split's halves, and the
+    // fused kernel above 2 ranks), else written by the senders beside their stores to the peers (the
+    // host's choice: CudaIntranode._launch_dispatch says why).
+    bool local_by_receiver;
     int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
     int op;
     int* info;
@@ -1221,6 +1224,7 @@ struct DispatchCall {
     int64_t scale_stride_t, scale_stride_c, recv_scale_stride_t, recv_scale_stride_c, cap_rows;
     int32_t num_tokens, x_bytes, num_scales, num_topk, has_topk, has_weights, experts_per_rank, row_stride;
     int32_t num_out_rows, num_sms, num_send_blocks, mode, op, use_tma;
+    int32_t local_by_receiver, pad0;  // the fused kernel's (mode 0): see DispatchArgs
 };
 
 struct CombineCall {
@@ -1259,7 +1263,8 @@ constexpr auto fields_of<DispatchCall>() {
                       EPCOMM_FIELD(x_bytes), EPCOMM_FIELD(num_scales), EPCOMM_FIELD(num_topk),
                       EPCOMM_FIELD(has_topk), EPCOMM_FIELD(has_weights), EPCOMM_FIELD(experts_per_rank),
                       EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_out_rows), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op), EPCOMM_FIELD(use_tma)};
+                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op), EPCOMM_FIELD(use_tma),
+                      EPCOMM_FIELD(local_by_receiver), EPCOMM_FIELD(pad0)};
 }
 template <>
 constexpr auto fields_of<CombineCall>() {
@@ -1456,7 +1461,7 @@ int epcomm_dispatch(const DispatchCall* call, cudaStream_t stream) {
     cudaError_t err = cudaSuccess;
     if (c.mode == 0) {
         static int64_t allowed = 48 * 1024;
-        a.local_by_receiver = false;
+        a.local_by_receiver = c.local_by_receiver != 0;
         err = allow_smem(dispatch_kernel<true, true>, smem, allowed);
         if (err == cudaSuccess) dispatch_kernel<true, true><<<blocks, 512, smem, stream>>>(a);
     } else if (c.mode == 1) {
