@@ -4,11 +4,25 @@
 //   push      a warp per token loads its row once and stores it into every peer's buffer (the
 //             intranode dispatch's senders), optionally releasing a per-row flag after it (sys scope)
 //   push-dst  a warp per (token, peer): the row is loaded once per peer, each warp stores to one GPU
+//   push-tma  as push, by bulk copies through shared memory (tma.cuh's row pipeline, 3 warps a block)
 //   pull      a warp per row reads it from the peer's buffer into local memory (a receiver-pulls design)
-// at 8-32 SMs per GPU, slot strides 16-byte (the kernels' rows today) or 128-byte aligned.
-// cudaMemcpyPeerAsync to every peer at once is the copy engines' figure for the same bytes.
+// at 8-132 SMs per GPU, slot strides 16-byte (the kernels' rows today) or 128-byte aligned.
+// cudaMemcpyPeerAsync to every peer at once is the copy engines' figure for the same bytes; with
+// `ce` as the argument only the copy engines run, in more ways (why: SMs store 128-byte payloads over
+// NVLink, copy engines 256-byte ones, so their ceiling is higher if they can keep every link busy):
+//   ce-one-way     GPU 0 to GPU 1 alone (the BENCHMARK.md ceiling's setting)
+//   ce-pair        GPU 0 and GPU 1 to each other at once
+//   ce-push        every GPU to every peer, the copies issued by the source, a stream per peer
+//   ce-pull        the same bytes, the copies issued by the destination (it reads from the peers)
+//   ce-push-chunk  the push with each peer's rows cut in chunks of `chunk` bytes, issued round-robin
+//                  over the peers on a stream per peer (the shape a pipelined dispatch would issue)
+//   ce-push-serial the push with all of a GPU's copies on one stream, one peer after the other
+//   ce-rounds      every GPU to g+1, g+2, ... (mod n) in turn on one stream: each round a permutation
+//   ce-rounds-pull the rounds issued by the destinations; -chunk: each peer's rows in chunks, in rounds
+//   ce-rounds+local-copy  the rounds beside 24 SMs copying (n-1) x T rows inside the GPU
+//   sm+ce          half of every peer's rows pushed by 24 SMs, the other half by the copy engines
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/nvlink_rate scripts/nvlink_rate.cu && /tmp/nvlink_rate
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/nvlink_rate scripts/nvlink_rate.cu && /tmp/nvlink_rate [ce]
 // One JSON object a line: per GPU bytes leaving it (push) or entering it (pull) over NVLink per
 // second, the slowest GPU's median time of 10 launches.
 #include <cuda_runtime.h>
@@ -16,9 +30,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "../epcomm/include/epcomm/common.cuh"
+#include "../epcomm/include/epcomm/tma.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;
@@ -72,6 +88,53 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Peers pe
     }
 }
 
+// The first half of GPU me's tokens into every peer at slot (me, t), stride kRowBytes (sm+ce).
+__global__ void __launch_bounds__(kThreads, 1) push_half(const uint8_t* src, Peers peers, int me, int num_gpus) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
+    const int num_warps = gridDim.x * (kThreads / kWarpSize);
+    for (int t = warp; t < kTokens / 2; t += num_warps) {
+        int4* dst[kMaxGpus];
+        int n = 0;
+        for (int d = 0; d < num_gpus; ++d)
+            if (d != me)
+                dst[n++] = reinterpret_cast<int4*>(peers.p[d] + (static_cast<int64_t>(me) * kTokens + t) * kRowBytes);
+        copy_row(dst, n, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
+    }
+}
+
+// `rows` rows from `src` (row r mod T) into `out`, inside the GPU (ce-rounds+local-copy).
+__global__ void __launch_bounds__(kThreads, 1) local_copy(const uint8_t* src, uint8_t* out, int rows) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
+    const int num_warps = gridDim.x * (kThreads / kWarpSize);
+    for (int r = warp; r < rows; r += num_warps) {
+        int4* dst[1] = {reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * kRowBytes)};
+        copy_row(dst, 1, reinterpret_cast<const int4*>(src + static_cast<int64_t>(r % kTokens) * kRowBytes), lane);
+    }
+}
+
+// push-tma: as push, each row moved by bulk copies (global -> shared -> every peer) through a ring
+// per warp (tma.cuh's warp_row_pipeline, no flags), kTmaWarps warps a block: a bulk store keeps a
+// whole row in flight with one instruction, where register copies keep a few KB a warp.
+using TmaRing = RowRing<4, 8>;
+constexpr int kTmaWarps = 3;
+__global__ void __launch_bounds__(kTmaWarps * kWarpSize, 1) push_tma(const uint8_t* src, Peers peers, int me,
+                                                                     int num_gpus, int stride) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int w = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const TmaRing ring = TmaRing::carve(smem, w, kTmaWarps, kRowBytes);
+    warp_row_pipeline(
+        ring, kTokens, blockIdx.x * kTmaWarps + w, gridDim.x * kTmaWarps, kRowBytes, 0,
+        [&](int t) -> const void* { return src + static_cast<int64_t>(t) * kRowBytes; },
+        [&](int t, const uint8_t* stage, int64_t** flags) {
+            if (lane == 0)
+                for (int d = 0; d < num_gpus; ++d)
+                    if (d != me) bulk_store(peers.p[d] + (static_cast<int64_t>(me) * kTokens + t) * stride, stage, kRowBytes);
+            if (lane < kMaxRanks) flags[lane] = nullptr;
+        });
+}
+
 // A warp per (token, peer), peers interleaved. kPull false (push-dst): the warp loads the token's
 // row and stores it into that peer's buffer (one GPU per warp); true (pull): GPU `me` reads the
 // row the peer holds for it (slot (me, t) of the peer's buffer) into its output.
@@ -91,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) one_peer_per_warp(const uint8_t* 
     }
 }
 
-int main() {
+int main(int argc, char** argv) {
+    const bool ce_only = argc > 1 && std::string(argv[1]) == "ce";
     int num_gpus = 0;
     CHECK(cudaGetDeviceCount(&num_gpus));
     num_gpus = std::min(num_gpus, kMaxGpus);
@@ -160,13 +224,132 @@ int main() {
         std::fflush(stdout);
     };
     // The copy engines: every GPU copies its rows to every peer at once, a stream per peer.
-    {
-        std::vector<cudaEvent_t> fork(num_gpus * kMaxGpus);
-        for (int g = 0; g < num_gpus; ++g) {
-            CHECK(cudaSetDevice(g));
-            for (int s = 0; s < kMaxGpus; ++s)
-                CHECK(cudaEventCreateWithFlags(&fork[g * kMaxGpus + s], cudaEventDisableTiming));
+    std::vector<cudaEvent_t> fork(num_gpus * kMaxGpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        for (int s = 0; s < kMaxGpus; ++s) CHECK(cudaEventCreateWithFlags(&fork[g * kMaxGpus + s], cudaEventDisableTiming));
+    }
+    const int64_t peer_bytes = static_cast<int64_t>(kTokens) * kRowBytes;
+    // Rows of GPU g for peer d land at slot g of d's buffer (the push's layout, stride kRowBytes).
+    auto slot_of = [&](int g, int d) { return buf[d] + static_cast<int64_t>(g) * peer_bytes; };
+    // Fork GPU g's main stream to its per-peer streams, `issue(d, stream)` for each peer, join back.
+    auto fan_out = [&](int g, auto issue) {
+        cudaStream_t main_stream = streams[g * kMaxGpus];
+        CHECK(cudaEventRecord(fork[g * kMaxGpus], main_stream));
+        int k = 0;
+        for (int d = 0; d < num_gpus; ++d) {
+            if (d == g) continue;
+            cudaStream_t s = streams[g * kMaxGpus + 1 + k];
+            CHECK(cudaStreamWaitEvent(s, fork[g * kMaxGpus], 0));
+            issue(d, s);
+            CHECK(cudaEventRecord(fork[g * kMaxGpus + 1 + k], s));
+            ++k;
         }
+        for (int j = 1; j <= k; ++j) CHECK(cudaStreamWaitEvent(main_stream, fork[g * kMaxGpus + j], 0));
+    };
+    if (ce_only) {
+        int engines = 0;
+        CHECK(cudaDeviceGetAttribute(&engines, cudaDevAttrAsyncEngineCount, 0));
+        std::printf("{\"async_engine_count\": %d}\n", engines);
+        auto report_bytes = [&](const char* method, int64_t chunk, int64_t b, double us) {
+            std::printf("{\"method\": \"%s\", \"gpus\": %d, \"chunk\": %lld, \"bytes_per_gpu\": %lld, \"us\": %.1f, "
+                        "\"gbps\": %.1f}\n",
+                        method, num_gpus, static_cast<long long>(chunk), static_cast<long long>(b), us, b / us / 1e3);
+            std::fflush(stdout);
+        };
+        // One way and both ways between GPUs 0 and 1 (run_all launches nothing on the others).
+        report_bytes("ce-one-way", 0, peer_bytes, run_all([&](int g) {
+                         if (g == 0)
+                             CHECK(cudaMemcpyAsync(slot_of(0, 1), src[0], peer_bytes, cudaMemcpyDefault,
+                                                   streams[0]));
+                     }));
+        report_bytes("ce-pair", 0, peer_bytes, run_all([&](int g) {
+                         if (g < 2)
+                             CHECK(cudaMemcpyAsync(slot_of(g, 1 - g), src[g], peer_bytes, cudaMemcpyDefault,
+                                                   streams[g * kMaxGpus]));
+                     }));
+        const int64_t all_bytes = peer_bytes * (num_gpus - 1);
+        report_bytes("ce-push", 0, all_bytes, run_all([&](int g) {
+                         fan_out(g, [&](int d, cudaStream_t s) {
+                             CHECK(cudaMemcpyAsync(slot_of(g, d), src[g], peer_bytes, cudaMemcpyDefault, s));
+                         });
+                     }));
+        report_bytes("ce-pull", 0, all_bytes, run_all([&](int d) {  // d reads peer g's rows for it
+                         fan_out(d, [&](int g, cudaStream_t s) {
+                             CHECK(cudaMemcpyAsync(slot_of(g, d), src[g], peer_bytes, cudaMemcpyDefault, s));
+                         });
+                     }));
+        report_bytes("ce-push-serial", 0, all_bytes, run_all([&](int g) {
+                         for (int d = 0; d < num_gpus; ++d)
+                             if (d != g)
+                                 CHECK(cudaMemcpyAsync(slot_of(g, d), src[g], peer_bytes, cudaMemcpyDefault,
+                                                       streams[g * kMaxGpus]));
+                     }));
+        for (int64_t chunk : {int64_t{256} << 10, int64_t{1} << 20, int64_t{4} << 20}) {
+            report_bytes("ce-push-chunk", chunk, all_bytes, run_all([&](int g) {
+                             fan_out(g, [&](int d, cudaStream_t s) {
+                                 for (int64_t off = 0; off < peer_bytes; off += chunk)
+                                     CHECK(cudaMemcpyAsync(slot_of(g, d) + off, src[g] + off,
+                                                           std::min(chunk, peer_bytes - off), cudaMemcpyDefault, s));
+                             });
+                         }));
+        }
+        // Rounds: GPU g copies to g+1, then g+2, ... (mod n) on one stream, so while the GPUs keep
+        // pace every round is a permutation (each GPU sends to one peer and receives from one).
+        report_bytes("ce-rounds", 0, all_bytes, run_all([&](int g) {
+                         for (int k = 1; k < num_gpus; ++k) {
+                             const int d = (g + k) % num_gpus;
+                             CHECK(cudaMemcpyAsync(slot_of(g, d), src[g], peer_bytes, cudaMemcpyDefault,
+                                                   streams[g * kMaxGpus]));
+                         }
+                     }));
+        report_bytes("ce-rounds-pull", 0, all_bytes, run_all([&](int d) {  // d reads from d-1, d-2, ...
+                         for (int k = 1; k < num_gpus; ++k) {
+                             const int g = (d + num_gpus - k) % num_gpus;
+                             CHECK(cudaMemcpyAsync(slot_of(g, d), src[g], peer_bytes, cudaMemcpyDefault,
+                                                   streams[d * kMaxGpus]));
+                         }
+                     }));
+        for (int64_t chunk : {int64_t{1} << 20, int64_t{4} << 20, int64_t{16} << 20}) {
+            report_bytes("ce-rounds-chunk", chunk, all_bytes, run_all([&](int g) {
+                             for (int64_t off = 0; off < peer_bytes; off += chunk)
+                                 for (int k = 1; k < num_gpus; ++k) {
+                                     const int d = (g + k) % num_gpus;
+                                     CHECK(cudaMemcpyAsync(slot_of(g, d) + off, src[g] + off,
+                                                           std::min(chunk, peer_bytes - off), cudaMemcpyDefault,
+                                                           streams[g * kMaxGpus]));
+                                 }
+                         }));
+        }
+        // The rounds while 24 SMs copy (n-1) x T rows inside the GPU on another stream (a dispatch's
+        // packing or a combine's reduction beside the copy engines): does either slow the other?
+        report_bytes("ce-rounds+local-copy", 0, all_bytes, run_all([&](int g) {
+                         fan_out(g, [&](int d, cudaStream_t s) {
+                             if (d != (g + 1) % num_gpus) return;
+                             for (int k = 1; k < num_gpus; ++k)
+                                 CHECK(cudaMemcpyAsync(slot_of(g, (g + k) % num_gpus), src[g], peer_bytes,
+                                                       cudaMemcpyDefault, s));
+                         });
+                         local_copy<<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], out[g], (num_gpus - 1) * kTokens);
+                     }));
+        report_bytes("local-copy-alone", 0, all_bytes, run_all([&](int g) {
+                         local_copy<<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], out[g], (num_gpus - 1) * kTokens);
+                     }));
+        // Half of each peer's rows by 24 SMs (tokens [0, T/2): push's rows), half by the copy engines.
+        const int64_t half = peer_bytes / 2;
+        report_bytes("sm+ce", 0, all_bytes, run_all([&](int g) {
+                         fan_out(g, [&](int d, cudaStream_t s) {
+                             CHECK(cudaMemcpyAsync(slot_of(g, d) + half, src[g] + half, peer_bytes - half,
+                                                   cudaMemcpyDefault, s));
+                         });
+                         push_half<<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus);
+                     }));
+        report_bytes("sm-half-alone", 0, all_bytes / 2, run_all([&](int g) {
+                         push_half<<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus);
+                     }));
+        return 0;
+    }
+    {
         const double us = run_all([&](int g) {  // fork to a stream per peer and join back, inside the events
             cudaStream_t main_stream = streams[g * kMaxGpus];
             CHECK(cudaEventRecord(fork[g * kMaxGpus], main_stream));
@@ -184,8 +367,13 @@ int main() {
         });
         report("memcpy-peer", 0, kRowBytes, us);
     }
+    const int64_t tma_smem = TmaRing::smem_bytes(kTmaWarps, kRowBytes);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaFuncSetAttribute(push_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(tma_smem)));
+    }
     const int strides[] = {kRowBytes + 96 + 16, kRowBytes + 128};  // 14448 (16-aligned, today's BF16 slot), 14464
-    for (int sms : {8, 16, 24, 32}) {
+    for (int sms : {8, 16, 24, 32, 64, 132}) {
         for (int stride : strides) {
             int64_t flag = 1;
             report("push", sms, stride, run_all([&](int g) {
@@ -198,6 +386,10 @@ int main() {
             report("push-dst", sms, stride, run_all([&](int g) {
                        one_peer_per_warp<false><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, out[g], g,
                                                                                             num_gpus, stride);
+                   }));
+            report("push-tma", sms, stride, run_all([&](int g) {
+                       push_tma<<<sms, kTmaWarps * kWarpSize, tma_smem, streams[g * kMaxGpus]>>>(src[g], peers, g,
+                                                                                                 num_gpus, stride);
                    }));
             report("pull", sms, stride, run_all([&](int g) {
                        one_peer_per_warp<true><<<sms, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, out[g], g,
