@@ -126,9 +126,11 @@ def send_share(work: str, num_ranks: int) -> float:
     for a row copy, scripts/copy_rate.cu; 2 x H200, 24 SMs: dispatch_own 234 us at 2/3 against 258
     at 1/2). In combine a sender's stores to a peer move slower than a reducer's
     local sums (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs
-    at 2 ranks (8 with equal rates), 12 at 4, 13 at 8 (the rate at 4 and 8 ranks is owed:
-    multi_gpu_plan.sh STEP=split A/Bs one sender more and fewer). At one rank the side with nothing
-    to move keeps one SM."""
+    at 2 ranks (8 with equal rates), 12 at 4, 13 at 8. At 4 ranks the sweep agrees (4 x H100, BF16,
+    4096 tokens, combine us at 9-15 senders: 691, 637, 608, 612, 631, 658, 703; 16384 tokens at
+    11-14: 2292, 2285, 2339, 2426; multi_gpu_plan.sh STEP=combineshare,
+    bench/results/2026-11-28_ep4-combine-senders-*); the 8-rank rate is owed. At one rank the side
+    with nothing to move keeps one SM."""
     if work == "dispatch":
         return (num_ranks - 1) / (2 * num_ranks - 1)
     if work == "dispatch_own":
