@@ -97,9 +97,13 @@ _COMBINE_REDUCE_PER_SEND = 1.43
 # senders (this ratio) 363 us at 4096 tokens, 1258 at 16384, against 10 (equal rates) 419 / 1381 and
 # 6 421 / 1501; at 16 SMs 5 against 7 and 4: 494 / 1758 against 591 / 1996 and 592 / 2171. The
 # cached dispatch (the fused kernel), at 8 senders since its receivers copy the own rows too:
-# 342 / 1212-1219 us against 351-355 / 1278-1292 at 11 (`-fused-local-by-receivers-*`). Measured at
-# 4 ranks; 2 and 8 owed.
+# 342 / 1212-1219 us against 351-355 / 1278-1292 at 11 (`-fused-local-by-receivers-*`).
+# At 2 ranks the rates are equal, as for BF16: fresh FP8 dispatch, 24 SMs, 4096 tokens, 2 of 4 x H100
+# (bench/results/2026-11-28_ep2-fp8-senders-*): 4 / 5 / 6 (this ratio) / 7 / 8 (equal rates) / 10
+# senders 408 / 337 / 289 / 248 / 228 / 246 us. Measured at 2 and 4 ranks; 3 and 5-8 take the 4-rank
+# ratio (8 owed).
 _FP8_RECEIVE_PER_SEND = 1.5
+_FP8_RECEIVE_PER_SEND_TWO_RANKS = 1.0
 
 
 def send_blocks(work: str, num_ranks: int, num_sms: int, pct: float | None = None) -> int:
@@ -116,7 +120,8 @@ def send_share(work: str, num_ranks: int) -> float:
         work            senders move                   receivers / reducers move   share (equal rates)
         dispatch        (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
         dispatch_fp8    as dispatch, but a receiver's byte weighs
-                        _FP8_RECEIVE_PER_SEND against a sender's: 1/3 at 4 ranks (8 of 24 SMs)
+                        _FP8_RECEIVE_PER_SEND against a sender's from 3 ranks: 1/3 at 4
+                        ranks (8 of 24 SMs); at 2 ranks as dispatch (1/3 too)
         dispatch_own    1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
         combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
 
@@ -137,7 +142,8 @@ def send_share(work: str, num_ranks: int) -> float:
         return num_ranks / (2 * num_ranks - 1)
     if work == "dispatch_fp8":
         sent = (num_ranks - 1) / num_ranks
-        return sent / (sent + _FP8_RECEIVE_PER_SEND)
+        weight = _FP8_RECEIVE_PER_SEND_TWO_RANKS if num_ranks <= 2 else _FP8_RECEIVE_PER_SEND
+        return sent / (sent + weight)
     if work == "combine":
         sent = (num_ranks - 1) / num_ranks * _COMBINE_REDUCE_PER_SEND
         return sent / (sent + 1)
