@@ -3,7 +3,7 @@
 # early EP2 runs was made on one GPU), as steps that each fit one device call (600 s). Run them in
 # order; each packs its logs and JSON into $OUT/STEP.tgz (the device tool returns 8 files at most)
 # and prints the tables.
-# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|combineshare|fp8share|probe|flags|profile|ll|llab|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
+# Usage (on the device machine): STEP=tests|tests2|tests4|normal|tokens|split|combineshare|fp8share|dispatchshare|probe|flags|profile|ll|llab|llpartials|llbase|hier bash scripts/multi_gpu_plan.sh <local sha>
 #   tests   the GPU tests at the machine's real rank counts (CUDA IPC and NVSHMEM across GPUs:
 #           cross-GPU memory ordering, which ranks sharing one GPU cannot show): intranode, low
 #           latency, reliability                                                       #3 #4 #8
@@ -26,7 +26,7 @@
 #   combineshare  the combine's senders swept at 24 SMs, BF16: auto -3 .. +3 at 4096 tokens,
 #           auto -1 .. +2 at 16384 (the sender/reducer rate of _COMBINE_REDUCE_PER_SEND is from 2 ranks)  #3 #8
 #   fp8share  the fresh FP8 dispatch's senders swept at 24 SMs, 4096 tokens: auto -2 .. +4 (its rate is
-#           from 4 ranks)                                                               #3 #8
+#           from 4 ranks); dispatchshare the same for SHARE_DTYPE (bf16) at SHARE_SMS (16) #3 #8
 #   probe   where a normal-mode call's time goes at this rank count: NVLink rates by SMs (scripts/nvlink_rate.cu:
 #           push / push with a flag per row / push a peer per warp / pull, 16- and 128-byte-aligned slots,
 #           cudaMemcpyPeer beside) and the kernels' times (scripts/normal_profile.py) (the slot
@@ -48,7 +48,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 sha=${1:?usage: STEP=... bash scripts/multi_gpu_plan.sh <local commit sha> (the git of the device copy is stale)}
-step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, combineshare, fp8share, probe, flags, profile, ll, llab, llpartials, llbase or hier}
+step=${STEP:?set STEP to tests, tests2, tests4, normal, tokens, split, combineshare, fp8share, dispatchshare, probe, flags, profile, ll, llab, llpartials, llbase or hier}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 out=$(mktemp -d)/$step
 mkdir -p "$out"
@@ -108,15 +108,19 @@ print(s('combine', torch.cuda.device_count(), 24))")
         bench "combine-senders-$n-16384" --modes normal --num-sms 24 --dtype bf16 --tokens 16384 || status=1
     done
     ;;
-  fp8share)
-    # the fresh FP8 dispatch's senders (_FP8_SPLIT_RECEIVE_PER_SEND, measured at 4 ranks) at 24 SMs, 4096
-    # tokens: auto -2 .. +4 (the variable moves the fused (cached) dispatch's senders too: read the fresh column)
+  fp8share | dispatchshare)
+    # the fresh dispatch's senders: fp8share the FP8 rows' at 24 SMs (_FP8_RECEIVE_PER_SEND, measured at
+    # 4 ranks), dispatchshare those of SHARE_DTYPE (bf16) rows at SHARE_SMS (16); 4096 tokens, auto plus
+    # the offsets of SHARE_STEPS (the variable moves the fused (cached) dispatch's senders too: read the
+    # fresh column)
+    if [ "$step" = fp8share ]; then dtype=fp8 sms=24; else dtype=${SHARE_DTYPE:-bf16} sms=${SHARE_SMS:-16}; fi
+    work=$([ "$dtype" = fp8 ] && echo dispatch_fp8 || echo dispatch)
     auto=$(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; import torch; \
-print(s('dispatch_fp8', torch.cuda.device_count(), 24))")
-    for k in -2 -1 0 1 2 4; do
+print(s('$work', torch.cuda.device_count(), $sms))")
+    for k in ${SHARE_STEPS:--2 -1 0 1 2 4}; do
       n=$((auto + k))
-      EPCOMM_DISPATCH_SEND_SMS_PCT=$(python3 -c "print(f'{$n / 24 * 100:.2f}')") \
-        bench "fp8-senders-$n" --modes normal --num-sms 24 --dtype fp8 || status=1
+      EPCOMM_DISPATCH_SEND_SMS_PCT=$(python3 -c "print(f'{$n / $sms * 100:.2f}')") \
+        bench "$dtype-$sms-sms-senders-$n" --modes normal --num-sms "$sms" --dtype "$dtype" || status=1
     done
     ;;
   split)
@@ -229,7 +233,7 @@ print(f'{b / 24 * 100:.1f}', f'{max(1, f - 1) / 24 * 100:.1f}')")
     done
     ;;
   *)
-    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, combineshare, fp8share, probe, flags, profile, ll, llab, llpartials, llbase, hier)"
+    echo "multi_gpu_plan: unknown step $step (tests, tests2, tests4, normal, tokens, split, combineshare, fp8share, dispatchshare, probe, flags, profile, ll, llab, llpartials, llbase, hier)"
     exit 2
     ;;
 esac
