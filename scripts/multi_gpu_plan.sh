@@ -117,10 +117,11 @@ print(s('combine', torch.cuda.device_count(), 24))")
     work=$([ "$dtype" = fp8 ] && echo dispatch_fp8 || echo dispatch)
     auto=$(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; import torch; \
 print(s('$work', torch.cuda.device_count(), $sms))")
-    for k in ${SHARE_STEPS:--2 -1 0 1 2 4}; do
-      n=$((auto + k))
+    i=0
+    for k in ${SHARE_STEPS:--2 -1 0 1 2 4}; do  # (an offset given twice runs twice: rounds in turn)
+      n=$((auto + k)) i=$((i + 1))
       EPCOMM_DISPATCH_SEND_SMS_PCT=$(python3 -c "print(f'{$n / $sms * 100:.2f}')") \
-        bench "$dtype-$sms-sms-senders-$n" --modes normal --num-sms "$sms" --dtype "$dtype" || status=1
+        bench "$dtype-$sms-sms-senders-$n-run$i" --modes normal --num-sms "$sms" --dtype "$dtype" || status=1
     done
     ;;
   split)
