@@ -206,6 +206,9 @@ def test_send_sms_split():
     assert send_blocks("dispatch_fp8", 4, 24) == 8
     assert send_blocks("dispatch_fp8", 2, 24) == send_blocks("dispatch", 2, 24) == 8
     assert [send_blocks("dispatch_fp8", r, 16) for r in (1, 2, 4, 8)] == [1, 5, 5, 6]
+    # A dispatch that reads its counts (send and receive kernels): the shares measured at 2 and 4 ranks.
+    assert [send_blocks("dispatch_split", r, n) for r in (2, 4) for n in (16, 24)] == [6, 9, 6, 10]
+    assert send_blocks("dispatch_split", 8, 24) == send_blocks("dispatch", 8, 24)
     assert send_blocks("dispatch", 4, 24, pct=66.7) == 16  # a set share
     assert send_blocks("dispatch", 4, 24, pct=99) == 23  # every role keeps one SM
     with pytest.raises(ValueError, match="unknown work"):

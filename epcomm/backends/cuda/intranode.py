@@ -105,6 +105,17 @@ _COMBINE_REDUCE_PER_SEND = 1.43
 _FP8_RECEIVE_PER_SEND = 1.5
 _FP8_RECEIVE_PER_SEND_TWO_RANKS = 1.0
 
+# The senders' share of a BF16 dispatch that reads its counts on the host (its send kernel runs
+# alone until the host has read them and launched the receive kernel), where measured: the
+# bytes' rule (R-1)/(2R-1) gives 1/3 at 2 ranks and 3/7 at 4, but 4 x H100, 4096 tokens, fresh BF16
+# dispatch (bench/results/2026-11-28_ep{2,4}-bf16-*-sms-senders-*): EP2 16 SMs 5 / 6 / 7 senders
+# 445-451 / 394-414 / 428 us, 24 SMs 7 / 8 / 9 / 10 342 / 307 / 291 / 319; EP4 16 SMs 5 / 6 / 7 / 8
+# 787 / 673-698 / 727-750 / 825, and at 24 SMs 10 (562 us) against 9 (575) and 11 (591) (ninth
+# session). 3/8 and 2/5 pick 6 of 16 and 9 of 24 at 2 ranks, 6 of 16 and 10 of 24 at 4. The fused
+# kernel (cached, num_worst_tokens) keeps the bytes' rule: at EP4 16 SMs its 7 senders gave 604 us
+# against 650 at 6.
+_SPLIT_DISPATCH_SHARE = {2: 3 / 8, 4: 2 / 5}
+
 
 def send_blocks(work: str, num_ranks: int, num_sms: int, pct: float | None = None) -> int:
     """The SMs of a call that send, at least one for each role: `pct` percent of num_sms when given
@@ -122,6 +133,9 @@ def send_share(work: str, num_ranks: int) -> float:
         dispatch_fp8    as dispatch, but a receiver's byte weighs
                         _FP8_RECEIVE_PER_SEND against a sender's from 3 ranks: 1/3 at 4
                         ranks (8 of 24 SMs); at 2 ranks as dispatch (1/3 too)
+        dispatch_split  BF16 rows of a dispatch that reads its counts on the host (send and
+                        receive kernels): the measured _SPLIT_DISPATCH_SHARE at 2 and 4 ranks
+                        (3/8, 2/5), else as dispatch
         dispatch_own    1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
         combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
 
@@ -140,6 +154,8 @@ def send_share(work: str, num_ranks: int) -> float:
         return (num_ranks - 1) / (2 * num_ranks - 1)
     if work == "dispatch_own":
         return num_ranks / (2 * num_ranks - 1)
+    if work == "dispatch_split":
+        return _SPLIT_DISPATCH_SHARE.get(num_ranks, (num_ranks - 1) / (2 * num_ranks - 1))
     if work == "dispatch_fp8":
         sent = (num_ranks - 1) / num_ranks
         weight = _FP8_RECEIVE_PER_SEND_TWO_RANKS if num_ranks <= 2 else _FP8_RECEIVE_PER_SEND
@@ -493,7 +509,12 @@ class CudaIntranode:
         by_receivers = mode != 0 or self.num_ranks > 2
         call.local_by_receiver = by_receivers
         # Both halves of a split take the same count (the receive half's blocks are the rest).
-        work = ("dispatch_fp8" if call.num_scales else "dispatch") if by_receivers else "dispatch_own"
+        if not by_receivers:
+            work = "dispatch_own"
+        elif call.num_scales:
+            work = "dispatch_fp8"
+        else:
+            work = "dispatch_split" if mode != 0 else "dispatch"
         call.num_send_blocks = self._send_blocks(num_sms, work)
         call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
         call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
