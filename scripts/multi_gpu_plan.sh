@@ -114,7 +114,7 @@ print(s('combine', torch.cuda.device_count(), 24))")
     # the offsets of SHARE_STEPS (the variable moves the fused (cached) dispatch's senders too: read the
     # fresh column)
     if [ "$step" = fp8share ]; then dtype=fp8 sms=24; else dtype=${SHARE_DTYPE:-bf16} sms=${SHARE_SMS:-16}; fi
-    work=$([ "$dtype" = fp8 ] && echo dispatch_fp8 || echo dispatch)
+    work=$([ "$dtype" = fp8 ] && echo dispatch_fp8 || echo dispatch_split)
     auto=$(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; import torch; \
 print(s('$work', torch.cuda.device_count(), $sms))")
     i=0
