@@ -63,14 +63,15 @@ __device__ __forceinline__ void copy_row(int4* const* dst, int num_dst, const in
     }
 }
 
-// Token t of GPU `me` goes to slot (me, t) of every peer's buffer: [source][token] rows of `stride`.
+// Token t < `tokens` of GPU `me` goes to slot (me, t) of every peer's buffer: [source][token] rows
+// of `stride`.
 template <bool kFlag>
 __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Peers peers, int me, int num_gpus,
-                                                    int stride, int64_t flag) {
+                                                    int stride, int64_t flag, int tokens = kTokens) {
     const int lane = threadIdx.x % kWarpSize;
     const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
     const int num_warps = gridDim.x * (kThreads / kWarpSize);
-    for (int t = warp; t < kTokens; t += num_warps) {
+    for (int t = warp; t < tokens; t += num_warps) {
         int4* dst[kMaxGpus];
         int n = 0;
         for (int d = 0; d < num_gpus; ++d)
@@ -85,21 +86,6 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Peers pe
                         st_release_sys(reinterpret_cast<int64_t*>(reinterpret_cast<uint8_t*>(dst[d]) + stride - 16),
                                        flag);
         }
-    }
-}
-
-// The first half of GPU me's tokens into every peer at slot (me, t), stride kRowBytes (sm+ce).
-__global__ void __launch_bounds__(kThreads, 1) push_half(const uint8_t* src, Peers peers, int me, int num_gpus) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * (kThreads / kWarpSize) + threadIdx.x / kWarpSize;
-    const int num_warps = gridDim.x * (kThreads / kWarpSize);
-    for (int t = warp; t < kTokens / 2; t += num_warps) {
-        int4* dst[kMaxGpus];
-        int n = 0;
-        for (int d = 0; d < num_gpus; ++d)
-            if (d != me)
-                dst[n++] = reinterpret_cast<int4*>(peers.p[d] + (static_cast<int64_t>(me) * kTokens + t) * kRowBytes);
-        copy_row(dst, n, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
     }
 }
 
@@ -342,31 +328,19 @@ int main(int argc, char** argv) {
                              CHECK(cudaMemcpyAsync(slot_of(g, d) + half, src[g] + half, peer_bytes - half,
                                                    cudaMemcpyDefault, s));
                          });
-                         push_half<<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus);
+                         push<false><<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus, kRowBytes, 0, kTokens / 2);
                      }));
         report_bytes("sm-half-alone", 0, all_bytes / 2, run_all([&](int g) {
-                         push_half<<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus);
+                         push<false><<<24, kThreads, 0, streams[g * kMaxGpus]>>>(src[g], peers, g, num_gpus, kRowBytes, 0, kTokens / 2);
                      }));
         return 0;
     }
-    {
-        const double us = run_all([&](int g) {  // fork to a stream per peer and join back, inside the events
-            cudaStream_t main_stream = streams[g * kMaxGpus];
-            CHECK(cudaEventRecord(fork[g * kMaxGpus], main_stream));
-            int k = 0;
-            for (int d = 0; d < num_gpus; ++d) {
-                if (d == g) continue;
-                cudaStream_t s = streams[g * kMaxGpus + 1 + k];
-                CHECK(cudaStreamWaitEvent(s, fork[g * kMaxGpus], 0));
-                CHECK(cudaMemcpyPeerAsync(buf[d] + static_cast<int64_t>(g) * kTokens * kRowBytes, d, src[g], g,
-                                          static_cast<int64_t>(kTokens) * kRowBytes, s));
-                CHECK(cudaEventRecord(fork[g * kMaxGpus + 1 + k], s));
-                ++k;
-            }
-            for (int j = 1; j <= k; ++j) CHECK(cudaStreamWaitEvent(main_stream, fork[g * kMaxGpus + j], 0));
-        });
-        report("memcpy-peer", 0, kRowBytes, us);
-    }
+    // cudaMemcpyPeerAsync to every peer at once, a stream per peer (ce-push by the peer API).
+    report("memcpy-peer", 0, kRowBytes, run_all([&](int g) {
+               fan_out(g, [&](int d, cudaStream_t s) {
+                   CHECK(cudaMemcpyPeerAsync(slot_of(g, d), d, src[g], g, peer_bytes, s));
+               });
+           }));
     const int64_t tma_smem = TmaRing::smem_bytes(kTmaWarps, kRowBytes);
     for (int g = 0; g < num_gpus; ++g) {
         CHECK(cudaSetDevice(g));
