@@ -126,13 +126,14 @@ print(s('$work', torch.cuda.device_count(), $sms))")
     ;;
   split)
     # the SM split: auto (send_blocks, the default) against the fixed 50% / 33% of before 2026-11-24,
-    # and one sender more and one fewer than auto gives at this rank count
+    # and one sender more and one fewer than auto gives at this rank count (the fused (cached)
+    # dispatch's share: its senders write the own rows at 1-2 ranks, dispatch_own)
     bench split-auto --modes normal --num-sms 24 || status=1
     EPCOMM_DISPATCH_SEND_SMS_PCT=50 EPCOMM_COMBINE_SEND_SMS_PCT=33 bench split-fixed --modes normal --num-sms 24 \
       || status=1
     read -r more fewer < <(python3 -c "from epcomm.backends.cuda.intranode import send_blocks as s; \
-import torch; r = torch.cuda.device_count(); d, c = s('dispatch', r, 24), s('combine', r, 24); \
-p = lambda blocks, k: min(23, max(1, blocks + k)) / 24 * 100; \
+import torch; r = torch.cuda.device_count(); d, c = s('dispatch_own' if r <= 2 else 'dispatch', r, 24), \
+s('combine', r, 24); p = lambda blocks, k: min(23, max(1, blocks + k)) / 24 * 100; \
 print(f'{p(d, 1):.1f},{p(c, 1):.1f}', f'{p(d, -1):.1f},{p(c, -1):.1f}')")
     EPCOMM_DISPATCH_SEND_SMS_PCT=${more%,*} EPCOMM_COMBINE_SEND_SMS_PCT=${more#*,} bench split-more --modes normal \
       --num-sms 24 || status=1
