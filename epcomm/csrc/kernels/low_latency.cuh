@@ -40,10 +40,11 @@
 // BF16 message per (expert, row), of which the messages [R][N] and the index [E_local][R][N] of
 // int32 take part: plan_message; after them, on a 128-byte line, the arrival area [R][N] of a
 // dispatch by arrival), then the combine area [E][N] rows.
-// Flow control: when a rank's receive of a call is done with a slot, its last block writes the call
-// counter into ack[slot][rank] of every peer; a send kernel writes into a peer's slot only once
-// that peer has acknowledged the previous call that used the slot (ranks drift apart when hooks are
-// called late, and the next call but one reuses the slot).
+// Flow control: when a rank is done reading a slot it writes the call counter into ack[slot][rank]
+// of every peer: a call with a hook at the end of its receive kernel (its last block), a call
+// without one at the start of the buffer's next call (pay_owed_acks); a send kernel writes into a
+// peer's slot only once that peer has acknowledged the previous call that used the slot (ranks
+// drift apart when hooks are called late, and the next call but one reuses the slot).
 // Separate areas matter when a dispatch and a combine share a slot (two micro-batches in flight):
 // a fast peer's combine then writes while this rank may still be copying the dispatch out.
 // Signals hold the call counter, the call's shape tag and the count (make_signal): counters only
@@ -51,7 +52,8 @@
 // resetting, CUDA-graph replays too.
 // Staging for remote peers reuses areas of this rank's own slot that no peer writes during the
 // call (peers write into a slot only after this rank acknowledged the slot's previous call, which
-// it does after its receive, after its puts were completed by a quiet): a dispatch stages each
+// it does after its receive, after its puts were completed by a quiet, or later still: at the start
+// of its next call, where the call had no hook): a dispatch stages each
 // token's message once, and its pairs' index entries, in its own combine area, a combine stages
 // the rows for a source in its own dispatch area.
 #pragma once
@@ -67,6 +69,8 @@ namespace ll {
 constexpr int kHeaderBytes = 64;
 constexpr int kCounterOffset = 0;    // int64: the last call counter used by this rank
 constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel that have finished
+constexpr int kOwedAckOffset = 12;   // int32: 1 + the slot of the last call if its acknowledgements are
+                                     // owed (a call without a hook: pay_owed_acks), else 0
 constexpr int kRecvDoneOffset = 32;  // int32[2]: the same for the receive kernel of each slot (hooks may
                                      // run the receives of the two slots at once, on two streams)
 constexpr int kSlotSeqOffset = 16;   // int64[2]: the call counter of the call that last used each slot
@@ -211,10 +215,13 @@ __device__ __forceinline__ void signal_peer(const Peers& peers, int me, int r, i
         st_relaxed_sys(reinterpret_cast<int64_t*>(peers.bufs[r] + offset), value);
 }
 
+// Where a slot's acknowledgements are: its first bytes, whatever the call's shape.
+__device__ __forceinline__ int64_t slot_acks(int slot, int64_t slot_bytes) { return kHeaderBytes + slot * slot_bytes; }
+
 struct Layout {  // where things live inside one slot
     int64_t dispatch_signals, combine_signals, acks, data, combine_data;
     __device__ Layout(int slot, int64_t slot_bytes, int num_experts, int num_ranks, int num_max_tokens, int hidden) {
-        const int64_t slot_base = kHeaderBytes + slot * slot_bytes;
+        const int64_t slot_base = slot_acks(slot, slot_bytes);
         acks = slot_base;  // first, at a place that does not depend on the call's shapes
         dispatch_signals = acks + (num_ranks * 8 + 15) / 16 * 16;
         combine_signals = dispatch_signals + num_experts * 8;
@@ -263,8 +270,11 @@ struct ArrivalKeyUpdate {
 };
 
 // The last block to finish (every block has read the counter and the slot's previous call by then)
-// records this call as the slot's latest and as the rank's last, and updates the slot's arrival key.
-__device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, ArrivalKeyUpdate key_update) {
+// records this call as the slot's latest and as the rank's last, updates the slot's arrival key,
+// and records whether the next call owes this one's acknowledgements (`owes_acks`: a call without
+// a hook, see pay_owed_acks; this kernel's payer has paid the previous call's by then).
+__device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, ArrivalKeyUpdate key_update,
+                                   bool owes_acks) {
     __syncthreads();
     if (threadIdx.x == 0) {
         fence_gpu();  // the block's reads of the counter and the slot come before its arrival
@@ -278,31 +288,35 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, Arrival
                 *key = key_update.key;
             else if (static_cast<uint32_t>(static_cast<uint64_t>(*key) >> 32) != key_update.area_tag)
                 *key = 0;
+            *reinterpret_cast<int*>(mine + kOwedAckOffset) = owes_acks ? slot + 1 : 0;
             fence_gpu();  // the next kernel on this GPU reads them
         }
     }
 }
 
 // The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
-// call to every rank, so their next sends into this slot may start.
+// call to every rank, so their next sends into this slot may start: the receive of a call with a
+// hook. A call without one (`deferred`: the fused kernels, or send and receive kernels launched
+// together) acknowledges nothing here: its next call does (pay_owed_acks), so what follows is about
+// hook receives alone; the by-arrival paths (fused only) always defer.
 // A GPU-scope fence, on purpose: an ack publishes no data that a peer reads (every path was
 // checked: the receives only read their own slot; the self-ack is read on this GPU; Net::signal
 // acks carry nothing), it tells a peer that this rank's loads of the slot are done, so that the
-// peer may overwrite it. One exception: a dispatch by arrival stores the poison back into its own
-// arrival area before the ack, and a peer's next payload must land after it. The PTX model would
-// want a fence_sys for that; the stores go to this GPU's own L2, where the peer's NVLink stores
-// land too, once the gpu-scope fence has made them visible there, so the order holds on the
-// hardware (the same reliance as the loads below; a fence_sys here cost 1.3 us, see below). Those
-// loads are done because every one of them fed a store, an address or a branch issued before the
+// peer may overwrite it. (A dispatch by arrival stores the poison back into its own arrival area,
+// and a peer's next payload must land after it: with a GPU-scope fence that held on the hardware,
+// not by the PTX model; it is deferred now, where the kernel's end orders it.) The loads are done
+// because every one of them fed a store, an address or a branch issued before the
 // block's barrier, so it has returned its value; the count orders every block's barrier
 // before the acks. This relies on that hardware behaviour, not on the PTX model (a gpu-scope fence
 // does not synchronize with a peer's ld.acquire.sys): a slot load added later whose value is not
 // consumed before the barrier (a prefetch, an unawaited bulk copy) would need the fence_sys back.
 // The fence_sys also waited for the receive's output stores to reach system scope, which no peer
 // reads: at EP4, 128 tokens (4 x H100, 7459464) the last block ended 1.3 us (dispatch) and 2.4 us
-// (combine) earlier without it, a graph step 67.4 -> 64.6 us.
+// (combine) earlier without it, a graph step 67.4 -> 64.6 us (timings of the fused kernels,
+// before they deferred their acknowledgements).
 __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq,
-                                   const int* mask) {
+                                   const int* mask, bool deferred) {
+    if (deferred) return;
     __syncthreads();
     if (threadIdx.x == 0) {
         fence_gpu();  // the block's reads of the slot come before its arrival
@@ -316,6 +330,49 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
     }
 }
 
+// Deferred acknowledgements. A call without a hook (phase 0: the fused kernel, or its send and
+// receive kernels one after the other) does not acknowledge its slot at its end: the first kernel
+// of the buffer's next call does (every call's first kernel calls this). That kernel starts after
+// this call's kernels have ended (calls of a buffer are ordered on the GPU: the call counters
+// already rely on it), so every load of the slot has returned and every store of the call (the
+// arrival area's poison among them) has been performed: a stronger order than the fences of
+// finish_recv_kernel, for none of their cost.
+// Who waits longer: a peer's call that reuses the slot now waits for this rank's next call to
+// start, not for this one to end. With alternating slots that next call starts before the slot's
+// next user, so nobody waits; a captured graph of one call replayed (one slot, every replay) makes
+// a peer's next replay wait for this rank's next replay to start, where it also waits for its data.
+// Nor can it deadlock, where the payer pays before it waits for anything: a call waits for the acks
+// of the slot's previous call, two calls before it (paid by the peers' previous calls), or one
+// before it in that graph (paid by the peers' payers of this call, which wait for nothing first).
+// Block 0's first warp pays: where a kernel's blocks are not all resident at once (a non-cooperative
+// combine_send with more units than fit), this assumes block 0 is among the first to run, as the
+// hardware schedules blocks in index order (the CUDA model does not promise it; a kernel of more
+// blocks than fit whose first blocks wait for a peer's payer could otherwise stall until the
+// timeout). The payer loads the words beside the counters its kernel reads first (a line of the
+// buffer's header) and the mask; every other block goes on at once. The end of the call
+// saves a barrier, a fence and an atomic per block, and the last block's stores to every peer,
+// which the kernel's end waits for (EP4, 128 tokens, 4 x H100: a probe without the finish,
+// c755d5f, took the dispatch kernel from 20.6 to 19.3 us; deferring them gave the dispatch
+// 25.0-26.2 us eager against 26.0-27.2 in the same calls). A call with a hook acknowledges at the
+// end of its receive, as before: the hook may run after later calls.
+// By lane r < R of the calling warp (the whole warp calls); lane 0 clears the word before its
+// block arrives in finish_send_kernel, whose last block then sets it for this call.
+static_assert(kMaxRanks <= kWarpSize, "pay_owed_acks signals a rank a lane");
+__device__ __forceinline__ void pay_owed_acks(const Peers& peers, int num_ranks, int me, int64_t slot_bytes,
+                                              const int* mask) {
+    uint8_t* mine = peers.bufs[me];
+    int* owed = reinterpret_cast<int*>(mine + kOwedAckOffset);
+    const auto* slot_seqs = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset);
+    const int slot_plus_one = ld_volatile_int(owed), lane = static_cast<int>(threadIdx.x) % kWarpSize;
+    const int64_t seqs[2] = {ld_volatile(slot_seqs), ld_volatile(slot_seqs + 1)};  // in flight together
+    if (slot_plus_one == 0) return;
+    const int slot = slot_plus_one - 1;
+    const int64_t seq = seqs[slot];
+    if (lane < num_ranks && (lane == me || !masked(mask, lane)))  // not to masked ranks: they may be gone
+        signal_peer(peers, me, lane, slot_acks(slot, slot_bytes) + 8 * me, seq);
+    __syncwarp();
+    if (lane == 0) *owed = 0;
+}
 
 // The checks every bounded wait makes now and then, beside its own. Whether an earlier wait of this
 // rank gave up (then so does this call: reported as abandoned).
@@ -479,6 +536,7 @@ struct DispatchArgs {
     // no masking: the host's choice), an arrival message's bytes and the shape's arrival key
     int arrival, arrival_msg_bytes;
     int64_t arrival_key;
+    bool defer_acks;          // a call without a hook: its next call acknowledges it (pay_owed_acks)
 };
 
 // ------------------------------------------------------------------ dispatch by arrival
@@ -864,6 +922,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     bool bad = false;
     if (warp == 0) {
         if (tid == 0) call_seq = next_seq(mine);
+        if (b == 0) pay_owed_acks(a.peers, R, me, a.slot_bytes, a.mask);
         if (tid < R) {  // a peer still reading the previous call of this slot must acknowledge it first
             const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
             skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpDispatch);
@@ -1081,7 +1140,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     }
     if (a.trace != nullptr) __syncthreads();  // every count of the block is signalled
     trace_point(a.trace, 0, kTraceSignalled);
-    finish_send_kernel(mine, seq, a.slot, m.key_update);
+    finish_send_kernel(mine, seq, a.slot, m.key_update, a.defer_acks);
     return seq;
 }
 
@@ -1497,7 +1556,7 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
             if (part == 0 && lane == 0) a.src_info[out_row] = t;
         }
         // This warp is the only reader of these words: the poison goes back for the slot's next
-        // call (its senders write only after this rank's acknowledgement, finish_recv_kernel).
+        // call (its senders write only after this rank's acknowledgement: pay_owed_acks).
 #pragma unroll
         for (int i = 0; i < kArrivalPerLane; ++i) {
             const int q = q_begin + lane + i * kWarpSize;
@@ -1537,7 +1596,7 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
     __shared__ int counts[kMaxRanks];
     receive_dispatch_unit(a, seq, lay, blockIdx.x, 1, WarpGroup{0, kUnitThreads, 0, counts}, blockIdx.x);
     trace_point(a.trace, 1, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
     trace_point(a.trace, 1, kTraceEnd);
 }
 
@@ -1580,7 +1639,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     if (m.poison) poison_arrival_area(a, m);
     if (a.trace != nullptr) __syncthreads();  // every copy of the block is done
     trace_point(a.trace, 0, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
     trace_point(a.trace, 0, kTraceEnd);
 }
 
@@ -1609,6 +1668,7 @@ struct CombineArgs {
     int* counters;
     int request_bytes;
     uint32_t area_tag;  // the shape tag of the slot layout's dispatch area (arrival_key's high half)
+    bool defer_acks;    // a call without a hook: its next call acknowledges it (pay_owed_acks)
 };
 
 // {begin, count} of a (local expert, source) unit's rows from its layout word, clamped to the
@@ -1821,21 +1881,23 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(C
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     trace_point(a.trace, 0, kTraceStart);
     send_combine_unit(a, seq, prev, lay, blockIdx.x);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag});
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
     trace_point(a.trace, 0, kTraceEnd);
 }
 
 // The receive role of a combine's last kernel (combine_fused, or the hook's combine_recv): the
-// block's tokens summed, then the slot acknowledged by the last block.
+// block's tokens summed, then, with a hook, the slot acknowledged by the last block (without one
+// the next call acknowledges it: pay_owed_acks).
 __device__ __forceinline__ void receive_combine_role(const CombineArgs& a, int64_t seq, const Layout& lay) {
     trace_point(a.trace, 1, kTraceStart);
     receive_combined_tokens(a, seq, lay);
     if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
     trace_point(a.trace, 1, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
     trace_point(a.trace, 1, kTraceEnd);
 }
 
@@ -1899,10 +1961,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_fused(CombineArgs a) {
     uint8_t* mine = a.peers.bufs[a.rank];
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     trace_point(a.trace, 0, kTraceStart);
     send_combine_units_together(a, seq, prev, lay);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag});
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
     trace_point(a.trace, 0, kTraceEnd);
     receive_combine_role(a, seq, lay);
 }
@@ -2013,6 +2076,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     trace_point(a.trace, 0, kTraceStart);
     const int64_t seq = next_seq(mine);
     const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    if (blockIdx.x == 0 && warp == 0) pay_owed_acks(a.peers, R, me, a.slot_bytes, a.mask);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
     const int64_t requests = partials_requests_offset(lay, R, N, a.hidden);
     const auto* signals = reinterpret_cast<const int64_t*>(mine + lay.combine_signals);
@@ -2216,7 +2280,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
                             make_signal(seq, a.shape_tag, 0, src_tokens[r]));
     }
     trace_point(a.trace, 0, kTraceSignalled);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag});
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
     trace_point(a.trace, 0, kTraceEnd);
     return seq;
 }
@@ -2297,7 +2361,7 @@ __device__ __forceinline__ void receive_partials_role(const CombineArgs& a, int6
     }
     if (a.trace != nullptr) __syncthreads();  // every sum of the block is stored
     trace_point(a.trace, 1, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
     trace_point(a.trace, 1, kTraceEnd);
 }
 
@@ -2514,6 +2578,7 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
     set_ptr(a.layout_range, c.layout_range);
     set_ptr(a.cumulative_stats, c.cumulative_stats);
     a.arrival = phase == 0 ? c.arrival : 0;  // the fused kernel's alone (dispatch_mode)
+    a.defer_acks = phase == 0;
     a.arrival_msg_bytes = c.arrival_msg_bytes;
     a.arrival_key = c.arrival_key;
     const int num_sms = c.context.num_sms, num_experts = c.num_experts;
@@ -2586,6 +2651,7 @@ static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t
     set_ptr(a.counters, c.counters);
     a.request_bytes = c.request_bytes;
     a.area_tag = static_cast<uint32_t>(c.area_tag);
+    a.defer_acks = phase == 0;
     const int num_experts = c.num_experts;
     if (c.partials != 0) {
         // Its blocks wait for each other through the peers: all resident at once, or not launched
