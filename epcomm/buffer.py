@@ -195,6 +195,9 @@ class Buffer:
         # Low-latency double buffering: each call takes the next of two slots.
         self._ll_counter = 0
         self._ll_cleanings = 0
+        # The end of the last eager low-latency call run on the communication stream (async_finish):
+        # the next call on the caller's stream waits for it (_run_low_latency).
+        self._ll_async_done: torch.cuda.Event | None = None
         self._ll_pending: dict[int, str] = {}
         self._ll_needs_clean = False
         # Argument shapes a low-latency call of this Buffer passed the checks with (_ll_checked_now).
@@ -518,10 +521,28 @@ class Buffer:
                          keep_alive: tuple) -> tuple[Any, EventOverlap]:
         """A low-latency call: on the caller's stream, unless ``async_finish`` asks for the communication
         stream and an event (the calls are latency-bound: a stream switch, events and record_stream
-        per call would cost more host time than the kernels take)."""
+        per call would cost more host time than the kernels take).
+
+        A Buffer's calls must run in order on the GPU (each call's first kernel acknowledges the
+        call before it, and the call counter lives on the GPU): an async call's stream waits for
+        the caller's, and the first call on the caller's stream after one waits for its event,
+        whether or not the caller did (a wait on an event already waited for costs nothing on the
+        GPU). Eager calls only: inside a CUDA graph capture the comm stream must be joined back
+        anyway (the capture fails otherwise), and an event recorded outside a capture cannot be
+        waited on inside one."""
         if async_finish:
-            return self._run(fn, None, True, False, keep_alive)
+            result, event = self._run(fn, None, True, False, keep_alive)
+            self._ll_async_done = None if self._capturing() else event.event
+            return result, event
+        if self._ll_async_done is not None:  # (the common case pays one attribute test)
+            self._join_async_ll()
         return fn(), EventOverlap(None)
+
+    def _join_async_ll(self) -> None:
+        """The caller's stream waits for the last async low-latency call (_run_low_latency)."""
+        if not self._capturing():
+            current_stream(self.device).wait_event(self._ll_async_done)
+        self._ll_async_done = None
 
     def _default_config(self, dispatch: bool) -> Config:
         """The config a call without one uses (made once per SM count: calls are host-latency bound;
@@ -823,6 +844,8 @@ class Buffer:
             return recv_x, recv_count, handle, finish
 
         if self._cuda_ll is not None and not async_finish:  # the decode path: no closures on the way
+            if self._ll_async_done is not None:
+                self._join_async_ll()
             recv_x, recv_count, handle, finish = run_cuda()
             hook = self._make_hook(slot, "low_latency_dispatch", finish) if return_recv_hook else None
             return recv_x, recv_count, handle, EventOverlap(None), hook
@@ -932,6 +955,8 @@ class Buffer:
             self._refuse(Op.LL_COMBINE, error)
         slot = self._take_ll_slot()
         if self._cuda_ll is not None and not async_finish:  # the decode path: no closures on the way
+            if self._ll_async_done is not None:
+                self._join_async_ll()
             combined, finish = self._cuda_ll.combine(x, topk_idx, topk_weights, handle, out, slot,
                                                      self._mask if self.enable_shrink else None,
                                                      combine_wait_recv_cost_stats, return_recv_hook)

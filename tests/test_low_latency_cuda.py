@@ -393,6 +393,136 @@ def test_ll_cuda_graph_replay_as_serving_engines_capture(ranks, pattern):
     cluster(ranks).run(rank_ll_graph, 32, 1024, 8 * ranks, 4, pattern=pattern)
 
 
+def rank_ll_graph_of_one_dispatch(n, hidden, num_experts, num_topk):
+    """A graph of one dispatch without a hook, replayed back to back with new inputs: every replay
+    takes the slot of the replay before it, so it waits for acknowledgements its peers pay at the
+    start of this very call (pay_owed_acks), not at the end of the one before. Each replay's rows
+    and scales are bitwise the reference's; an eager dispatch and combine after the replays too."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf, ref = _buffer("cuda", n, hidden, num_experts), _buffer("reference", n, hidden, num_experts)
+    x_static = torch.empty((n, hidden), dtype=torch.bfloat16, device=dev)
+    idx_static = torch.empty((n, num_topk), dtype=torch.int64, device=dev)
+
+    def dispatch(b, x, idx):
+        recv_x, recv_count, handle, _, _ = b.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
+        return recv_x, recv_count, handle
+
+    def load(seed):
+        x, idx, _ = make_inputs(seed, rank, n, hidden, num_experts, num_topk, num_ranks, "random")
+        x_static.copy_(x)
+        idx_static.copy_(idx)
+
+    load(1)
+    graph, (recv_x, recv_count, _) = capture_graph(dispatch, buf, x_static, idx_static)
+    for seed in (2, 3, 4):
+        load(seed)
+        for t in (*recv_x, recv_count):
+            poison_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_x, want_count, _ = dispatch(ref, x_static.clone(), idx_static.clone())
+        assert _bits_equal(recv_count, want_count), f"rank {rank} replay {seed}: recv_count differs"
+        for i, (a, b) in enumerate(zip(_valid_rows(recv_x, recv_count), _valid_rows(want_x, want_count))):
+            assert _bits_equal(a, b), f"rank {rank} replay {seed}: received rows of part {i} differ"
+    x, idx, w = (t.to(dev) for t in make_inputs(5, rank, n, hidden, num_experts, num_topk, num_ranks, "random"))
+    results = []
+    for b in (buf, ref):  # BF16 this time: the expert stand-in's output is then known (the bound)
+        got_x, got_count, handle, _, _ = b.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        combined, _, _ = b.low_latency_combine((got_x.float() * 0.5).to(torch.bfloat16), idx, w, handle)
+        torch.cuda.synchronize()
+        results.append((got_count.clone(), combined.clone()))
+    bound = None
+    if num_ranks > 1 and buf._cuda_ll.last_combine_partials:
+        bound = _partials_bound(x, idx, w, lambda e: torch.full_like(e, 0.5, dtype=torch.float32))
+    assert _bits_equal(results[0][0], results[1][0]), f"rank {rank}: eager recv_count after the replays differs"
+    assert _combined_matches(results[0][1], results[1][1], bound), \
+        f"rank {rank}: eager combine after the replays differs"
+    buf.destroy()
+    ref.destroy()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_ll_cuda_graph_of_one_dispatch_replayed(ranks):
+    cluster(ranks).run(rank_ll_graph_of_one_dispatch, 128, 2048, 8 * ranks, 8)
+
+
+def rank_ll_graph_of_one_combine(n, hidden, num_experts, num_topk):
+    """The combine's twin of rank_ll_graph_of_one_dispatch: one eager dispatch, then a graph of one
+    combine of its handle replayed back to back with new expert outputs, every replay in the slot of
+    the one before (its acknowledgements paid by the peers' payers of this very call); each replay's
+    output is the reference's (n under the partial sums' 64 tokens: bitwise)."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf, ref = _buffer("cuda", n, hidden, num_experts), _buffer("reference", n, hidden, num_experts)
+    x, idx, w = (t.to(dev) for t in make_inputs(9, rank, n, hidden, num_experts, num_topk, num_ranks, "random"))
+    got_x, got_count, got_handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    want_x, want_count, want_handle, _, _ = ref.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    torch.cuda.synchronize()
+    assert _bits_equal(got_count, want_count), f"rank {rank}: recv_count differs"
+    y_static = torch.empty_like(got_x)
+    generator = torch.Generator(device=dev)
+
+    def combine(b, y, handle):
+        return b.low_latency_combine(y, idx, w, handle)[0]
+
+    y_static.normal_(generator=generator.manual_seed(100 + rank))
+    graph, combined = capture_graph(combine, buf, y_static, got_handle)
+    for seed in (2, 3, 4):
+        y_static.normal_(generator=generator.manual_seed(seed * 10 + rank))
+        poison_(combined)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = combine(ref, y_static.clone(), want_handle)
+        torch.cuda.synchronize()
+        assert _bits_equal(combined, want), f"rank {rank} replay {seed}: combined differs from the reference"
+    buf.destroy()
+    ref.destroy()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_ll_cuda_graph_of_one_combine_replayed(ranks):
+    cluster(ranks).run(rank_ll_graph_of_one_combine, 32, 2048, 8 * ranks, 8)
+
+
+def rank_ll_call_after_async_call(n, hidden, num_experts, num_topk):
+    """A dispatch with async_finish=True (on the Buffer's communication stream, held back there by
+    a ~1 ms sleep kernel queued first) and a combine on the caller's stream right after it, the
+    dispatch's event never waited on: the Buffer makes the caller's stream wait for it
+    (_run_low_latency), so the combine runs after the dispatch (its handle, its slot, the
+    acknowledgement the combine's first kernel pays); the output is the reference's, bitwise."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, idx, w = (t.to(dev) for t in make_inputs(11, rank, n, hidden, num_experts, num_topk, num_ranks, "random"))
+    results = []
+    for backend in ("cuda", "reference"):
+        buf = _buffer(backend, n, hidden, num_experts)
+        y = None
+        for _round in range(2):  # the second after a dispatch and combine of the same shape
+            if backend == "cuda":
+                buf._comm_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(buf._comm_stream):
+                    torch.cuda._sleep(2_000_000)
+            recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                                        async_finish=True)
+            if y is None:  # made from the shape alone, on the caller's stream
+                y = torch.empty(recv_x.shape, dtype=torch.bfloat16, device=dev).normal_(
+                    generator=torch.Generator(device=dev).manual_seed(5 + rank))
+            combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            torch.cuda.synchronize()
+            results.append((recv_count.clone(), combined.clone()))
+        buf.destroy()
+    for step in range(2):
+        (got_count, got), (want_count, want) = results[step], results[2 + step]
+        assert _bits_equal(got_count, want_count), f"rank {rank} round {step}: recv_count differs"
+        assert _bits_equal(got, want), f"rank {rank} round {step}: combined differs from the reference"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ll_cuda_call_after_async_call_is_ordered(ranks):
+    cluster(ranks).run(rank_ll_call_after_async_call, 32, 2048, 8 * ranks, 8)
+
+
 def rank_ll_trace(use_hook, partials):
     """The phase timeline (CudaLowLatency.trace, read by scripts/ll_profile.py): every block of every
     kernel stamps its points in order, and the receive kernels' stamps follow the sends'. The send
