@@ -62,6 +62,12 @@ def _worker(rank: int, num_ranks: int, port: int, backend: str, env: dict[str, s
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=_STORE_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=num_ranks)
     shared_gpu = backend_on_cuda(backend) and num_ranks > torch.cuda.device_count()
+    if backend == "nccl" and not shared_gpu:
+        # NCCL makes its communicator at the group's first collective (seconds, more while a
+        # restarted cluster's old processes free their GPUs): here, not inside a task whose Buffer
+        # waits a short EPCOMM_TIMEOUT_S for it (a reliability test, 2 s: the waiting rank gave up
+        # and the other stayed in the collective, 2026-11-28).
+        dist.barrier(device_ids=[torch.cuda.current_device()])
     try:
         while True:
             task = tasks.get()
