@@ -457,7 +457,7 @@ def rank_ll_graph_of_one_combine(n, hidden, num_experts, num_topk):
     buf, ref = _buffer("cuda", n, hidden, num_experts), _buffer("reference", n, hidden, num_experts)
     x, idx, w = (t.to(dev) for t in make_inputs(9, rank, n, hidden, num_experts, num_topk, num_ranks, "random"))
     got_x, got_count, got_handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
-    want_x, want_count, want_handle, _, _ = ref.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    _, want_count, want_handle, _, _ = ref.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
     torch.cuda.synchronize()
     assert _bits_equal(got_count, want_count), f"rank {rank}: recv_count differs"
     y_static = torch.empty_like(got_x)
