@@ -478,6 +478,87 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     }
 }
 
+// ------------------------------------------------------------------ publishing rows by a flag warp
+// A sender publishes a row by releasing its flag at system scope: a fence that holds the warp until
+// its stores are acknowledged across NVLink before it may load its next row (4 GPUs storing to
+// each other: 327 -> 303 GB/s at 24 SMs, 311 -> 259 at 8, scripts/nvlink_rate.cu). With a flag
+// warp (EPCOMM_SEND_FLAG_WARP=1) a sending block's last warp publishes for the others: a data warp
+// posts its row's flag addresses to shared memory with a release at block scope and goes on to its
+// next row; the flag warp takes every row posted since its last look, fences once at system scope
+// and writes their flags. The fence's cumulativity covers the stores of every row it observed
+// posted (as a block barrier followed by one thread's fence would), so a row's flag is never seen
+// before its bytes. Data warps wait only for a free entry of their ring (local, never for a peer).
+constexpr int kMaxSendWarps = 16;  // a block has 512 threads
+constexpr int kPostRing = 8;       // rows a data warp may have posted and not yet seen published
+
+struct FlagBoard {
+    int64_t* flag[kMaxSendWarps - 1][kPostRing][kMaxRanks];  // per data warp and entry: flags to write
+    int posted[kMaxSendWarps];     // rows posted; -1 - rows once the warp has posted its last
+    int published[kMaxSendWarps];  // rows whose flags the flag warp wrote
+};
+
+__device__ __forceinline__ unsigned shared_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void st_release_cta_shared(int* p, int v) {
+    asm volatile("st.release.cta.shared.s32 [%0], %1;" ::"r"(shared_addr(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
+    int v;
+    asm volatile("ld.acquire.cta.shared.s32 %0, [%1];" : "=r"(v) : "r"(shared_addr(p)) : "memory");
+    return v;
+}
+
+// How a sending warp publishes its rows: itself (board == nullptr: a release per row, or the
+// combine's PendingFlags), or by posting them to its block's flag warp.
+struct RowPoster {
+    FlagBoard* board;
+    int warp;   // the data warp's index in its block
+    int count;  // rows posted
+
+    // After the warp's stores of a row (every lane calls it): lane d < kMaxRanks gives the flag it
+    // wants written (nullptr for none).
+    __device__ __forceinline__ void post(int64_t* flag, int lane) {
+        __syncwarp();  // the row's stores by every lane come before the post
+        if (lane == 0)
+            while (count - ld_acquire_cta_shared(&board->published[warp]) >= kPostRing) {
+            }
+        __syncwarp();
+        if (lane < kMaxRanks) board->flag[warp][count % kPostRing][lane] = flag;
+        __syncwarp();
+        ++count;
+        if (lane == 0) st_release_cta_shared(&board->posted[warp], count);
+    }
+    __device__ __forceinline__ void finish(int lane) {
+        __syncwarp();
+        if (lane == 0) st_release_cta_shared(&board->posted[warp], -1 - count);
+    }
+};
+
+// The flag warp: lane v publishes data warp v's rows until every data warp has posted its last.
+__device__ void publish_posted_rows(FlagBoard& board, int data_warps, int64_t value) {
+    const int lane = threadIdx.x % kWarpSize;
+    int seen = 0;
+    bool done = lane >= data_warps;
+    while (__any_sync(kFullMask, !done)) {
+        int posted = done ? seen : ld_acquire_cta_shared(&board.posted[lane]);
+        const bool last = posted < 0;
+        if (last) posted = -1 - posted;
+        if (__any_sync(kFullMask, posted > seen)) {
+            fence_sys();  // releases every row this warp saw posted
+            for (int k = seen; k < posted; ++k)
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d) {
+                    int64_t* f = board.flag[lane][k % kPostRing][d];
+                    if (f != nullptr) st_relaxed_sys(f, value);
+                }
+            if (posted > seen) st_release_cta_shared(&board.published[lane], posted);
+            seen = posted;
+        }
+        done = done || (last && seen == posted);
+    }
+}
+
 // ------------------------------------------------------------------ dispatch
 struct DispatchArgs {
     PeerTable peers;
@@ -509,6 +590,7 @@ struct DispatchArgs {
     // host's choice: CudaIntranode._launch_dispatch says why).
     bool local_by_receiver;
     int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
+    bool flag_warp;             // register senders: a block's last warp publishes the others' rows (FlagBoard)
     int op;
     int* info;
     uint64_t timeout_ns;
@@ -648,8 +730,10 @@ __device__ __forceinline__ int route_row_pos(const TokenRoute& r, const int* s_l
 // Sender: one warp per token; x is read once and stored to every destination. Rows to other
 // ranks go to their buffers (then a flag per row); the row to this rank goes straight to the
 // outputs unless the receivers do it (`local_by_receiver`).
-__device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
+__device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps,
+                              FlagBoard* board) {
     const int lane = threadIdx.x % kWarpSize;
+    RowPoster poster{board, static_cast<int>(threadIdx.x / kWarpSize), 0};
     const int me = a.rank;
     const int x_int4 = a.x_bytes / 16;
     TokenRoute next = load_route(a, warp, lane);
@@ -703,18 +787,22 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
             else
                 write_peer_meta(a, dst_row[d], d, t, route.meta, lane);
         }
-        // Publish: after the warp's stores, lane d releases the flag of destination d's row (a row at
-        // a time: batched, the receivers waited longer than the senders gained, see kCombineFlagBatch).
-        __syncwarp();
-        if (lane < kMaxRanks) {
-            uint8_t* r = nullptr;
+        // Publish: after the warp's stores, the flag of destination d's row, by lane d (a row at a
+        // time: batched, the receivers waited longer than the senders gained, see kCombineFlagBatch)
+        // or by the block's flag warp.
+        int64_t* my_flag = nullptr;
 #pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d)
-                if (d == lane) r = dst_row[d];
-            if (r != nullptr)
-                st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
+        for (int d = 0; d < kMaxRanks; ++d)
+            if (d == lane && dst_row[d] != nullptr)
+                my_flag = reinterpret_cast<int64_t*>(dst_row[d] + a.row_stride - kRowTrailerBytes);
+        if (board != nullptr) {
+            poster.post(my_flag, lane);
+        } else {
+            __syncwarp();
+            if (my_flag != nullptr) st_release_sys(my_flag, flag_value);
         }
     }
+    if (board != nullptr) poster.finish(lane);
 }
 
 // A sending warp's row ring: two rows loading while one is stored, and the stores of the last
@@ -849,10 +937,12 @@ __device__ __forceinline__ uint8_t* dynamic_smem() {
 
 // Sending block `block` of `num_blocks` (dispatch or combine): its first tma_warps warps move rows
 // of row_bytes by bulk copies through their rings (by_bulk(warp, num_warps, ring)), or, without
-// them, all of its warps by register copies (by_registers(warp, num_warps)).
+// them, its warps by register copies (by_registers(warp, num_warps, board)): all of them, each
+// publishing its own rows (board == nullptr), or all but the last, which publishes theirs
+// (`board`: the kernel's FlagBoard, its counters zeroed before the kernel's first barrier).
 template <class ByRegisters, class ByBulk>
-__device__ __forceinline__ void send_role(int tma_warps, int row_bytes, int block, int num_blocks,
-                                          ByRegisters&& by_registers, ByBulk&& by_bulk) {
+__device__ __forceinline__ void send_role(int tma_warps, FlagBoard* board, int row_bytes, int block, int num_blocks,
+                                          int64_t flag_value, ByRegisters&& by_registers, ByBulk&& by_bulk) {
     const int w = threadIdx.x / kWarpSize;
     if (tma_warps > 0) {
         if (w >= tma_warps) return;
@@ -860,14 +950,28 @@ __device__ __forceinline__ void send_role(int tma_warps, int row_bytes, int bloc
         return;
     }
     const int warps_per_block = blockDim.x / kWarpSize;
-    by_registers(block * warps_per_block + w, num_blocks * warps_per_block);
+    if (board == nullptr) {
+        by_registers(block * warps_per_block + w, num_blocks * warps_per_block, nullptr);
+        return;
+    }
+    const int data_warps = warps_per_block - 1;
+    if (w == data_warps)
+        publish_posted_rows(*board, data_warps, flag_value);
+    else
+        by_registers(block * data_warps + w, num_blocks * data_warps, board);
+}
+
+// A kernel with senders: its flag board's counters, zeroed by the threads before the kernel's
+// first block barrier (every thread reaches that one).
+__device__ __forceinline__ void reset_flag_board(FlagBoard& board) {
+    if (threadIdx.x < kMaxSendWarps) board.posted[threadIdx.x] = board.published[threadIdx.x] = 0;
 }
 
 __device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
-                                   int num_blocks) {
+                                   int num_blocks, FlagBoard& board) {
     send_role(
-        a.tma_warps, a.x_bytes, block, num_blocks,
-        [&](int warp, int num_warps) { dispatch_send(a, s_layout, flag_value, warp, num_warps); },
+        a.tma_warps, a.flag_warp ? &board : nullptr, a.x_bytes, block, num_blocks, flag_value,
+        [&](int warp, int num_warps, FlagBoard* b) { dispatch_send(a, s_layout, flag_value, warp, num_warps, b); },
         [&](int warp, int num_warps, const SendRing& ring) {
             dispatch_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
         });
@@ -882,7 +986,9 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
     const int warps_per_block = blockDim.x / kWarpSize;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int s_layout[kLayoutInts];
+    __shared__ FlagBoard board;
     if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
+    if (kSend) reset_flag_board(board);
     __syncthreads();
     if (s_layout[kLayAbort] != 0) return;  // a rank refused its inputs: every rank skips alike
     const int64_t seq = ld_volatile(seq_word(mine));
@@ -898,12 +1004,12 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
     const int warp_in_block = threadIdx.x / kWarpSize;
     if (kSend && kRecv) {
         if (static_cast<int>(blockIdx.x) < a.num_send_blocks)
-            dispatch_send_role(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks);
+            dispatch_send_role(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks, board);
         else
             dispatch_recv(a, s_layout, seq, flag_value, (blockIdx.x - a.num_send_blocks) * warps_per_block + warp_in_block,
                           (gridDim.x - a.num_send_blocks) * warps_per_block);
     } else if (kSend) {
-        dispatch_send_role(a, s_layout, flag_value, blockIdx.x, gridDim.x);
+        dispatch_send_role(a, s_layout, flag_value, blockIdx.x, gridDim.x, board);
     } else {
         dispatch_recv(a, s_layout, seq, flag_value, blockIdx.x * warps_per_block + warp_in_block,
                       gridDim.x * warps_per_block);
@@ -927,6 +1033,7 @@ struct CombineArgs {
     float* out_weights;         // [T, K] or nullptr
     int num_send_blocks;
     int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
+    bool flag_warp;             // register senders: a block's last warp publishes the others' rows (FlagBoard)
     int* info;
     uint64_t timeout_ns;
 };
@@ -1001,10 +1108,12 @@ struct PendingFlags {
 
 // Sender with register copies: every received row of another rank goes back to its source, at
 // the slot the source reduces from.
-__device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
+__device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps,
+                             FlagBoard* board) {
     const int lane = threadIdx.x % kWarpSize, K = a.num_topk, x_int4 = a.hidden / 8;
     const int num_returned = combine_num_returned(a, s_layout);
-    PendingFlags pending;  // lane 0's: a flag per row
+    PendingFlags pending;  // lane 0's: a flag per row (without a flag warp)
+    RowPoster poster{board, static_cast<int>(threadIdx.x / kWarpSize), 0};
     auto flag_of = [&](int j) {
         int i;
         return reinterpret_cast<int64_t*>(combine_return_row(a, s_layout, j, i) + a.row_stride - kRowTrailerBytes);
@@ -1027,10 +1136,17 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
                 if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
         }
         if (lane < K) reinterpret_cast<float*>(r + a.hidden * 2)[lane] = w;
+        if (board != nullptr) {
+            poster.post(lane == 0 ? reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes) : nullptr, lane);
+            continue;
+        }
         pending.add(lane == 0 ? j : -1);
         if (pending.full()) pending.publish(flag_value, flag_of);
     }
-    pending.publish(flag_value, flag_of);
+    if (board != nullptr)
+        poster.finish(lane);
+    else
+        pending.publish(flag_value, flag_of);
 }
 
 // The same with bulk copies through the warp's row ring (see dispatch_send_tma).
@@ -1146,7 +1262,9 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int w = threadIdx.x / kWarpSize, warps_per_block = blockDim.x / kWarpSize;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int s_layout[kLayoutInts];
+    __shared__ FlagBoard board;
     if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
+    reset_flag_board(board);
     __syncthreads();
     if (s_layout[kLayAbort] != 0) return;
     const int64_t seq = ld_volatile(seq_word(mine));
@@ -1159,8 +1277,8 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int block = blockIdx.x;
     if (block < a.num_send_blocks) {
         send_role(
-            a.tma_warps, a.hidden * 2, block, a.num_send_blocks,
-            [&](int warp, int num_warps) { combine_send(a, s_layout, flag_value, warp, num_warps); },
+            a.tma_warps, a.flag_warp ? &board : nullptr, a.hidden * 2, block, a.num_send_blocks, flag_value,
+            [&](int warp, int num_warps, FlagBoard* b) { combine_send(a, s_layout, flag_value, warp, num_warps, b); },
             [&](int warp, int num_warps, const SendRing& ring) {
                 combine_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
             });
@@ -1183,7 +1301,7 @@ constexpr int64_t kSendSmemBudget = 200 * 1024;
 static int send_tma_warps(bool use_tma, int row_bytes, int64_t& smem) {
     const int64_t per_warp = SendRing::smem_bytes(1, row_bytes);
     int warps = use_tma ? static_cast<int>(kSendSmemBudget / per_warp) : 0;
-    warps = warps > 16 ? 16 : warps;  // a block has 512 threads
+    warps = warps > kMaxSendWarps ? kMaxSendWarps : warps;
     smem = warps * per_warp;
     return warps;
 }
@@ -1224,14 +1342,15 @@ struct DispatchCall {
     int64_t scale_stride_t, scale_stride_c, recv_scale_stride_t, recv_scale_stride_c, cap_rows;
     int32_t num_tokens, x_bytes, num_scales, num_topk, has_topk, has_weights, experts_per_rank, row_stride;
     int32_t num_out_rows, num_sms, num_send_blocks, mode, op, use_tma;
-    int32_t local_by_receiver, pad0;  // the fused kernel's (mode 0): see DispatchArgs
+    int32_t local_by_receiver;  // the fused kernel's (mode 0): see DispatchArgs
+    int32_t flag_warp;
 };
 
 struct CombineCall {
     CallContext context;
     uint64_t x, weights, in_rank, slot, layout, bias0, bias1, out, out_weights;
     int64_t cap_rows;
-    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, pad0;
+    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, flag_warp;
 };
 
 namespace epcomm {  // where the template fields_of lives
@@ -1264,7 +1383,7 @@ constexpr auto fields_of<DispatchCall>() {
                       EPCOMM_FIELD(has_topk), EPCOMM_FIELD(has_weights), EPCOMM_FIELD(experts_per_rank),
                       EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_out_rows), EPCOMM_FIELD(num_sms),
                       EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op), EPCOMM_FIELD(use_tma),
-                      EPCOMM_FIELD(local_by_receiver), EPCOMM_FIELD(pad0)};
+                      EPCOMM_FIELD(local_by_receiver), EPCOMM_FIELD(flag_warp)};
 }
 template <>
 constexpr auto fields_of<CombineCall>() {
@@ -1273,7 +1392,7 @@ constexpr auto fields_of<CombineCall>() {
                       EPCOMM_FIELD(slot), EPCOMM_FIELD(layout), EPCOMM_FIELD(bias0), EPCOMM_FIELD(bias1),
                       EPCOMM_FIELD(out), EPCOMM_FIELD(out_weights), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
                       EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(pad0)};
+                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(flag_warp)};
 }
 }  // namespace epcomm
 
@@ -1458,6 +1577,7 @@ int epcomm_dispatch(const DispatchCall* call, cudaStream_t stream) {
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
     a.tma_warps = send_tma_warps(c.use_tma != 0 && c.mode != 2, c.x_bytes, smem);
+    a.flag_warp = c.flag_warp != 0;
     cudaError_t err = cudaSuccess;
     if (c.mode == 0) {
         static int64_t allowed = 48 * 1024;
@@ -1491,6 +1611,7 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
     a.tma_warps = send_tma_warps(c.use_tma != 0, c.hidden * 2, smem);
+    a.flag_warp = c.flag_warp != 0;
     static int64_t allowed = 48 * 1024;
     const cudaError_t err = allow_smem(combine_kernel, smem, allowed);
     if (err != cudaSuccess) return static_cast<int>(err);

@@ -1,0 +1,337 @@
+// What publishing a row costs a sender: the normal-mode senders (intranode.cu) store a token's row
+// into every destination's buffer, then release a flag per row so the receiver may copy it out.
+// A release is a fence at system scope: the warp waits until its stores are acknowledged (across
+// NVLink, microseconds) before it may load the next row. scripts/nvlink_rate.cu measured the cost
+// on 4 x H100 (push against push-flag: 311 -> 259 GB/s at 8 SMs, 327 -> 303 at 24). Here, the same
+// pushes published four ways:
+//   none        no flags (the ceiling)
+//   row         a release per row by the warp that stored it (dispatch_send today)
+//   batch2      one fence per two rows of a warp, then both flags (combine_send today)
+//   flag-warp   the block's last warp publishes for the others: a data warp posts its row's flag
+//               addresses to shared memory (a release at block scope) and goes on; the flag warp
+//               takes what was posted, fences once at system scope, writes the flags (the fence's
+//               cumulativity covers the stores it observed through the posts, as a block barrier's
+//               would). Data warps never wait for NVLink; a row is published one fence after it is
+//               posted. "lag" is that time (post to flag written), median and max over the rows.
+// With 2 or more GPUs every GPU pushes its 4096 rows to every peer (as nvlink_rate's push); with one,
+// to 3 buffers of its own (a stand-in: local acknowledgements are faster than NVLink's, so it shows
+// whether the flag warp keeps up and what the warps' stalls cost, not the NVLink figures). One GPU
+// also probes what a fence waits for: the latency of warp 0's fence while the block's other warps
+// stream stores, against idle (an SM-wide drain would grow with the others' traffic).
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/flag_rate scripts/flag_rate.cu && /tmp/flag_rate
+// One JSON object a line.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "../epcomm/include/epcomm/common.cuh"
+#include "microbench.cuh"
+
+using namespace epcomm;
+
+constexpr int kRowBytes = 14336;                 // 7168 BF16 channels
+constexpr int kStride = kRowBytes + 128;         // a 128-byte aligned slot, the flag in its last 16 bytes
+constexpr int kTokens = 4096;
+constexpr int kMaxGpus = 8;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kUnroll = 8;
+constexpr int kLocalDsts = 3;                    // the one-GPU stand-in's destinations
+constexpr int kPostRing = 8;                     // rows a data warp may have posted but not published
+enum Method { kNone = 0, kRow = 1, kBatch2 = 2, kFlagWarp = 3 };
+const char* const kMethodNames[] = {"none", "row", "batch2", "flag-warp"};
+
+// Destination d's slot for token t of source `me` (every destination keeps [source][token] rows).
+struct Dsts {
+    uint8_t* base[kMaxGpus];
+    int num;
+    // base[d] by an unrolled select: a dynamic index would put the table in local memory.
+    __host__ __device__ uint8_t* pick(int d) const {
+        uint8_t* p = base[0];
+#pragma unroll
+        for (int k = 1; k < kMaxGpus; ++k)
+            if (k == d) p = base[k];
+        return p;
+    }
+    __host__ __device__ int64_t* flag(int d, int me, int t) const {
+        return reinterpret_cast<int64_t*>(pick(d) + (static_cast<int64_t>(me) * kTokens + t) * kStride + kStride - 16);
+    }
+};
+
+__device__ __forceinline__ void copy_row(const Dsts& dsts, int me, int t, const int4* src, int lane) {
+    constexpr int n = kRowBytes / 16;
+    for (int i = lane; i < n; i += kUnroll * kWarpSize) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i + u * kWarpSize < n) v[u] = ld_nc_int4(src + i + u * kWarpSize);
+#pragma unroll
+        for (int d = 0; d < kMaxGpus; ++d) {  // unrolled: the destinations stay in registers
+            if (d >= dsts.num) break;
+            int4* dst = reinterpret_cast<int4*>(dsts.base[d] + (static_cast<int64_t>(me) * kTokens + t) * kStride);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * kWarpSize < n) dst[i + u * kWarpSize] = v[u];
+        }
+    }
+}
+
+__device__ __forceinline__ void st_release_cta(int* p, int v) {
+    asm volatile("st.release.cta.shared.s32 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(v)
+                 : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {
+    int v;
+    asm volatile("ld.acquire.cta.shared.s32 %0, [%1];"
+                 : "=r"(v)
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p)))
+                 : "memory");
+    return v;
+}
+
+// The flag warp's shared state: per data warp, a ring of posted rows (token, post time), how many
+// it posted (-1 - count once it is done) and how many were published.
+struct PostBoard {
+    int token[kWarps][kPostRing];
+    uint64_t posted_at[kWarps][kPostRing];
+    int posted[kWarps];
+    int published[kWarps];
+};
+
+// lags: per block, [sum of ns, max ns, rows] (flag-warp only).
+template <int kMethod>
+__global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dsts, int me, int64_t flag,
+                                                    unsigned long long* lags) {
+    __shared__ PostBoard board;
+    const int lane = threadIdx.x % kWarpSize, w = threadIdx.x / kWarpSize;
+    const int data_warps = kMethod == kFlagWarp ? kWarps - 1 : kWarps;
+    if (kMethod == kFlagWarp) {
+        if (threadIdx.x < kWarps) board.posted[threadIdx.x] = board.published[threadIdx.x] = 0;
+        __syncthreads();
+    }
+    if (kMethod == kFlagWarp && w == data_warps) {
+        // The flag warp: lane v watches data warp v.
+        int seen = 0;  // published rows of warp `lane`
+        bool done = lane >= data_warps;
+        unsigned long long lag_sum = 0, lag_max = 0, rows = 0;
+        while (__any_sync(kFullMask, !done)) {
+            int posted = done ? seen : ld_acquire_cta(&board.posted[lane]);
+            const bool finished = posted < 0;
+            if (finished) posted = -1 - posted;
+            if (__any_sync(kFullMask, posted > seen)) {
+                fence_sys();  // releases every row the warp observed posted
+                const uint64_t now = global_timer_ns();
+                for (int k = seen; k < posted; ++k) {
+                    const int t = board.token[lane][k % kPostRing];
+                    for (int d = 0; d < dsts.num; ++d) st_relaxed_sys(dsts.flag(d, me, t), flag);
+                    const unsigned long long lag = now - board.posted_at[lane][k % kPostRing];
+                    lag_sum += lag;
+                    lag_max = lag > lag_max ? lag : lag_max;
+                    ++rows;
+                }
+                if (posted > seen) st_release_cta(&board.published[lane], posted);
+                seen = posted;
+            }
+            done = done || (finished && seen == posted);
+        }
+        atomicAdd(&lags[blockIdx.x * 3], lag_sum);
+        atomicMax(&lags[blockIdx.x * 3 + 1], lag_max);
+        atomicAdd(&lags[blockIdx.x * 3 + 2], rows);
+        return;
+    }
+    const int warp = blockIdx.x * data_warps + w, num_warps = gridDim.x * data_warps;
+    int count = 0, pending = -1;
+    for (int t = warp; t < kTokens; t += num_warps) {
+        if (kMethod == kFlagWarp && lane == 0)  // a free entry in this warp's ring
+            while (count - ld_acquire_cta(&board.published[w]) >= kPostRing) {
+            }
+        __syncwarp();
+        copy_row(dsts, me, t, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
+        __syncwarp();
+        if (kMethod == kRow) {
+            if (lane < dsts.num) st_release_sys(dsts.flag(lane, me, t), flag);
+        } else if (kMethod == kBatch2) {
+            if (pending >= 0) {
+                fence_sys();
+                if (lane < dsts.num) {
+                    st_relaxed_sys(dsts.flag(lane, me, pending), flag);
+                    st_relaxed_sys(dsts.flag(lane, me, t), flag);
+                }
+                pending = -1;
+            } else {
+                pending = t;
+            }
+        } else if (kMethod == kFlagWarp && lane == 0) {
+            board.token[w][count % kPostRing] = t;
+            board.posted_at[w][count % kPostRing] = global_timer_ns();
+            st_release_cta(&board.posted[w], count + 1);
+        }
+        ++count;
+    }
+    if (kMethod == kBatch2 && pending >= 0) {
+        fence_sys();
+        if (lane < dsts.num) st_relaxed_sys(dsts.flag(lane, me, pending), flag);
+    }
+    if (kMethod == kFlagWarp && lane == 0) st_release_cta(&board.posted[w], -1 - count);
+}
+
+// Warp 0's fence latency (lane 0, `probes` fences 2 us apart) while warps 1.. stream rows to the
+// stand-in destinations (`stream`) or do nothing.
+__global__ void __launch_bounds__(kThreads, 1) fence_probe(const uint8_t* src, Dsts dsts, bool stream, int probes,
+                                                           unsigned long long* ns) {
+    const int lane = threadIdx.x % kWarpSize, w = threadIdx.x / kWarpSize;
+    __shared__ int stop;
+    if (threadIdx.x == 0) stop = 0;
+    __syncthreads();
+    if (w == 0) {
+        for (int i = 0; i < probes; ++i) {
+            if (lane == 0) {
+                const uint64_t t0 = global_timer_ns();
+                fence_sys();
+                ns[blockIdx.x * probes + i] = global_timer_ns() - t0;
+            }
+            __nanosleep(2000);
+        }
+        if (lane == 0) atomicExch(&stop, 1);
+        return;
+    }
+    if (!stream) return;
+    for (int t = blockIdx.x * (kWarps - 1) + w - 1;; t = (t + gridDim.x * (kWarps - 1)) % kTokens) {
+        if (*reinterpret_cast<volatile int*>(&stop)) break;
+        copy_row(dsts, 0, t, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
+    }
+}
+
+int main() {
+    int num_gpus = 0;
+    CHECK(cudaGetDeviceCount(&num_gpus));
+    num_gpus = std::min(num_gpus, kMaxGpus);
+    const bool stand_in = num_gpus == 1;
+    const int64_t slots = static_cast<int64_t>(stand_in ? 1 : num_gpus) * kTokens;
+    std::vector<uint8_t*> src(num_gpus), buf(num_gpus * kLocalDsts);
+    std::vector<unsigned long long*> lags(num_gpus);
+    std::vector<cudaStream_t> streams(num_gpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        for (int p = 0; p < num_gpus; ++p)
+            if (p != g) CHECK(cudaDeviceEnablePeerAccess(p, 0));
+        CHECK(cudaMalloc(&src[g], static_cast<int64_t>(kTokens) * kRowBytes));
+        CHECK(cudaMemset(src[g], 0x3c + g, static_cast<int64_t>(kTokens) * kRowBytes));  // not zeros
+        for (int k = 0; k < (stand_in ? kLocalDsts : 1); ++k) {
+            CHECK(cudaMalloc(&buf[g * kLocalDsts + k], slots * kStride));
+            CHECK(cudaMemset(buf[g * kLocalDsts + k], 0x5a, slots * kStride));
+        }
+        CHECK(cudaMalloc(&lags[g], 132 * 3 * sizeof(unsigned long long)));
+        CHECK(cudaStreamCreateWithFlags(&streams[g], cudaStreamNonBlocking));
+    }
+    auto dsts_of = [&](int g) {
+        Dsts d{};
+        if (stand_in) {
+            for (int k = 0; k < kLocalDsts; ++k) d.base[d.num++] = buf[k];
+        } else {
+            for (int p = 0; p < num_gpus; ++p)
+                if (p != g) d.base[d.num++] = buf[p * kLocalDsts];
+        }
+        return d;
+    };
+    const int num_dsts = dsts_of(0).num;
+    const int64_t bytes = static_cast<int64_t>(kTokens) * num_dsts * kRowBytes;  // per GPU
+
+    // Launch on every GPU, then wait for all: the slowest GPU's median time of 10 (its own events).
+    std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventCreate(&a[g]));
+        CHECK(cudaEventCreate(&b[g]));
+    }
+    auto run_all = [&](auto launch_on) -> double {
+        std::vector<double> times;
+        for (int it = 0; it < 13; ++it) {
+            for (int g = 0; g < num_gpus; ++g) {
+                CHECK(cudaSetDevice(g));
+                CHECK(cudaDeviceSynchronize());
+                CHECK(cudaMemset(lags[g], 0, 132 * 3 * sizeof(unsigned long long)));
+                CHECK(cudaDeviceSynchronize());
+            }
+            for (int g = 0; g < num_gpus; ++g) {
+                CHECK(cudaSetDevice(g));
+                CHECK(cudaEventRecord(a[g], streams[g]));
+                launch_on(g);
+                CHECK(cudaEventRecord(b[g], streams[g]));
+            }
+            double slowest = 0;
+            for (int g = 0; g < num_gpus; ++g) {
+                CHECK(cudaSetDevice(g));
+                CHECK(cudaEventSynchronize(b[g]));
+                CHECK(cudaGetLastError());
+                float ms;
+                CHECK(cudaEventElapsedTime(&ms, a[g], b[g]));
+                slowest = std::max(slowest, ms * 1e3);
+            }
+            if (it >= 3) times.push_back(slowest);
+        }
+        std::sort(times.begin(), times.end());
+        return times[times.size() / 2];
+    };
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("{\"device\": \"%s\", \"gpus\": %d, \"destinations\": %d, \"stand_in\": %s}\n", prop.name, num_gpus,
+                num_dsts, stand_in ? "true" : "false");
+
+    int64_t flag = 1;
+    for (int sms : {8, 10, 12, 16, 24}) {
+        for (int method : {kNone, kRow, kBatch2, kFlagWarp}) {
+            const double us = run_all([&](int g) {
+                const Dsts d = dsts_of(g);
+                ++flag;
+                switch (method) {
+                    case kNone: push<kNone><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
+                    case kRow: push<kRow><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
+                    case kBatch2: push<kBatch2><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
+                    default: push<kFlagWarp><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]);
+                }
+            });
+            // The last run's lags and whether every flag of that run landed (GPU 0's destinations).
+            unsigned long long host[132 * 3];
+            CHECK(cudaSetDevice(0));
+            CHECK(cudaMemcpy(host, lags[0], sizeof(host), cudaMemcpyDeviceToHost));
+            unsigned long long sum = 0, mx = 0, rows = 0;
+            for (int k = 0; k < sms; ++k) sum += host[k * 3], mx = std::max(mx, host[k * 3 + 1]), rows += host[k * 3 + 2];
+            int missing = 0;
+            if (method != kNone) {
+                const Dsts d = dsts_of(0);
+                for (int k = 0; k < d.num; ++k)
+                    for (int t = 0; t < kTokens; ++t) {
+                        int64_t v;
+                        CHECK(cudaMemcpy(&v, d.flag(k, 0, t), 8, cudaMemcpyDefault));
+                        missing += v != flag;
+                    }
+            }
+            std::printf("{\"method\": \"%s\", \"sms\": %d, \"us\": %.1f, \"gbps\": %.1f, \"gbps_per_sm\": %.2f, "
+                        "\"flags_missing\": %d, \"lag_mean_ns\": %.0f, \"lag_max_ns\": %llu}\n",
+                        kMethodNames[method], sms, us, bytes / us / 1e3, bytes / us / 1e3 / sms, missing,
+                        rows ? static_cast<double>(sum) / rows : 0.0, mx);
+            std::fflush(stdout);
+        }
+    }
+    if (stand_in) {
+        constexpr int kProbes = 200, kSms = 24;
+        unsigned long long* ns;
+        CHECK(cudaMalloc(&ns, kSms * kProbes * sizeof(unsigned long long)));
+        for (bool stream : {false, true}) {
+            fence_probe<<<kSms, kThreads>>>(src[0], dsts_of(0), stream, kProbes, ns);
+            CHECK(cudaDeviceSynchronize());
+            std::vector<unsigned long long> h(kSms * kProbes);
+            CHECK(cudaMemcpy(h.data(), ns, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+            std::sort(h.begin(), h.end());
+            std::printf("{\"probe\": \"fence.acq_rel.sys latency\", \"others_streaming\": %s, \"sms\": %d, "
+                        "\"median_ns\": %llu, \"p90_ns\": %llu, \"max_ns\": %llu}\n",
+                        stream ? "true" : "false", kSms, h[h.size() / 2], h[h.size() * 9 / 10], h.back());
+        }
+    }
+    return 0;
+}
