@@ -6,13 +6,16 @@
 // pushes published four ways:
 //   none        no flags (the ceiling)
 //   row         a release per row by the warp that stored it (dispatch_send today)
-//   batch2      one fence per two rows of a warp, then both flags (combine_send today)
+//   batch2      one fence per two rows of a warp, then both flags (combine_send today: fence.acq_rel)
+//   batch2-rel  the same with fence.release (no L1 invalidation: the acquire half is not needed)
 //   flag-warp   the block's last warp publishes for the others: a data warp posts its row's flag
 //               addresses to shared memory (a release at block scope) and goes on; the flag warp
 //               takes what was posted, fences once at system scope, writes the flags (the fence's
 //               cumulativity covers the stores it observed through the posts, as a block barrier's
-//               would). Data warps never wait for NVLink; a row is published one fence after it is
-//               posted. "lag" is that time (post to flag written), median and max over the rows.
+//               would; intranode.cu's FlagBoard). Data warps never wait for NVLink; a row is
+//               published one fence after it is posted: "lag" is the time from its post to the end
+//               of that fence, mean and max over the rows (a fence that waited for the stores the
+//               data warps issue after it, not just those before, would show here as a long lag).
 // With 2 or more GPUs every GPU pushes its 4096 rows to every peer (as nvlink_rate's push); with one,
 // to 3 buffers of its own (a stand-in: local acknowledgements are faster than NVLink's, so it shows
 // whether the flag warp keeps up and what the warps' stalls cost, not the NVLink figures). One GPU
@@ -42,8 +45,8 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnroll = 8;
 constexpr int kLocalDsts = 3;                    // the one-GPU stand-in's destinations
 constexpr int kPostRing = 8;                     // rows a data warp may have posted but not published
-enum Method { kNone = 0, kRow = 1, kBatch2 = 2, kFlagWarp = 3 };
-const char* const kMethodNames[] = {"none", "row", "batch2", "flag-warp"};
+enum Method { kNone = 0, kRow = 1, kBatch2 = 2, kBatch2Release = 3, kFlagWarp = 4 };
+const char* const kMethodNames[] = {"none", "row", "batch2", "batch2-rel", "flag-warp"};
 
 // Destination d's slot for token t of source `me` (every destination keeps [source][token] rows).
 struct Dsts {
@@ -123,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
             const bool finished = posted < 0;
             if (finished) posted = -1 - posted;
             if (__any_sync(kFullMask, posted > seen)) {
-                fence_sys();  // releases every row the warp observed posted
+                fence_release_sys();  // releases every row the warp observed posted
                 const uint64_t now = global_timer_ns();
                 for (int k = seen; k < posted; ++k) {
                     const int t = board.token[lane][k % kPostRing];
@@ -135,6 +138,8 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
                 }
                 if (posted > seen) st_release_cta(&board.published[lane], posted);
                 seen = posted;
+            } else {
+                __nanosleep(64);  // as the kernels' flag warp
             }
             done = done || (finished && seen == posted);
         }
@@ -146,17 +151,19 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
     const int warp = blockIdx.x * data_warps + w, num_warps = gridDim.x * data_warps;
     int count = 0, pending = -1;
     for (int t = warp; t < kTokens; t += num_warps) {
-        if (kMethod == kFlagWarp && lane == 0)  // a free entry in this warp's ring
-            while (count - ld_acquire_cta(&board.published[w]) >= kPostRing) {
-            }
-        __syncwarp();
         copy_row(dsts, me, t, reinterpret_cast<const int4*>(src + static_cast<int64_t>(t) * kRowBytes), lane);
         __syncwarp();
+        if (kMethod == kFlagWarp && lane == 0)  // a free entry in this warp's ring (after the stores, as the kernels)
+            while (count - ld_acquire_cta(&board.published[w]) >= kPostRing) {
+            }
         if (kMethod == kRow) {
             if (lane < dsts.num) st_release_sys(dsts.flag(lane, me, t), flag);
-        } else if (kMethod == kBatch2) {
+        } else if (kMethod == kBatch2 || kMethod == kBatch2Release) {
             if (pending >= 0) {
-                fence_sys();
+                if (kMethod == kBatch2)
+                    fence_sys();
+                else
+                    fence_release_sys();
                 if (lane < dsts.num) {
                     st_relaxed_sys(dsts.flag(lane, me, pending), flag);
                     st_relaxed_sys(dsts.flag(lane, me, t), flag);
@@ -172,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
         }
         ++count;
     }
-    if (kMethod == kBatch2 && pending >= 0) {
+    if ((kMethod == kBatch2 || kMethod == kBatch2Release) && pending >= 0) {
         fence_sys();
         if (lane < dsts.num) st_relaxed_sys(dsts.flag(lane, me, pending), flag);
     }
@@ -248,9 +255,11 @@ int main() {
         CHECK(cudaEventCreate(&a[g]));
         CHECK(cudaEventCreate(&b[g]));
     }
+    int64_t flag = 1;  // every GPU's flags of one iteration hold that iteration's value
     auto run_all = [&](auto launch_on) -> double {
         std::vector<double> times;
         for (int it = 0; it < 13; ++it) {
+            ++flag;
             for (int g = 0; g < num_gpus; ++g) {
                 CHECK(cudaSetDevice(g));
                 CHECK(cudaDeviceSynchronize());
@@ -282,20 +291,22 @@ int main() {
     std::printf("{\"device\": \"%s\", \"gpus\": %d, \"destinations\": %d, \"stand_in\": %s}\n", prop.name, num_gpus,
                 num_dsts, stand_in ? "true" : "false");
 
-    int64_t flag = 1;
     for (int sms : {8, 10, 12, 16, 24}) {
-        for (int method : {kNone, kRow, kBatch2, kFlagWarp}) {
+        for (int method : {kNone, kRow, kBatch2, kBatch2Release, kFlagWarp}) {
             const double us = run_all([&](int g) {
                 const Dsts d = dsts_of(g);
-                ++flag;
                 switch (method) {
                     case kNone: push<kNone><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
                     case kRow: push<kRow><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
                     case kBatch2: push<kBatch2><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
+                    case kBatch2Release:
+                        push<kBatch2Release><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]);
+                        break;
                     default: push<kFlagWarp><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]);
                 }
             });
-            // The last run's lags and whether every flag of that run landed (GPU 0's destinations).
+            // The last run's lags, and whether every flag of GPU 0's rows holds that run's value (that the
+            // flags were written at all: nothing reads the rows here, so no ordering is checked).
             unsigned long long host[132 * 3];
             CHECK(cudaSetDevice(0));
             CHECK(cudaMemcpy(host, lags[0], sizeof(host), cudaMemcpyDeviceToHost));

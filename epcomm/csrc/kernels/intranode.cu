@@ -545,15 +545,17 @@ __device__ void publish_posted_rows(FlagBoard& board, int data_warps, int64_t va
         const bool last = posted < 0;
         if (last) posted = -1 - posted;
         if (__any_sync(kFullMask, posted > seen)) {
-            fence_sys();  // releases every row this warp saw posted
+            fence_release_sys();  // releases every row this warp saw posted
             for (int k = seen; k < posted; ++k)
-#pragma unroll
+#pragma unroll 1
                 for (int d = 0; d < kMaxRanks; ++d) {
                     int64_t* f = board.flag[lane][k % kPostRing][d];
                     if (f != nullptr) st_relaxed_sys(f, value);
                 }
             if (posted > seen) st_release_cta_shared(&board.published[lane], posted);
             seen = posted;
+        } else {
+            __nanosleep(64);  // the polls would take issue slots from the data warps of this scheduler
         }
         done = done || (last && seen == posted);
     }
@@ -590,7 +592,6 @@ struct DispatchArgs {
     // host's choice: CudaIntranode._launch_dispatch says why).
     bool local_by_receiver;
     int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
-    bool flag_warp;             // register senders: a block's last warp publishes the others' rows (FlagBoard)
     int op;
     int* info;
     uint64_t timeout_ns;
@@ -730,6 +731,7 @@ __device__ __forceinline__ int route_row_pos(const TokenRoute& r, const int* s_l
 // Sender: one warp per token; x is read once and stored to every destination. Rows to other
 // ranks go to their buffers (then a flag per row); the row to this rank goes straight to the
 // outputs unless the receivers do it (`local_by_receiver`).
+template <bool kFlagWarp>  // board: the block's FlagBoard (kFlagWarp), else nullptr
 __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps,
                               FlagBoard* board) {
     const int lane = threadIdx.x % kWarpSize;
@@ -795,14 +797,14 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
         for (int d = 0; d < kMaxRanks; ++d)
             if (d == lane && dst_row[d] != nullptr)
                 my_flag = reinterpret_cast<int64_t*>(dst_row[d] + a.row_stride - kRowTrailerBytes);
-        if (board != nullptr) {
-            poster.post(my_flag, lane);
+        if constexpr (kFlagWarp) {
+            if (__ballot_sync(kFullMask, my_flag != nullptr) != 0) poster.post(my_flag, lane);  // not own rows alone
         } else {
             __syncwarp();
             if (my_flag != nullptr) st_release_sys(my_flag, flag_value);
         }
     }
-    if (board != nullptr) poster.finish(lane);
+    if constexpr (kFlagWarp) poster.finish(lane);
 }
 
 // A sending warp's row ring: two rows loading while one is stored, and the stores of the last
@@ -940,7 +942,7 @@ __device__ __forceinline__ uint8_t* dynamic_smem() {
 // them, its warps by register copies (by_registers(warp, num_warps, board)): all of them, each
 // publishing its own rows (board == nullptr), or all but the last, which publishes theirs
 // (`board`: the kernel's FlagBoard, its counters zeroed before the kernel's first barrier).
-template <class ByRegisters, class ByBulk>
+template <bool kFlagWarp, class ByRegisters, class ByBulk>
 __device__ __forceinline__ void send_role(int tma_warps, FlagBoard* board, int row_bytes, int block, int num_blocks,
                                           int64_t flag_value, ByRegisters&& by_registers, ByBulk&& by_bulk) {
     const int w = threadIdx.x / kWarpSize;
@@ -950,7 +952,7 @@ __device__ __forceinline__ void send_role(int tma_warps, FlagBoard* board, int r
         return;
     }
     const int warps_per_block = blockDim.x / kWarpSize;
-    if (board == nullptr) {
+    if constexpr (!kFlagWarp) {
         by_registers(block * warps_per_block + w, num_blocks * warps_per_block, nullptr);
         return;
     }
@@ -961,17 +963,28 @@ __device__ __forceinline__ void send_role(int tma_warps, FlagBoard* board, int r
         by_registers(block * data_warps + w, num_blocks * data_warps, board);
 }
 
-// A kernel with senders: its flag board's counters, zeroed by the threads before the kernel's
-// first block barrier (every thread reaches that one).
-__device__ __forceinline__ void reset_flag_board(FlagBoard& board) {
-    if (threadIdx.x < kMaxSendWarps) board.posted[threadIdx.x] = board.published[threadIdx.x] = 0;
+// The flag board of a kernel instantiated with a flag warp (kFlagWarp; nullptr otherwise, so the
+// other instantiations hold no board and compile as without one), its counters zeroed by the
+// threads before the kernel's first block barrier (every thread reaches that one).
+template <bool kFlagWarp>
+__device__ __forceinline__ FlagBoard* flag_board() {
+    if constexpr (kFlagWarp) {
+        __shared__ FlagBoard board;
+        if (threadIdx.x < kMaxSendWarps) board.posted[threadIdx.x] = board.published[threadIdx.x] = 0;
+        return &board;
+    } else {
+        return nullptr;
+    }
 }
 
+template <bool kFlagWarp>
 __device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
-                                   int num_blocks, FlagBoard& board) {
-    send_role(
-        a.tma_warps, a.flag_warp ? &board : nullptr, a.x_bytes, block, num_blocks, flag_value,
-        [&](int warp, int num_warps, FlagBoard* b) { dispatch_send(a, s_layout, flag_value, warp, num_warps, b); },
+                                   int num_blocks, FlagBoard* board) {
+    send_role<kFlagWarp>(
+        a.tma_warps, board, a.x_bytes, block, num_blocks, flag_value,
+        [&](int warp, int num_warps, FlagBoard* b) {
+            dispatch_send<kFlagWarp>(a, s_layout, flag_value, warp, num_warps, b);
+        },
         [&](int warp, int num_warps, const SendRing& ring) {
             dispatch_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
         });
@@ -980,19 +993,23 @@ __device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, i
 // kSend and kRecv: the fused kernel (num_worst_tokens and cached dispatch: one launch, no host
 // round trip), its first blocks send and the others receive. One role alone: the two halves of a
 // dispatch whose outputs are sized after the host reads the counts; the send half is launched on
-// a side stream before that read, so the transfer starts while the CPU waits.
-template <bool kSend, bool kRecv>
+// a side stream before that read, so the transfer starts while the CPU waits. kFlagWarp: the
+// register senders publish through a flag warp per block (a.flag_warp, register senders only).
+template <bool kSend, bool kRecv, bool kFlagWarp>
 __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
+    static_assert(kSend || !kFlagWarp, "a flag warp publishes senders' rows");
     const int warps_per_block = blockDim.x / kWarpSize;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int s_layout[kLayoutInts];
-    __shared__ FlagBoard board;
     if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
-    if (kSend) reset_flag_board(board);
+    FlagBoard* board = flag_board<kFlagWarp>();
     __syncthreads();
     if (s_layout[kLayAbort] != 0) return;  // a rank refused its inputs: every rank skips alike
     const int64_t seq = ld_volatile(seq_word(mine));
-    if (ld_volatile(abort_word(mine)) == seq) return;  // this call's barrier failed (reported)
+    // This call's barrier failed (reported). Decided for the whole block: a receiver's timeout may
+    // write the abort word while the block starts, and a sending block's warps must leave together
+    // (a flag warp waits for every data warp).
+    if (__syncthreads_or(threadIdx.x == 0 && ld_volatile(abort_word(mine)) == seq)) return;
     const bool reporter = kRecv && threadIdx.x == 0 && blockIdx.x == gridDim.x - 1;
     if (s_layout[kLayMaxRecv] > a.cap_rows) {  // every rank sees the same matrix, so all skip alike
         if (reporter) report_error(a.info, kErrCapacity, a.op, -1);
@@ -1004,12 +1021,12 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
     const int warp_in_block = threadIdx.x / kWarpSize;
     if (kSend && kRecv) {
         if (static_cast<int>(blockIdx.x) < a.num_send_blocks)
-            dispatch_send_role(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks, board);
+            dispatch_send_role<kFlagWarp>(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks, board);
         else
             dispatch_recv(a, s_layout, seq, flag_value, (blockIdx.x - a.num_send_blocks) * warps_per_block + warp_in_block,
                           (gridDim.x - a.num_send_blocks) * warps_per_block);
     } else if (kSend) {
-        dispatch_send_role(a, s_layout, flag_value, blockIdx.x, gridDim.x, board);
+        dispatch_send_role<kFlagWarp>(a, s_layout, flag_value, blockIdx.x, gridDim.x, board);
     } else {
         dispatch_recv(a, s_layout, seq, flag_value, blockIdx.x * warps_per_block + warp_in_block,
                       gridDim.x * warps_per_block);
@@ -1033,7 +1050,6 @@ struct CombineArgs {
     float* out_weights;         // [T, K] or nullptr
     int num_send_blocks;
     int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
-    bool flag_warp;             // register senders: a block's last warp publishes the others' rows (FlagBoard)
     int* info;
     uint64_t timeout_ns;
 };
@@ -1097,7 +1113,7 @@ struct PendingFlags {
 #pragma unroll
         for (int k = 0; k < kFlagBatch; ++k) any |= k < count && row[k] >= 0;
         if (any) {
-            fence_sys();
+            fence_sys();  // releases the batch's rows
 #pragma unroll
             for (int k = 0; k < kFlagBatch; ++k)
                 if (k < count && row[k] >= 0) st_relaxed_sys(flag_of(row[k]), value);
@@ -1108,6 +1124,7 @@ struct PendingFlags {
 
 // Sender with register copies: every received row of another rank goes back to its source, at
 // the slot the source reduces from.
+template <bool kFlagWarp>  // as dispatch_send's
 __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps,
                              FlagBoard* board) {
     const int lane = threadIdx.x % kWarpSize, K = a.num_topk, x_int4 = a.hidden / 8;
@@ -1136,14 +1153,14 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
                 if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
         }
         if (lane < K) reinterpret_cast<float*>(r + a.hidden * 2)[lane] = w;
-        if (board != nullptr) {
+        if constexpr (kFlagWarp) {
             poster.post(lane == 0 ? reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes) : nullptr, lane);
-            continue;
+        } else {
+            pending.add(lane == 0 ? j : -1);
+            if (pending.full()) pending.publish(flag_value, flag_of);
         }
-        pending.add(lane == 0 ? j : -1);
-        if (pending.full()) pending.publish(flag_value, flag_of);
     }
-    if (board != nullptr)
+    if constexpr (kFlagWarp)
         poster.finish(lane);
     else
         pending.publish(flag_value, flag_of);
@@ -1214,6 +1231,7 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
             }
         }
         if (!__all_sync(kFullMask, ok)) return;  // lanes must leave together (warp collectives follow)
+        __syncwarp();  // lane d acquired row d's flag; the warp's loads of that row come after (memory order)
         auto row_of = [&](int d) {
             return reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<uint64_t>(row_lane), d));
         };
@@ -1258,17 +1276,17 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
     }
 }
 
+template <bool kFlagWarp>  // as dispatch_kernel's
 __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int w = threadIdx.x / kWarpSize, warps_per_block = blockDim.x / kWarpSize;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int s_layout[kLayoutInts];
-    __shared__ FlagBoard board;
     if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
-    reset_flag_board(board);
+    FlagBoard* board = flag_board<kFlagWarp>();
     __syncthreads();
     if (s_layout[kLayAbort] != 0) return;
     const int64_t seq = ld_volatile(seq_word(mine));
-    if (ld_volatile(abort_word(mine)) == seq) return;
+    if (__syncthreads_or(threadIdx.x == 0 && ld_volatile(abort_word(mine)) == seq)) return;  // as in dispatch_kernel
     if (s_layout[kLayMaxSend] > a.cap_rows) {
         if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, kOpCombine, -1);
         return;
@@ -1276,9 +1294,11 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int64_t flag_value = seq ^ kFlagMagic;
     const int block = blockIdx.x;
     if (block < a.num_send_blocks) {
-        send_role(
-            a.tma_warps, a.flag_warp ? &board : nullptr, a.hidden * 2, block, a.num_send_blocks, flag_value,
-            [&](int warp, int num_warps, FlagBoard* b) { combine_send(a, s_layout, flag_value, warp, num_warps, b); },
+        send_role<kFlagWarp>(
+            a.tma_warps, board, a.hidden * 2, block, a.num_send_blocks, flag_value,
+            [&](int warp, int num_warps, FlagBoard* b) {
+                combine_send<kFlagWarp>(a, s_layout, flag_value, warp, num_warps, b);
+            },
             [&](int warp, int num_warps, const SendRing& ring) {
                 combine_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
             });
@@ -1313,6 +1333,16 @@ static cudaError_t allow_smem(Kernel kernel, int64_t smem, int64_t& allowed) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err == cudaSuccess) allowed = smem;
+    return err;
+}
+
+// Launch `kernel` (one with sending blocks) on `blocks` blocks of 512 threads with `smem` bytes of
+// dynamic shared memory (the bulk-copy senders' rings), allowed once per kernel.
+template <auto kernel, class Args>
+static cudaError_t launch_senders(const Args& a, int blocks, int64_t smem, cudaStream_t stream) {
+    static int64_t allowed = 48 * 1024;
+    const cudaError_t err = allow_smem(kernel, smem, allowed);
+    if (err == cudaSuccess) kernel<<<blocks, 512, smem, stream>>>(a);
     return err;
 }
 
@@ -1577,21 +1607,19 @@ int epcomm_dispatch(const DispatchCall* call, cudaStream_t stream) {
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
     a.tma_warps = send_tma_warps(c.use_tma != 0 && c.mode != 2, c.x_bytes, smem);
-    a.flag_warp = c.flag_warp != 0;
+    const bool flag_warp = c.flag_warp != 0 && a.tma_warps == 0;
     cudaError_t err = cudaSuccess;
     if (c.mode == 0) {
-        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = c.local_by_receiver != 0;
-        err = allow_smem(dispatch_kernel<true, true>, smem, allowed);
-        if (err == cudaSuccess) dispatch_kernel<true, true><<<blocks, 512, smem, stream>>>(a);
+        err = flag_warp ? launch_senders<dispatch_kernel<true, true, true>>(a, blocks, smem, stream)
+                        : launch_senders<dispatch_kernel<true, true, false>>(a, blocks, smem, stream);
     } else if (c.mode == 1) {
-        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = true;
-        err = allow_smem(dispatch_kernel<true, false>, smem, allowed);
-        if (err == cudaSuccess) dispatch_kernel<true, false><<<a.num_send_blocks, 512, smem, stream>>>(a);
+        err = flag_warp ? launch_senders<dispatch_kernel<true, false, true>>(a, a.num_send_blocks, smem, stream)
+                        : launch_senders<dispatch_kernel<true, false, false>>(a, a.num_send_blocks, smem, stream);
     } else {
         a.local_by_receiver = true;
-        dispatch_kernel<false, true><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
+        dispatch_kernel<false, true, false><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
     }
     return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
@@ -1611,12 +1639,10 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
     a.tma_warps = send_tma_warps(c.use_tma != 0, c.hidden * 2, smem);
-    a.flag_warp = c.flag_warp != 0;
-    static int64_t allowed = 48 * 1024;
-    const cudaError_t err = allow_smem(combine_kernel, smem, allowed);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    combine_kernel<<<blocks, 512, smem, stream>>>(a);
-    return static_cast<int>(cudaGetLastError());
+    const cudaError_t err = c.flag_warp != 0 && a.tma_warps == 0
+                                ? launch_senders<combine_kernel<true>>(a, blocks, smem, stream)
+                                : launch_senders<combine_kernel<false>>(a, blocks, smem, stream);
+    return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 // The layout and field names of call record `name` (CallContext, NotifyCall, DispatchCall,

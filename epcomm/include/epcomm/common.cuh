@@ -44,6 +44,9 @@ __device__ __forceinline__ int ld_volatile_int(const int* ptr) {
 // then a fence is an acquire. _sys for what peers on other GPUs read, _gpu for what stays on this GPU.
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// A release alone (PTX 8.6): what a fence before a flag store needs, without the acquire half's L1
+// invalidation (CCTL.IVALL in the SASS of fence.acq_rel).
+__device__ __forceinline__ void fence_release_sys() { asm volatile("fence.release.sys;" ::: "memory"); }
 
 // Atomic add that releases this thread's writes (and what it observed) at GPU scope and acquires
 // those released by the earlier adds: a count of writers whose last one then publishes for all.
