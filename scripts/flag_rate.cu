@@ -16,6 +16,10 @@
 //               published one fence after it is posted: "lag" is the time from its post to the end
 //               of that fence, mean and max over the rows (a fence that waited for the stores the
 //               data warps issue after it, not just those before, would show here as a long lag).
+//               The post's st.release.cta is MEMBAR.ALL.CTA + STS in the SASS: the membar waits for
+//               the warp's global stores, which is what the flag warp was to spare the data warps.
+//   flag-warp-mbar  the same with each ring entry's post an mbarrier arrive (release) and its reuse an
+//               mbarrier the flag warp arrives on: SYNCS.ARRIVE in the SASS, no membar in the warp.
 // With 2 or more GPUs every GPU pushes its 4096 rows to every peer (as nvlink_rate's push); with one,
 // to 3 buffers of its own (a stand-in: local acknowledgements are faster than NVLink's, so it shows
 // whether the flag warp keeps up and what the warps' stalls cost, not the NVLink figures). One GPU
@@ -45,8 +49,8 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnroll = 8;
 constexpr int kLocalDsts = 3;                    // the one-GPU stand-in's destinations
 constexpr int kPostRing = 8;                     // rows a data warp may have posted but not published
-enum Method { kNone = 0, kRow = 1, kBatch2 = 2, kBatch2Release = 3, kFlagWarp = 4 };
-const char* const kMethodNames[] = {"none", "row", "batch2", "batch2-rel", "flag-warp"};
+enum Method { kNone = 0, kRow = 1, kBatch2 = 2, kBatch2Release = 3, kFlagWarp = 4, kFlagWarpMbar = 5 };
+const char* const kMethodNames[] = {"none", "row", "batch2", "batch2-rel", "flag-warp", "flag-warp-mbar"};
 
 // Destination d's slot for token t of source `me` (every destination keeps [source][token] rows).
 struct Dsts {
@@ -97,13 +101,37 @@ __device__ __forceinline__ int ld_acquire_cta(const int* p) {
 }
 
 // The flag warp's shared state: per data warp, a ring of posted rows (token, post time), how many
-// it posted (-1 - count once it is done) and how many were published.
+// it posted (-1 - count once it is done) and how many were published; for flag-warp-mbar, each
+// entry's mbarriers (full: the data warp posted it; empty: the flag warp published it) and each
+// warp's row count once it is done (-1 before).
 struct PostBoard {
     int token[kWarps][kPostRing];
     uint64_t posted_at[kWarps][kPostRing];
     int posted[kWarps];
     int published[kWarps];
+    uint64_t full[kWarps][kPostRing], empty[kWarps][kPostRing];
+    int total[kWarps];
 };
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))),
+                 "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_release(uint64_t* bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.release.cta.shared::cta.b64 st, [%0]; }" ::"r"(
+                     static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+                 : "memory");
+}
+// Whether the phase of `parity` has completed (acquire: what the arrivals released is visible).
+__device__ __forceinline__ bool mbar_test_acquire(uint64_t* bar, int parity) {
+    unsigned done;
+    asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(parity)
+                 : "memory");
+    return done != 0;
+}
 
 // lags: per block, [sum of ns, max ns, rows] (flag-warp only).
 template <int kMethod>
@@ -111,10 +139,57 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
                                                     unsigned long long* lags) {
     __shared__ PostBoard board;
     const int lane = threadIdx.x % kWarpSize, w = threadIdx.x / kWarpSize;
-    const int data_warps = kMethod == kFlagWarp ? kWarps - 1 : kWarps;
+    constexpr bool kMbar = kMethod == kFlagWarpMbar;
+    const int data_warps = kMethod == kFlagWarp || kMbar ? kWarps - 1 : kWarps;
     if (kMethod == kFlagWarp) {
         if (threadIdx.x < kWarps) board.posted[threadIdx.x] = board.published[threadIdx.x] = 0;
         __syncthreads();
+    }
+    if (kMbar) {
+        if (threadIdx.x < kWarps * kPostRing) {
+            mbar_init(&board.full[0][0] + threadIdx.x, 1);
+            mbar_init(&board.empty[0][0] + threadIdx.x, 1);
+        }
+        if (threadIdx.x < kWarps) board.total[threadIdx.x] = -1;
+        __syncthreads();
+    }
+    if (kMbar && w == data_warps) {
+        // The flag warp: lane v takes data warp v's entries in order as their full barriers complete.
+        int seen = 0;
+        bool done = lane >= data_warps;
+        unsigned long long lag_sum = 0, lag_max = 0, rows = 0;
+        while (__any_sync(kFullMask, !done)) {
+            int took = 0;
+            if (!done)
+                while (took < kPostRing && mbar_test_acquire(&board.full[lane][(seen + took) % kPostRing],
+                                                             ((seen + took) / kPostRing) & 1))
+                    ++took;
+            if (__any_sync(kFullMask, took > 0)) {
+                fence_release_sys();  // releases every row the warp took
+                const uint64_t now = global_timer_ns();
+                for (int k = seen; k < seen + took; ++k) {
+                    const int e = k % kPostRing;
+                    const int t = board.token[lane][e];
+                    for (int d = 0; d < dsts.num; ++d) st_relaxed_sys(dsts.flag(d, me, t), flag);
+                    const unsigned long long lag = now - board.posted_at[lane][e];
+                    lag_sum += lag;
+                    lag_max = lag > lag_max ? lag : lag_max;
+                    ++rows;
+                    mbar_arrive_release(&board.empty[lane][e]);  // the entry may be rewritten
+                }
+                seen += took;
+            } else {
+                __nanosleep(64);
+            }
+            if (!done) {
+                const int total = ld_acquire_cta(&board.total[lane]);
+                done = total >= 0 && seen == total;
+            }
+        }
+        atomicAdd(&lags[blockIdx.x * 3], lag_sum);
+        atomicMax(&lags[blockIdx.x * 3 + 1], lag_max);
+        atomicAdd(&lags[blockIdx.x * 3 + 2], rows);
+        return;
     }
     if (kMethod == kFlagWarp && w == data_warps) {
         // The flag warp: lane v watches data warp v.
@@ -176,9 +251,18 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
             board.token[w][count % kPostRing] = t;
             board.posted_at[w][count % kPostRing] = global_timer_ns();
             st_release_cta(&board.posted[w], count + 1);
+        } else if (kMbar && lane == 0) {
+            const int e = count % kPostRing, use = count / kPostRing;
+            if (use > 0)  // the entry's previous row published
+                while (!mbar_test_acquire(&board.empty[w][e], (use - 1) & 1)) {
+                }
+            board.token[w][e] = t;
+            board.posted_at[w][e] = global_timer_ns();
+            mbar_arrive_release(&board.full[w][e]);  // after __syncwarp: releases the warp's row too
         }
         ++count;
     }
+    if (kMbar && lane == 0) st_release_cta(&board.total[w], count);
     if ((kMethod == kBatch2 || kMethod == kBatch2Release) && pending >= 0) {
         fence_sys();
         if (lane < dsts.num) st_relaxed_sys(dsts.flag(lane, me, pending), flag);
@@ -292,7 +376,7 @@ int main() {
                 num_dsts, stand_in ? "true" : "false");
 
     for (int sms : {8, 10, 12, 16, 24}) {
-        for (int method : {kNone, kRow, kBatch2, kBatch2Release, kFlagWarp}) {
+        for (int method : {kNone, kRow, kBatch2, kBatch2Release, kFlagWarp, kFlagWarpMbar}) {
             const double us = run_all([&](int g) {
                 const Dsts d = dsts_of(g);
                 switch (method) {
@@ -302,7 +386,8 @@ int main() {
                     case kBatch2Release:
                         push<kBatch2Release><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]);
                         break;
-                    default: push<kFlagWarp><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]);
+                    case kFlagWarp: push<kFlagWarp><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]); break;
+                    default: push<kFlagWarpMbar><<<sms, kThreads, 0, streams[g]>>>(src[g], d, g, flag, lags[g]);
                 }
             });
             // The last run's lags, and whether every flag of GPU 0's rows holds that run's value (that the

@@ -483,18 +483,23 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
 // its stores are acknowledged across NVLink before it may load its next row (4 GPUs storing to
 // each other: 327 -> 303 GB/s at 24 SMs, 311 -> 259 at 8, scripts/nvlink_rate.cu). With a flag
 // warp (EPCOMM_SEND_FLAG_WARP=1) a sending block's last warp publishes for the others: a data warp
-// posts its row's flag addresses to shared memory with a release at block scope and goes on to its
-// next row; the flag warp takes every row posted since its last look, fences once at system scope
-// and writes their flags. The fence's cumulativity covers the stores of every row it observed
-// posted (as a block barrier followed by one thread's fence would), so a row's flag is never seen
-// before its bytes. Data warps wait only for a free entry of their ring (local, never for a peer).
+// posts its row's flag addresses to an entry of its ring in shared memory and goes on to its next
+// row; the flag warp takes every entry posted since its last look, fences once at system scope and
+// writes their flags. A post is an mbarrier arrive with release semantics (after __syncwarp, so it
+// releases every lane's stores of the row), taken by the flag warp's acquiring test of the
+// mbarrier's phase; the fence's cumulativity then covers those stores, so a row's flag is never
+// seen before its bytes. The arrive is SYNCS.ARRIVE in the SASS, with no membar in the data warp: a
+// post by st.release.cta (MEMBAR.ALL.CTA, which waits for the warp's global stores) left the data
+// warps 23-25% slower than without flags (one H200, scripts/flag_rate.cu). Data warps wait only for
+// a free entry of their ring (the flag warp's arrive on its `empty` mbarrier; local, never a peer).
 constexpr int kMaxSendWarps = 16;  // a block has 512 threads
 constexpr int kPostRing = 8;       // rows a data warp may have posted and not yet seen published
 
 struct FlagBoard {
     int64_t* flag[kMaxSendWarps - 1][kPostRing][kMaxRanks];  // per data warp and entry: flags to write
-    int posted[kMaxSendWarps];     // rows posted; -1 - rows once the warp has posted its last
-    int published[kMaxSendWarps];  // rows whose flags the flag warp wrote
+    uint64_t full[kMaxSendWarps - 1][kPostRing];   // mbarriers (1 arrival a phase): the entry is posted
+    uint64_t empty[kMaxSendWarps - 1][kPostRing];  // and: its flags are written (it may be reused)
+    int total[kMaxSendWarps];  // rows the data warp posted, once it has posted its last (-1 before)
 };
 
 __device__ __forceinline__ unsigned shared_addr(const void* p) {
@@ -508,9 +513,25 @@ __device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
     asm volatile("ld.acquire.cta.shared.s32 %0, [%1];" : "=r"(v) : "r"(shared_addr(p)) : "memory");
     return v;
 }
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(bar)), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_release(uint64_t* bar) {
+    asm volatile("{ .reg .b64 state; mbarrier.arrive.release.cta.shared::cta.b64 state, [%0]; }" ::"r"(shared_addr(bar))
+                 : "memory");
+}
+// Whether the phase of `parity` has completed; acquires what its arrivals released.
+__device__ __forceinline__ bool mbarrier_done_acquire(uint64_t* bar, int parity) {
+    unsigned done;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(shared_addr(bar)), "r"(parity)
+        : "memory");
+    return done != 0;
+}
 
-// How a sending warp publishes its rows: itself (board == nullptr: a release per row, or the
-// combine's PendingFlags), or by posting them to its block's flag warp.
+// How a data warp posts its rows to its block's flag warp.
 struct RowPoster {
     FlagBoard* board;
     int warp;   // the data warp's index in its block
@@ -519,45 +540,53 @@ struct RowPoster {
     // After the warp's stores of a row (every lane calls it): lane d < kMaxRanks gives the flag it
     // wants written (nullptr for none).
     __device__ __forceinline__ void post(int64_t* flag, int lane) {
-        __syncwarp();  // the row's stores by every lane come before the post
-        if (lane == 0)
-            while (count - ld_acquire_cta_shared(&board->published[warp]) >= kPostRing) {
+        const int e = count % kPostRing, use = count / kPostRing;
+        if (lane == 0 && use > 0)  // the entry's previous row published (its reads of the entry done)
+            while (!mbarrier_done_acquire(&board->empty[warp][e], (use - 1) & 1)) {
             }
         __syncwarp();
-        if (lane < kMaxRanks) board->flag[warp][count % kPostRing][lane] = flag;
-        __syncwarp();
+        if (lane < kMaxRanks) board->flag[warp][e][lane] = flag;
+        __syncwarp();  // every lane's stores of the row and of the entry come before the arrive
+        if (lane == 0) mbarrier_arrive_release(&board->full[warp][e]);
         ++count;
-        if (lane == 0) st_release_cta_shared(&board->posted[warp], count);
     }
     __device__ __forceinline__ void finish(int lane) {
         __syncwarp();
-        if (lane == 0) st_release_cta_shared(&board->posted[warp], -1 - count);
+        if (lane == 0) st_release_cta_shared(&board->total[warp], count);
     }
 };
 
-// The flag warp: lane v publishes data warp v's rows until every data warp has posted its last.
+// The flag warp: lane v publishes data warp v's entries, in order, until it has published as many
+// as the warp posted in all.
 __device__ void publish_posted_rows(FlagBoard& board, int data_warps, int64_t value) {
     const int lane = threadIdx.x % kWarpSize;
     int seen = 0;
     bool done = lane >= data_warps;
     while (__any_sync(kFullMask, !done)) {
-        int posted = done ? seen : ld_acquire_cta_shared(&board.posted[lane]);
-        const bool last = posted < 0;
-        if (last) posted = -1 - posted;
-        if (__any_sync(kFullMask, posted > seen)) {
-            fence_release_sys();  // releases every row this warp saw posted
-            for (int k = seen; k < posted; ++k)
+        int took = 0;
+        if (!done)
+            while (took < kPostRing &&
+                   mbarrier_done_acquire(&board.full[lane][(seen + took) % kPostRing], ((seen + took) / kPostRing) & 1))
+                ++took;
+        if (__any_sync(kFullMask, took > 0)) {
+            fence_release_sys();  // releases every row this warp took
+            for (int k = seen; k < seen + took; ++k) {
+                const int e = k % kPostRing;
 #pragma unroll 1
                 for (int d = 0; d < kMaxRanks; ++d) {
-                    int64_t* f = board.flag[lane][k % kPostRing][d];
+                    int64_t* f = board.flag[lane][e][d];
                     if (f != nullptr) st_relaxed_sys(f, value);
                 }
-            if (posted > seen) st_release_cta_shared(&board.published[lane], posted);
-            seen = posted;
+                mbarrier_arrive_release(&board.empty[lane][e]);
+            }
+            seen += took;
         } else {
             __nanosleep(64);  // the polls would take issue slots from the data warps of this scheduler
         }
-        done = done || (last && seen == posted);
+        if (!done) {
+            const int total = ld_acquire_cta_shared(&board.total[lane]);
+            done = total >= 0 && seen == total;
+        }
     }
 }
 
@@ -970,7 +999,11 @@ template <bool kFlagWarp>
 __device__ __forceinline__ FlagBoard* flag_board() {
     if constexpr (kFlagWarp) {
         __shared__ FlagBoard board;
-        if (threadIdx.x < kMaxSendWarps) board.posted[threadIdx.x] = board.published[threadIdx.x] = 0;
+        if (threadIdx.x < (kMaxSendWarps - 1) * kPostRing) {
+            mbarrier_init(&board.full[0][0] + threadIdx.x, 1);
+            mbarrier_init(&board.empty[0][0] + threadIdx.x, 1);
+        }
+        if (threadIdx.x < kMaxSendWarps) board.total[threadIdx.x] = -1;
         return &board;
     } else {
         return nullptr;
