@@ -30,10 +30,6 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_SEND_TMA": ("0", "CUDA backend, normal mode inside a node: 1 = senders move rows with bulk copies "
                              "(TMA) through shared memory, several rows in flight per warp; 0 = register copies "
                              "(faster as measured on 2 H200 and 4 H100: see the README)"),
-    "EPCOMM_SEND_FLAG_WARP": ("0", "CUDA backend, normal mode inside a node, register senders: 1 = a sending "
-                                   "block's last warp publishes the others' rows (one system-scope fence for "
-                                   "many rows, data warps never wait for NVLink); 0 = each warp releases its own "
-                                   "rows"),
     "EPCOMM_LL_TRANSPORT": ("auto", "CUDA low-latency mode: ipc (CUDA IPC, one host), nvshmem (NVSHMEM symmetric "
                                     "heap; NVLink peers still get direct stores) or auto (ipc on one host, else "
                                     "nvshmem)"),
@@ -99,10 +95,6 @@ def _switch(name: str) -> bool:
 
 def send_tma() -> bool:
     return _switch("EPCOMM_SEND_TMA")
-
-
-def send_flag_warp() -> bool:
-    return _switch("EPCOMM_SEND_FLAG_WARP")
 
 
 def timeout_s() -> float:

@@ -12,14 +12,18 @@
 //               addresses to shared memory (a release at block scope) and goes on; the flag warp
 //               takes what was posted, fences once at system scope, writes the flags (the fence's
 //               cumulativity covers the stores it observed through the posts, as a block barrier's
-//               would; intranode.cu's FlagBoard). Data warps never wait for NVLink; a row is
-//               published one fence after it is posted: "lag" is the time from its post to the end
-//               of that fence, mean and max over the rows (a fence that waited for the stores the
-//               data warps issue after it, not just those before, would show here as a long lag).
-//               The post's st.release.cta is MEMBAR.ALL.CTA + STS in the SASS: the membar waits for
-//               the warp's global stores, which is what the flag warp was to spare the data warps.
-//   flag-warp-mbar  the same with each ring entry's post an mbarrier arrive (release) and its reuse an
-//               mbarrier the flag warp arrives on: SYNCS.ARRIVE in the SASS, no membar in the warp.
+//               would). "lag" is the time from a row's post to the end of that fence, mean and max
+//               over the rows (a fence that waited for the stores the data warps issue after it,
+//               not just those before, would show as a long lag). The post's st.release.cta is
+//               MEMBAR.ALL.CTA + STS in the SASS.
+//   flag-warp-mbar  the same with each ring entry's post an mbarrier arrive (release; SYNCS.ARRIVE in
+//               the SASS, no membar) and its reuse an mbarrier the flag warp arrives on.
+// The kernels had both flag warps for a day (commit cda2c4d, EPCOMM_SEND_FLAG_WARP: data warps that
+// never wait for NVLink). On one GPU both lost, so they were taken out: here, 8-24 SMs, 15 data warps
+// moved rows 17-27% (posts by st.release.cta, one H200 and one H100) and 11-20% (mbarriers, one
+// H100) slower than 16 warps without flags, where a release per row cost 4-6%; the cached dispatch
+// at one rank took 97 us against 88 (one H100; bench/results/2026-12-06_*). Over NVLink a release waits longer (microseconds): whether a flag
+// warp wins there is this program's question on a machine of several GPUs.
 // With 2 or more GPUs every GPU pushes its 4096 rows to every peer (as nvlink_rate's push); with one,
 // to 3 buffers of its own (a stand-in: local acknowledgements are faster than NVLink's, so it shows
 // whether the flag warp keeps up and what the warps' stalls cost, not the NVLink figures). One GPU

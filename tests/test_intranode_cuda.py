@@ -137,25 +137,6 @@ def test_cuda_tma_senders_match_reference(ranks, case, fp8):
                        num_sms=24)
 
 
-def rank_flag_warp_senders_vs_reference(*args, **kwargs):
-    """Register senders whose rows a flag warp per block publishes (EPCOMM_SEND_FLAG_WARP=1)."""
-    with env_var("EPCOMM_SEND_FLAG_WARP", "1"):
-        return rank_cuda_vs_reference(*args, **kwargs)
-
-
-# Many rows per data warp (its ring of posted rows wraps), none at all, and num_worst_tokens (the
-# fused kernel) at 2 SMs: one sending block, 15 data warps.
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("case, fp8, worst, num_sms", [
-    (CASES[0], False, 0, 24), (CASES[-1], True, 0, 24), (CASES[-1], False, 0, 2), (CASES[7], False, 0, 24),
-    ([[128, 77], 2048, 16, 4, "random"], False, 1024, 2)], ids=["T456-bf16", "T3600-fp8", "T3600-2sms", "T0",
-                                                               "worst-2sms"])
-def test_cuda_flag_warp_senders_match_reference(ranks, case, fp8, worst, num_sms):
-    tokens, hidden, experts, topk, routing = case
-    cluster(ranks).run(rank_flag_warp_senders_vs_reference, tokens, hidden, max(experts, ranks), topk, routing,
-                       seed=7, fp8=fp8, col_major=False, num_worst_tokens=worst, use_bias=True, num_sms=num_sms)
-
-
 @pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("num_sms", [2, 8, 32])
 def test_cuda_num_worst_tokens_and_sm_counts(ranks, num_sms):

@@ -187,16 +187,14 @@ class DispatchCall(ctypes.Structure):
                                         "cap_rows"),
                 *fields(ctypes.c_int32, "num_tokens x_bytes num_scales num_topk has_topk has_weights experts_per_rank "
                                         "row_stride"),
-                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma local_by_receiver "
-                                        "flag_warp")]
+                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma local_by_receiver pad0")]
 
 
 class CombineCall(ctypes.Structure):
     _fields_ = [("context", CallContext),
                 *fields(ctypes.c_uint64, "x weights in_rank slot layout bias0 bias1 out out_weights"),
                 *fields(ctypes.c_int64, "cap_rows"),
-                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks use_tma "
-                                        "flag_warp")]
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks use_tma pad0")]
 
 
 def bind_calls(lib: ctypes.CDLL) -> None:
@@ -270,15 +268,12 @@ class CudaIntranode:
         # Senders move rows by register copies, or by bulk copies through shared memory (slower as
         # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
         self.send_tma = int(_env.send_tma())
-        # Register senders publish their rows themselves, or through their block's flag warp (FlagBoard
-        # in csrc/kernels/intranode.cu): an A/B switch until it is measured on several GPUs.
-        self.send_flag_warp = int(_env.send_flag_warp())
         # One record per entry point, reused: a call sets only the fields that vary between calls.
         context = CallContext(peer_bufs=ctypes.addressof(self.ptrs), info=self.info.data_ptr(),
                               timeout_ns=self.timeout_ns, rank=self.rank, num_ranks=self.num_ranks)
         self._notify_call = NotifyCall(context=context, op=self.c["op_dispatch"])
-        self._dispatch_call = DispatchCall(context=context, use_tma=self.send_tma, flag_warp=self.send_flag_warp)
-        self._combine_call = CombineCall(context=context, use_tma=self.send_tma, flag_warp=self.send_flag_warp)
+        self._dispatch_call = DispatchCall(context=context, use_tma=self.send_tma)
+        self._combine_call = CombineCall(context=context, use_tma=self.send_tma)
         self._barrier_calls = {op: NotifyCall(context=context, op=op, expert_alignment=1)
                                for op in (self.c["op_cached_dispatch"], self.c["op_combine"], self.c["op_barrier"])}
         dist.barrier(group=group)

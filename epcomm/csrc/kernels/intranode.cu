@@ -478,118 +478,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
     }
 }
 
-// ------------------------------------------------------------------ publishing rows by a flag warp
-// A sender publishes a row by releasing its flag at system scope: a fence that holds the warp until
-// its stores are acknowledged across NVLink before it may load its next row (4 GPUs storing to
-// each other: 327 -> 303 GB/s at 24 SMs, 311 -> 259 at 8, scripts/nvlink_rate.cu). With a flag
-// warp (EPCOMM_SEND_FLAG_WARP=1) a sending block's last warp publishes for the others: a data warp
-// posts its row's flag addresses to an entry of its ring in shared memory and goes on to its next
-// row; the flag warp takes every entry posted since its last look, fences once at system scope and
-// writes their flags. A post is an mbarrier arrive with release semantics (after __syncwarp, so it
-// releases every lane's stores of the row), taken by the flag warp's acquiring test of the
-// mbarrier's phase; the fence's cumulativity then covers those stores, so a row's flag is never
-// seen before its bytes. The arrive is SYNCS.ARRIVE in the SASS, with no membar in the data warp: a
-// post by st.release.cta (MEMBAR.ALL.CTA, which waits for the warp's global stores) left the data
-// warps 23-25% slower than without flags (one H200, scripts/flag_rate.cu). Data warps wait only for
-// a free entry of their ring (the flag warp's arrive on its `empty` mbarrier; local, never a peer).
-constexpr int kMaxSendWarps = 16;  // a block has 512 threads
-constexpr int kPostRing = 8;       // rows a data warp may have posted and not yet seen published
-
-struct FlagBoard {
-    int64_t* flag[kMaxSendWarps - 1][kPostRing][kMaxRanks];  // per data warp and entry: flags to write
-    uint64_t full[kMaxSendWarps - 1][kPostRing];   // mbarriers (1 arrival a phase): the entry is posted
-    uint64_t empty[kMaxSendWarps - 1][kPostRing];  // and: its flags are written (it may be reused)
-    int total[kMaxSendWarps];  // rows the data warp posted, once it has posted its last (-1 before)
-};
-
-__device__ __forceinline__ unsigned shared_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void st_release_cta_shared(int* p, int v) {
-    asm volatile("st.release.cta.shared.s32 [%0], %1;" ::"r"(shared_addr(p)), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
-    int v;
-    asm volatile("ld.acquire.cta.shared.s32 %0, [%1];" : "=r"(v) : "r"(shared_addr(p)) : "memory");
-    return v;
-}
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(bar)), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive_release(uint64_t* bar) {
-    asm volatile("{ .reg .b64 state; mbarrier.arrive.release.cta.shared::cta.b64 state, [%0]; }" ::"r"(shared_addr(bar))
-                 : "memory");
-}
-// Whether the phase of `parity` has completed; acquires what its arrivals released.
-__device__ __forceinline__ bool mbarrier_done_acquire(uint64_t* bar, int parity) {
-    unsigned done;
-    asm volatile(
-        "{ .reg .pred p; mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(shared_addr(bar)), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-
-// How a data warp posts its rows to its block's flag warp.
-struct RowPoster {
-    FlagBoard* board;
-    int warp;   // the data warp's index in its block
-    int count;  // rows posted
-
-    // After the warp's stores of a row (every lane calls it): lane d < kMaxRanks gives the flag it
-    // wants written (nullptr for none).
-    __device__ __forceinline__ void post(int64_t* flag, int lane) {
-        const int e = count % kPostRing, use = count / kPostRing;
-        if (lane == 0 && use > 0)  // the entry's previous row published (its reads of the entry done)
-            while (!mbarrier_done_acquire(&board->empty[warp][e], (use - 1) & 1)) {
-            }
-        __syncwarp();
-        if (lane < kMaxRanks) board->flag[warp][e][lane] = flag;
-        __syncwarp();  // every lane's stores of the row and of the entry come before the arrive
-        if (lane == 0) mbarrier_arrive_release(&board->full[warp][e]);
-        ++count;
-    }
-    __device__ __forceinline__ void finish(int lane) {
-        __syncwarp();
-        if (lane == 0) st_release_cta_shared(&board->total[warp], count);
-    }
-};
-
-// The flag warp: lane v publishes data warp v's entries, in order, until it has published as many
-// as the warp posted in all.
-__device__ void publish_posted_rows(FlagBoard& board, int data_warps, int64_t value) {
-    const int lane = threadIdx.x % kWarpSize;
-    int seen = 0;
-    bool done = lane >= data_warps;
-    while (__any_sync(kFullMask, !done)) {
-        int took = 0;
-        if (!done)
-            while (took < kPostRing &&
-                   mbarrier_done_acquire(&board.full[lane][(seen + took) % kPostRing], ((seen + took) / kPostRing) & 1))
-                ++took;
-        if (__any_sync(kFullMask, took > 0)) {
-            fence_release_sys();  // releases every row this warp took
-            for (int k = seen; k < seen + took; ++k) {
-                const int e = k % kPostRing;
-#pragma unroll 1
-                for (int d = 0; d < kMaxRanks; ++d) {
-                    int64_t* f = board.flag[lane][e][d];
-                    if (f != nullptr) st_relaxed_sys(f, value);
-                }
-                mbarrier_arrive_release(&board.empty[lane][e]);
-            }
-            seen += took;
-        } else {
-            __nanosleep(64);  // the polls would take issue slots from the data warps of this scheduler
-        }
-        if (!done) {
-            const int total = ld_acquire_cta_shared(&board.total[lane]);
-            done = total >= 0 && seen == total;
-        }
-    }
-}
-
 // ------------------------------------------------------------------ dispatch
 struct DispatchArgs {
     PeerTable peers;
@@ -760,11 +648,8 @@ __device__ __forceinline__ int route_row_pos(const TokenRoute& r, const int* s_l
 // Sender: one warp per token; x is read once and stored to every destination. Rows to other
 // ranks go to their buffers (then a flag per row); the row to this rank goes straight to the
 // outputs unless the receivers do it (`local_by_receiver`).
-template <bool kFlagWarp>  // board: the block's FlagBoard (kFlagWarp), else nullptr
-__device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps,
-                              FlagBoard* board) {
+__device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
     const int lane = threadIdx.x % kWarpSize;
-    RowPoster poster{board, static_cast<int>(threadIdx.x / kWarpSize), 0};
     const int me = a.rank;
     const int x_int4 = a.x_bytes / 16;
     TokenRoute next = load_route(a, warp, lane);
@@ -818,22 +703,18 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
             else
                 write_peer_meta(a, dst_row[d], d, t, route.meta, lane);
         }
-        // Publish: after the warp's stores, the flag of destination d's row, by lane d (a row at a
-        // time: batched, the receivers waited longer than the senders gained, see kCombineFlagBatch)
-        // or by the block's flag warp.
-        int64_t* my_flag = nullptr;
+        // Publish: after the warp's stores, lane d releases the flag of destination d's row (a row at
+        // a time: batched, the receivers waited longer than the senders gained, see kCombineFlagBatch).
+        __syncwarp();
+        if (lane < kMaxRanks) {
+            uint8_t* r = nullptr;
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-            if (d == lane && dst_row[d] != nullptr)
-                my_flag = reinterpret_cast<int64_t*>(dst_row[d] + a.row_stride - kRowTrailerBytes);
-        if constexpr (kFlagWarp) {
-            if (__ballot_sync(kFullMask, my_flag != nullptr) != 0) poster.post(my_flag, lane);  // not own rows alone
-        } else {
-            __syncwarp();
-            if (my_flag != nullptr) st_release_sys(my_flag, flag_value);
+            for (int d = 0; d < kMaxRanks; ++d)
+                if (d == lane) r = dst_row[d];
+            if (r != nullptr)
+                st_release_sys(reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value);
         }
     }
-    if constexpr (kFlagWarp) poster.finish(lane);
 }
 
 // A sending warp's row ring: two rows loading while one is stored, and the stores of the last
@@ -968,12 +849,10 @@ __device__ __forceinline__ uint8_t* dynamic_smem() {
 
 // Sending block `block` of `num_blocks` (dispatch or combine): its first tma_warps warps move rows
 // of row_bytes by bulk copies through their rings (by_bulk(warp, num_warps, ring)), or, without
-// them, its warps by register copies (by_registers(warp, num_warps, board)): all of them, each
-// publishing its own rows (board == nullptr), or all but the last, which publishes theirs
-// (`board`: the kernel's FlagBoard, its counters zeroed before the kernel's first barrier).
-template <bool kFlagWarp, class ByRegisters, class ByBulk>
-__device__ __forceinline__ void send_role(int tma_warps, FlagBoard* board, int row_bytes, int block, int num_blocks,
-                                          int64_t flag_value, ByRegisters&& by_registers, ByBulk&& by_bulk) {
+// them, all of its warps by register copies (by_registers(warp, num_warps)).
+template <class ByRegisters, class ByBulk>
+__device__ __forceinline__ void send_role(int tma_warps, int row_bytes, int block, int num_blocks,
+                                          ByRegisters&& by_registers, ByBulk&& by_bulk) {
     const int w = threadIdx.x / kWarpSize;
     if (tma_warps > 0) {
         if (w >= tma_warps) return;
@@ -981,43 +860,14 @@ __device__ __forceinline__ void send_role(int tma_warps, FlagBoard* board, int r
         return;
     }
     const int warps_per_block = blockDim.x / kWarpSize;
-    if constexpr (!kFlagWarp) {
-        by_registers(block * warps_per_block + w, num_blocks * warps_per_block, nullptr);
-        return;
-    }
-    const int data_warps = warps_per_block - 1;
-    if (w == data_warps)
-        publish_posted_rows(*board, data_warps, flag_value);
-    else
-        by_registers(block * data_warps + w, num_blocks * data_warps, board);
+    by_registers(block * warps_per_block + w, num_blocks * warps_per_block);
 }
 
-// The flag board of a kernel instantiated with a flag warp (kFlagWarp; nullptr otherwise, so the
-// other instantiations hold no board and compile as without one), its counters zeroed by the
-// threads before the kernel's first block barrier (every thread reaches that one).
-template <bool kFlagWarp>
-__device__ __forceinline__ FlagBoard* flag_board() {
-    if constexpr (kFlagWarp) {
-        __shared__ FlagBoard board;
-        if (threadIdx.x < (kMaxSendWarps - 1) * kPostRing) {
-            mbarrier_init(&board.full[0][0] + threadIdx.x, 1);
-            mbarrier_init(&board.empty[0][0] + threadIdx.x, 1);
-        }
-        if (threadIdx.x < kMaxSendWarps) board.total[threadIdx.x] = -1;
-        return &board;
-    } else {
-        return nullptr;
-    }
-}
-
-template <bool kFlagWarp>
 __device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
-                                   int num_blocks, FlagBoard* board) {
-    send_role<kFlagWarp>(
-        a.tma_warps, board, a.x_bytes, block, num_blocks, flag_value,
-        [&](int warp, int num_warps, FlagBoard* b) {
-            dispatch_send<kFlagWarp>(a, s_layout, flag_value, warp, num_warps, b);
-        },
+                                   int num_blocks) {
+    send_role(
+        a.tma_warps, a.x_bytes, block, num_blocks,
+        [&](int warp, int num_warps) { dispatch_send(a, s_layout, flag_value, warp, num_warps); },
         [&](int warp, int num_warps, const SendRing& ring) {
             dispatch_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
         });
@@ -1026,23 +876,17 @@ __device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, i
 // kSend and kRecv: the fused kernel (num_worst_tokens and cached dispatch: one launch, no host
 // round trip), its first blocks send and the others receive. One role alone: the two halves of a
 // dispatch whose outputs are sized after the host reads the counts; the send half is launched on
-// a side stream before that read, so the transfer starts while the CPU waits. kFlagWarp: the
-// register senders publish through a flag warp per block (a.flag_warp, register senders only).
-template <bool kSend, bool kRecv, bool kFlagWarp>
+// a side stream before that read, so the transfer starts while the CPU waits.
+template <bool kSend, bool kRecv>
 __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
-    static_assert(kSend || !kFlagWarp, "a flag warp publishes senders' rows");
     const int warps_per_block = blockDim.x / kWarpSize;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int s_layout[kLayoutInts];
     if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
-    FlagBoard* board = flag_board<kFlagWarp>();
     __syncthreads();
     if (s_layout[kLayAbort] != 0) return;  // a rank refused its inputs: every rank skips alike
     const int64_t seq = ld_volatile(seq_word(mine));
-    // This call's barrier failed (reported). Decided for the whole block: a receiver's timeout may
-    // write the abort word while the block starts, and a sending block's warps must leave together
-    // (a flag warp waits for every data warp).
-    if (__syncthreads_or(threadIdx.x == 0 && ld_volatile(abort_word(mine)) == seq)) return;
+    if (ld_volatile(abort_word(mine)) == seq) return;  // this call's barrier failed (reported)
     const bool reporter = kRecv && threadIdx.x == 0 && blockIdx.x == gridDim.x - 1;
     if (s_layout[kLayMaxRecv] > a.cap_rows) {  // every rank sees the same matrix, so all skip alike
         if (reporter) report_error(a.info, kErrCapacity, a.op, -1);
@@ -1054,12 +898,12 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
     const int warp_in_block = threadIdx.x / kWarpSize;
     if (kSend && kRecv) {
         if (static_cast<int>(blockIdx.x) < a.num_send_blocks)
-            dispatch_send_role<kFlagWarp>(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks, board);
+            dispatch_send_role(a, s_layout, flag_value, blockIdx.x, a.num_send_blocks);
         else
             dispatch_recv(a, s_layout, seq, flag_value, (blockIdx.x - a.num_send_blocks) * warps_per_block + warp_in_block,
                           (gridDim.x - a.num_send_blocks) * warps_per_block);
     } else if (kSend) {
-        dispatch_send_role<kFlagWarp>(a, s_layout, flag_value, blockIdx.x, gridDim.x, board);
+        dispatch_send_role(a, s_layout, flag_value, blockIdx.x, gridDim.x);
     } else {
         dispatch_recv(a, s_layout, seq, flag_value, blockIdx.x * warps_per_block + warp_in_block,
                       gridDim.x * warps_per_block);
@@ -1146,7 +990,7 @@ struct PendingFlags {
 #pragma unroll
         for (int k = 0; k < kFlagBatch; ++k) any |= k < count && row[k] >= 0;
         if (any) {
-            fence_sys();  // releases the batch's rows
+            fence_sys();
 #pragma unroll
             for (int k = 0; k < kFlagBatch; ++k)
                 if (k < count && row[k] >= 0) st_relaxed_sys(flag_of(row[k]), value);
@@ -1157,13 +1001,10 @@ struct PendingFlags {
 
 // Sender with register copies: every received row of another rank goes back to its source, at
 // the slot the source reduces from.
-template <bool kFlagWarp>  // as dispatch_send's
-__device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps,
-                             FlagBoard* board) {
+__device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp, int num_warps) {
     const int lane = threadIdx.x % kWarpSize, K = a.num_topk, x_int4 = a.hidden / 8;
     const int num_returned = combine_num_returned(a, s_layout);
-    PendingFlags pending;  // lane 0's: a flag per row (without a flag warp)
-    RowPoster poster{board, static_cast<int>(threadIdx.x / kWarpSize), 0};
+    PendingFlags pending;  // lane 0's: a flag per row
     auto flag_of = [&](int j) {
         int i;
         return reinterpret_cast<int64_t*>(combine_return_row(a, s_layout, j, i) + a.row_stride - kRowTrailerBytes);
@@ -1186,17 +1027,10 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
                 if (c + u * kWarpSize < x_int4) reinterpret_cast<int4*>(r)[c + u * kWarpSize] = v[u];
         }
         if (lane < K) reinterpret_cast<float*>(r + a.hidden * 2)[lane] = w;
-        if constexpr (kFlagWarp) {
-            poster.post(lane == 0 ? reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes) : nullptr, lane);
-        } else {
-            pending.add(lane == 0 ? j : -1);
-            if (pending.full()) pending.publish(flag_value, flag_of);
-        }
+        pending.add(lane == 0 ? j : -1);
+        if (pending.full()) pending.publish(flag_value, flag_of);
     }
-    if constexpr (kFlagWarp)
-        poster.finish(lane);
-    else
-        pending.publish(flag_value, flag_of);
+    pending.publish(flag_value, flag_of);
 }
 
 // The same with bulk copies through the warp's row ring (see dispatch_send_tma).
@@ -1309,17 +1143,15 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
     }
 }
 
-template <bool kFlagWarp>  // as dispatch_kernel's
 __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int w = threadIdx.x / kWarpSize, warps_per_block = blockDim.x / kWarpSize;
     uint8_t* mine = a.peers.bufs[a.rank];
     __shared__ int s_layout[kLayoutInts];
     if (threadIdx.x < kLayoutInts) s_layout[threadIdx.x] = a.layout[threadIdx.x];
-    FlagBoard* board = flag_board<kFlagWarp>();
     __syncthreads();
     if (s_layout[kLayAbort] != 0) return;
     const int64_t seq = ld_volatile(seq_word(mine));
-    if (__syncthreads_or(threadIdx.x == 0 && ld_volatile(abort_word(mine)) == seq)) return;  // as in dispatch_kernel
+    if (ld_volatile(abort_word(mine)) == seq) return;
     if (s_layout[kLayMaxSend] > a.cap_rows) {
         if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, kOpCombine, -1);
         return;
@@ -1327,11 +1159,9 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int64_t flag_value = seq ^ kFlagMagic;
     const int block = blockIdx.x;
     if (block < a.num_send_blocks) {
-        send_role<kFlagWarp>(
-            a.tma_warps, board, a.hidden * 2, block, a.num_send_blocks, flag_value,
-            [&](int warp, int num_warps, FlagBoard* b) {
-                combine_send<kFlagWarp>(a, s_layout, flag_value, warp, num_warps, b);
-            },
+        send_role(
+            a.tma_warps, a.hidden * 2, block, a.num_send_blocks,
+            [&](int warp, int num_warps) { combine_send(a, s_layout, flag_value, warp, num_warps); },
             [&](int warp, int num_warps, const SendRing& ring) {
                 combine_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
             });
@@ -1354,7 +1184,7 @@ constexpr int64_t kSendSmemBudget = 200 * 1024;
 static int send_tma_warps(bool use_tma, int row_bytes, int64_t& smem) {
     const int64_t per_warp = SendRing::smem_bytes(1, row_bytes);
     int warps = use_tma ? static_cast<int>(kSendSmemBudget / per_warp) : 0;
-    warps = warps > kMaxSendWarps ? kMaxSendWarps : warps;
+    warps = warps > 16 ? 16 : warps;  // a block has 512 threads
     smem = warps * per_warp;
     return warps;
 }
@@ -1366,16 +1196,6 @@ static cudaError_t allow_smem(Kernel kernel, int64_t smem, int64_t& allowed) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err == cudaSuccess) allowed = smem;
-    return err;
-}
-
-// Launch `kernel` (one with sending blocks) on `blocks` blocks of 512 threads with `smem` bytes of
-// dynamic shared memory (the bulk-copy senders' rings), allowed once per kernel.
-template <auto kernel, class Args>
-static cudaError_t launch_senders(const Args& a, int blocks, int64_t smem, cudaStream_t stream) {
-    static int64_t allowed = 48 * 1024;
-    const cudaError_t err = allow_smem(kernel, smem, allowed);
-    if (err == cudaSuccess) kernel<<<blocks, 512, smem, stream>>>(a);
     return err;
 }
 
@@ -1405,15 +1225,14 @@ struct DispatchCall {
     int64_t scale_stride_t, scale_stride_c, recv_scale_stride_t, recv_scale_stride_c, cap_rows;
     int32_t num_tokens, x_bytes, num_scales, num_topk, has_topk, has_weights, experts_per_rank, row_stride;
     int32_t num_out_rows, num_sms, num_send_blocks, mode, op, use_tma;
-    int32_t local_by_receiver;  // the fused kernel's (mode 0): see DispatchArgs
-    int32_t flag_warp;
+    int32_t local_by_receiver, pad0;  // the fused kernel's (mode 0): see DispatchArgs
 };
 
 struct CombineCall {
     CallContext context;
     uint64_t x, weights, in_rank, slot, layout, bias0, bias1, out, out_weights;
     int64_t cap_rows;
-    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, flag_warp;
+    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, pad0;
 };
 
 namespace epcomm {  // where the template fields_of lives
@@ -1446,7 +1265,7 @@ constexpr auto fields_of<DispatchCall>() {
                       EPCOMM_FIELD(has_topk), EPCOMM_FIELD(has_weights), EPCOMM_FIELD(experts_per_rank),
                       EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_out_rows), EPCOMM_FIELD(num_sms),
                       EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op), EPCOMM_FIELD(use_tma),
-                      EPCOMM_FIELD(local_by_receiver), EPCOMM_FIELD(flag_warp)};
+                      EPCOMM_FIELD(local_by_receiver), EPCOMM_FIELD(pad0)};
 }
 template <>
 constexpr auto fields_of<CombineCall>() {
@@ -1455,7 +1274,7 @@ constexpr auto fields_of<CombineCall>() {
                       EPCOMM_FIELD(slot), EPCOMM_FIELD(layout), EPCOMM_FIELD(bias0), EPCOMM_FIELD(bias1),
                       EPCOMM_FIELD(out), EPCOMM_FIELD(out_weights), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
                       EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(flag_warp)};
+                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(pad0)};
 }
 }  // namespace epcomm
 
@@ -1640,19 +1459,20 @@ int epcomm_dispatch(const DispatchCall* call, cudaStream_t stream) {
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
     a.tma_warps = send_tma_warps(c.use_tma != 0 && c.mode != 2, c.x_bytes, smem);
-    const bool flag_warp = c.flag_warp != 0 && a.tma_warps == 0;
     cudaError_t err = cudaSuccess;
     if (c.mode == 0) {
+        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = c.local_by_receiver != 0;
-        err = flag_warp ? launch_senders<dispatch_kernel<true, true, true>>(a, blocks, smem, stream)
-                        : launch_senders<dispatch_kernel<true, true, false>>(a, blocks, smem, stream);
+        err = allow_smem(dispatch_kernel<true, true>, smem, allowed);
+        if (err == cudaSuccess) dispatch_kernel<true, true><<<blocks, 512, smem, stream>>>(a);
     } else if (c.mode == 1) {
+        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = true;
-        err = flag_warp ? launch_senders<dispatch_kernel<true, false, true>>(a, a.num_send_blocks, smem, stream)
-                        : launch_senders<dispatch_kernel<true, false, false>>(a, a.num_send_blocks, smem, stream);
+        err = allow_smem(dispatch_kernel<true, false>, smem, allowed);
+        if (err == cudaSuccess) dispatch_kernel<true, false><<<a.num_send_blocks, 512, smem, stream>>>(a);
     } else {
         a.local_by_receiver = true;
-        dispatch_kernel<false, true, false><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
+        dispatch_kernel<false, true><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
     }
     return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
@@ -1672,10 +1492,11 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
     int64_t smem = 0;
     a.tma_warps = send_tma_warps(c.use_tma != 0, c.hidden * 2, smem);
-    const cudaError_t err = c.flag_warp != 0 && a.tma_warps == 0
-                                ? launch_senders<combine_kernel<true>>(a, blocks, smem, stream)
-                                : launch_senders<combine_kernel<false>>(a, blocks, smem, stream);
-    return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+    static int64_t allowed = 48 * 1024;
+    const cudaError_t err = allow_smem(combine_kernel, smem, allowed);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    combine_kernel<<<blocks, 512, smem, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
 }
 
 // The layout and field names of call record `name` (CallContext, NotifyCall, DispatchCall,
