@@ -336,43 +336,17 @@ int main() {
     const int num_dsts = dsts_of(0).num;
     const int64_t bytes = static_cast<int64_t>(kTokens) * num_dsts * kRowBytes;  // per GPU
 
-    // Launch on every GPU, then wait for all: the slowest GPU's median time of 10 (its own events).
-    std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
-    for (int g = 0; g < num_gpus; ++g) {
-        CHECK(cudaSetDevice(g));
-        CHECK(cudaEventCreate(&a[g]));
-        CHECK(cudaEventCreate(&b[g]));
-    }
-    int64_t flag = 1;  // every GPU's flags of one iteration hold that iteration's value
+    // Launch on every GPU, then wait for all: the slowest GPU's median time of 10 runs. Every GPU's flags
+    // of one run hold that run's value.
+    int64_t flag = 1;
     auto run_all = [&](auto launch_on) -> double {
-        std::vector<double> times;
-        for (int it = 0; it < 13; ++it) {
-            ++flag;
-            for (int g = 0; g < num_gpus; ++g) {
-                CHECK(cudaSetDevice(g));
-                CHECK(cudaDeviceSynchronize());
+        return slowest_gpu_us(
+            num_gpus, [&](int g) { return streams[g]; },
+            [&](int g) {
+                if (g == 0) ++flag;
                 CHECK(cudaMemset(lags[g], 0, 132 * 3 * sizeof(unsigned long long)));
-                CHECK(cudaDeviceSynchronize());
-            }
-            for (int g = 0; g < num_gpus; ++g) {
-                CHECK(cudaSetDevice(g));
-                CHECK(cudaEventRecord(a[g], streams[g]));
-                launch_on(g);
-                CHECK(cudaEventRecord(b[g], streams[g]));
-            }
-            double slowest = 0;
-            for (int g = 0; g < num_gpus; ++g) {
-                CHECK(cudaSetDevice(g));
-                CHECK(cudaEventSynchronize(b[g]));
-                CHECK(cudaGetLastError());
-                float ms;
-                CHECK(cudaEventElapsedTime(&ms, a[g], b[g]));
-                slowest = std::max(slowest, ms * 1e3);
-            }
-            if (it >= 3) times.push_back(slowest);
-        }
-        std::sort(times.begin(), times.end());
-        return times[times.size() / 2];
+            },
+            launch_on);
     };
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));

@@ -1,5 +1,6 @@
-// What the stand-alone CUDA micro-benchmarks of scripts/ (copy_rate.cu, reduce_rate.cu) share:
-// error checks and the median time of a launch by CUDA events.
+// What the stand-alone CUDA micro-benchmarks of scripts/ (copy_rate.cu, reduce_rate.cu, nvlink_rate.cu,
+// flag_rate.cu) share: error checks, the median time of a launch by CUDA events, and the same for
+// launches on every GPU at once.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,4 +41,50 @@ static double time_us(Launch launch, int iters) {
     CHECK(cudaEventDestroy(b));
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2] * 1e3;
+}
+
+// Launch on every GPU at once (launch_on(g) after `before(g)`, each GPU idle first), then wait for
+// all: the slowest GPU's time per run, each GPU timed by two events on its stream stream_of(g); the
+// median of `runs` after `warmups`.
+template <class StreamOf, class Before, class Launch>
+static double slowest_gpu_us(int num_gpus, StreamOf stream_of, Before before, Launch launch_on, int runs = 10,
+                             int warmups = 3) {
+    std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventCreate(&a[g]));
+        CHECK(cudaEventCreate(&b[g]));
+    }
+    std::vector<double> times;
+    for (int it = 0; it < warmups + runs; ++it) {
+        for (int g = 0; g < num_gpus; ++g) {
+            CHECK(cudaSetDevice(g));
+            CHECK(cudaDeviceSynchronize());
+            before(g);
+            CHECK(cudaDeviceSynchronize());
+        }
+        for (int g = 0; g < num_gpus; ++g) {
+            CHECK(cudaSetDevice(g));
+            CHECK(cudaEventRecord(a[g], stream_of(g)));
+            launch_on(g);
+            CHECK(cudaEventRecord(b[g], stream_of(g)));
+        }
+        double slowest = 0;
+        for (int g = 0; g < num_gpus; ++g) {
+            CHECK(cudaSetDevice(g));
+            CHECK(cudaEventSynchronize(b[g]));
+            CHECK(cudaGetLastError());
+            float ms;
+            CHECK(cudaEventElapsedTime(&ms, a[g], b[g]));
+            slowest = std::max(slowest, ms * 1e3);
+        }
+        if (it >= warmups) times.push_back(slowest);
+    }
+    for (int g = 0; g < num_gpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventDestroy(a[g]));
+        CHECK(cudaEventDestroy(b[g]));
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
 }

@@ -169,39 +169,10 @@ int main(int argc, char** argv) {
     for (int g = 0; g < num_gpus; ++g) peers.p[g] = buf[g];
     const int64_t bytes = static_cast<int64_t>(kTokens) * (num_gpus - 1) * kRowBytes;  // per GPU, one way
 
-    // Launch on every GPU, then wait for all: the slowest GPU's time by its own events.
-    std::vector<cudaEvent_t> a(num_gpus), b(num_gpus);
-    for (int g = 0; g < num_gpus; ++g) {
-        CHECK(cudaSetDevice(g));
-        CHECK(cudaEventCreate(&a[g]));
-        CHECK(cudaEventCreate(&b[g]));
-    }
+    // Launch on every GPU, then wait for all: the slowest GPU's median time of 10 runs.
     auto run_all = [&](auto launch_on) -> double {
-        std::vector<double> times;
-        for (int it = 0; it < 13; ++it) {
-            for (int g = 0; g < num_gpus; ++g) {
-                CHECK(cudaSetDevice(g));
-                CHECK(cudaDeviceSynchronize());
-            }
-            for (int g = 0; g < num_gpus; ++g) {
-                CHECK(cudaSetDevice(g));
-                CHECK(cudaEventRecord(a[g], streams[g * kMaxGpus]));
-                launch_on(g);
-                CHECK(cudaEventRecord(b[g], streams[g * kMaxGpus]));
-            }
-            double slowest = 0;
-            for (int g = 0; g < num_gpus; ++g) {
-                CHECK(cudaSetDevice(g));
-                CHECK(cudaEventSynchronize(b[g]));
-                CHECK(cudaGetLastError());
-                float ms;
-                CHECK(cudaEventElapsedTime(&ms, a[g], b[g]));
-                slowest = std::max(slowest, ms * 1e3);
-            }
-            if (it >= 3) times.push_back(slowest);
-        }
-        std::sort(times.begin(), times.end());
-        return times[times.size() / 2];
+        return slowest_gpu_us(
+            num_gpus, [&](int g) { return streams[g * kMaxGpus]; }, [](int) {}, launch_on);
     };
     auto report = [&](const char* method, int sms, int stride, double us) {
         std::printf("{\"method\": \"%s\", \"gpus\": %d, \"sms\": %d, \"stride\": %d, \"us\": %.1f, \"gbps\": %.1f, "
