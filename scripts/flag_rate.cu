@@ -3,7 +3,7 @@
 // A release is a fence at system scope: the warp waits until its stores are acknowledged (across
 // NVLink, microseconds) before it may load the next row. scripts/nvlink_rate.cu measured the cost
 // on 4 x H100 (push against push-flag: 311 -> 259 GB/s at 8 SMs, 327 -> 303 at 24). Here, the same
-// pushes published four ways:
+// pushes published six ways:
 //   none        no flags (the ceiling)
 //   row         a release per row by the warp that stored it (dispatch_send today)
 //   batch2      one fence per two rows of a warp, then both flags (combine_send today: fence.acq_rel)
@@ -22,8 +22,9 @@
 // never wait for NVLink). On one GPU both lost, so they were taken out: here, 8-24 SMs, 15 data warps
 // moved rows 17-27% (posts by st.release.cta, one H200 and one H100) and 11-20% (mbarriers, one
 // H100) slower than 16 warps without flags, where a release per row cost 4-6%; the cached dispatch
-// at one rank took 97 us against 88 (one H100; bench/results/2026-12-06_*). Over NVLink a release waits longer (microseconds): whether a flag
-// warp wins there is this program's question on a machine of several GPUs.
+// at one rank took 97 us against 88 (one H100; bench/results/2026-12-06_*). Over NVLink a release
+// waits longer (microseconds): whether a flag warp wins there is this program's question on a
+// machine of several GPUs.
 // With 2 or more GPUs every GPU pushes its 4096 rows to every peer (as nvlink_rate's push); with one,
 // to 3 buffers of its own (a stand-in: local acknowledgements are faster than NVLink's, so it shows
 // whether the flag warp keeps up and what the warps' stalls cost, not the NVLink figures). One GPU
@@ -137,7 +138,33 @@ __device__ __forceinline__ bool mbar_test_acquire(uint64_t* bar, int parity) {
     return done != 0;
 }
 
-// lags: per block, [sum of ns, max ns, rows] (flag-warp only).
+// A flag warp's publish lags (now - the row's post time), summed into lags[block]: [sum of ns, max
+// ns, rows].
+struct LagStats {
+    unsigned long long sum = 0, max = 0, rows = 0;
+    __device__ void add(uint64_t now, uint64_t posted_at) {
+        const unsigned long long lag = now - posted_at;
+        sum += lag;
+        max = lag > max ? lag : max;
+        ++rows;
+    }
+    __device__ void flush(unsigned long long* lags) const {
+        atomicAdd(&lags[blockIdx.x * 3], sum);
+        atomicMax(&lags[blockIdx.x * 3 + 1], max);
+        atomicAdd(&lags[blockIdx.x * 3 + 2], rows);
+    }
+};
+
+// The fence before a batch's flags: acq_rel as combine_send's, or a release alone.
+template <int kMethod>
+__device__ __forceinline__ void batch_fence() {
+    if (kMethod == kBatch2)
+        fence_sys();
+    else
+        fence_release_sys();
+}
+
+// lags: per block, [sum of ns, max ns, rows] (flag warps only).
 template <int kMethod>
 __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dsts, int me, int64_t flag,
                                                     unsigned long long* lags) {
@@ -161,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
         // The flag warp: lane v takes data warp v's entries in order as their full barriers complete.
         int seen = 0;
         bool done = lane >= data_warps;
-        unsigned long long lag_sum = 0, lag_max = 0, rows = 0;
+        LagStats stats;
         while (__any_sync(kFullMask, !done)) {
             int took = 0;
             if (!done)
@@ -175,10 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
                     const int e = k % kPostRing;
                     const int t = board.token[lane][e];
                     for (int d = 0; d < dsts.num; ++d) st_relaxed_sys(dsts.flag(d, me, t), flag);
-                    const unsigned long long lag = now - board.posted_at[lane][e];
-                    lag_sum += lag;
-                    lag_max = lag > lag_max ? lag : lag_max;
-                    ++rows;
+                    stats.add(now, board.posted_at[lane][e]);
                     mbar_arrive_release(&board.empty[lane][e]);  // the entry may be rewritten
                 }
                 seen += took;
@@ -190,16 +214,14 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
                 done = total >= 0 && seen == total;
             }
         }
-        atomicAdd(&lags[blockIdx.x * 3], lag_sum);
-        atomicMax(&lags[blockIdx.x * 3 + 1], lag_max);
-        atomicAdd(&lags[blockIdx.x * 3 + 2], rows);
+        stats.flush(lags);
         return;
     }
     if (kMethod == kFlagWarp && w == data_warps) {
         // The flag warp: lane v watches data warp v.
         int seen = 0;  // published rows of warp `lane`
         bool done = lane >= data_warps;
-        unsigned long long lag_sum = 0, lag_max = 0, rows = 0;
+        LagStats stats;
         while (__any_sync(kFullMask, !done)) {
             int posted = done ? seen : ld_acquire_cta(&board.posted[lane]);
             const bool finished = posted < 0;
@@ -210,10 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
                 for (int k = seen; k < posted; ++k) {
                     const int t = board.token[lane][k % kPostRing];
                     for (int d = 0; d < dsts.num; ++d) st_relaxed_sys(dsts.flag(d, me, t), flag);
-                    const unsigned long long lag = now - board.posted_at[lane][k % kPostRing];
-                    lag_sum += lag;
-                    lag_max = lag > lag_max ? lag : lag_max;
-                    ++rows;
+                    stats.add(now, board.posted_at[lane][k % kPostRing]);
                 }
                 if (posted > seen) st_release_cta(&board.published[lane], posted);
                 seen = posted;
@@ -222,9 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
             }
             done = done || (finished && seen == posted);
         }
-        atomicAdd(&lags[blockIdx.x * 3], lag_sum);
-        atomicMax(&lags[blockIdx.x * 3 + 1], lag_max);
-        atomicAdd(&lags[blockIdx.x * 3 + 2], rows);
+        stats.flush(lags);
         return;
     }
     const int warp = blockIdx.x * data_warps + w, num_warps = gridDim.x * data_warps;
@@ -239,10 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
             if (lane < dsts.num) st_release_sys(dsts.flag(lane, me, t), flag);
         } else if (kMethod == kBatch2 || kMethod == kBatch2Release) {
             if (pending >= 0) {
-                if (kMethod == kBatch2)
-                    fence_sys();
-                else
-                    fence_release_sys();
+                batch_fence<kMethod>();
                 if (lane < dsts.num) {
                     st_relaxed_sys(dsts.flag(lane, me, pending), flag);
                     st_relaxed_sys(dsts.flag(lane, me, t), flag);
@@ -268,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) push(const uint8_t* src, Dsts dst
     }
     if (kMbar && lane == 0) st_release_cta(&board.total[w], count);
     if ((kMethod == kBatch2 || kMethod == kBatch2Release) && pending >= 0) {
-        fence_sys();
+        batch_fence<kMethod>();
         if (lane < dsts.num) st_relaxed_sys(dsts.flag(lane, me, pending), flag);
     }
     if (kMethod == kFlagWarp && lane == 0) st_release_cta(&board.posted[w], -1 - count);
