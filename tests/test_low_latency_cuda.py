@@ -524,7 +524,7 @@ def test_ll_cuda_call_after_async_call_is_ordered(ranks):
 
 
 def rank_ll_trace(use_hook, partials):
-    """The phase timeline (CudaLowLatency.trace, read by scripts/ll_profile.py): every block of every
+    """The phase timeline (CudaLowLatency.trace, read by tools/profile/ll_profile.py): every block of every
     kernel stamps its points in order, and the receive kernels' stamps follow the sends'. The send
     role of a combine by partial sums passes kTraceArrived (its first peer's requests) before
     kTraceSignalled (its partials)."""

@@ -1,9 +1,10 @@
-"""Fail when a kernel's PTX reads BF16 rows two bf16 at a time: ``ld.*.v2.u16`` is what nvcc emits
-when a helper that views a 16-byte word as bf16 pairs (row_sum.cuh's add_bf16x8) is bound to global
-memory instead of a loaded register, a quarter of the bytes per load instruction. It happened once
-unseen (the hierarchical combine, 07a3f02 to e25be37: 529 -> 729 us at 2x1); compile_kernels.sh runs
+"""Fails when a kernel's PTX reads BF16 rows two bf16 at a time instead of 16 bytes per load.
+
+``ld.*.v2.u16`` is what nvcc emits when a helper that views a 16-byte word as bf16 pairs (the row
+sums' add_bf16x8) is bound to global memory instead of a loaded register: a quarter of the bytes per
+load instruction, and a combine that slows down without any test failing. compile_kernels.sh runs
 this on the PTX of the kernels that sum rows.
-Usage: python3 scripts/check_ptx_loads.py FILE.ptx KERNEL_SUBSTRING..."""
+Usage: python3 tools/ci/check_ptx_loads.py FILE.ptx KERNEL_SUBSTRING..."""
 
 from __future__ import annotations
 

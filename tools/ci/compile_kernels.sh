@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Compile every kernel source for sm_90 (compile only): CI has nvcc but no GPU, so a kernel that does
-# not build still fails CI. Skipped with a notice where nvcc is absent.
+# Compiles every kernel source and microbenchmark for sm_90 (compile only), and checks the row sums' PTX loads.
+# CI has nvcc but no GPU, so a kernel that does not build still fails CI. Skipped with a notice where
+# nvcc is absent.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NVCC=${NVCC:-$(command -v nvcc || true)}
 if [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
 if [ -z "$NVCC" ]; then
@@ -27,18 +28,18 @@ if [ -n "$NVSHMEM" ]; then
 else
   echo "compile_kernels: NVSHMEM not found; epcomm/csrc/nvshmem not compiled"
 fi
-# The kernels that sum BF16 rows must load them 16 bytes at a time (scripts/check_ptx_loads.py).
+# The kernels that sum BF16 rows must load them 16 bytes at a time (tools/ci/check_ptx_loads.py).
 "$NVCC" -O3 -std=c++17 -arch=sm_90 -ptx epcomm/csrc/kernels/intranode.cu -o "$out/intranode.ptx"
-${PYTHON:-python3} scripts/check_ptx_loads.py "$out/intranode.ptx" combine_kernel
+${PYTHON:-python3} tools/ci/check_ptx_loads.py "$out/intranode.ptx" combine_kernel
 "$NVCC" -O3 -std=c++17 -arch=sm_90 -ptx epcomm/csrc/kernels/low_latency.cu -o "$out/low_latency.ptx"
-${PYTHON:-python3} scripts/check_ptx_loads.py "$out/low_latency.ptx" combine_
+${PYTHON:-python3} tools/ci/check_ptx_loads.py "$out/low_latency.ptx" combine_
 if [ -n "$NVSHMEM" ]; then
   "$NVCC" -O3 -std=c++17 -arch=sm_90 -rdc=true -I"$NVSHMEM/include" -ptx epcomm/csrc/nvshmem/hierarchical_combine.cu \
     -o "$out/hierarchical_combine.ptx"
-  ${PYTHON:-python3} scripts/check_ptx_loads.py "$out/hierarchical_combine.ptx" combine_kernel reduce_kernel
+  ${PYTHON:-python3} tools/ci/check_ptx_loads.py "$out/hierarchical_combine.ptx" combine_kernel reduce_kernel
 fi
-# The stand-alone micro-benchmarks share the kernels' headers (row_sum.cuh, tma.cuh): they build too.
-for src in scripts/*.cu; do
+# The stand-alone microbenchmarks share the kernels' headers: they build too.
+for src in tools/microbench/*.cu; do
   echo "compile_kernels: $src"
   "$NVCC" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -c "$src" -o "$out/$(basename "$src").o"
 done

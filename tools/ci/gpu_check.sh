@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# The GPU machine's one job: build the CUDA kernels, run the test suite on NCCL (the same tests as
-# CI, plus the CUDA-kernel tests against the reference backend) and the benchmark, writing logs and
-# JSON under $OUT. Usage on the device machine: bash scripts/gpu_check.sh [bench args...]
+# On a GPU machine: build the kernels, run the test suite on NCCL, then the benchmark; logs and JSON into $OUT.
+#
+# Usage: [OUT=DIR] bash tools/ci/gpu_check.sh [bench args...]     (OUT defaults to /tmp/epcomm-gpu-check)
 #   TESTS=...           test files to run [tests];  TEST_K=...  a pytest -k expression
 #   TEST_TIMEOUT_S=...  limit of the test step [420];  BENCH_TIMEOUT_S=... limit of the bench [300]
 #   PRESSURE=N          then the pressure test with N random cases on the CUDA backend (bench --pressure)
-#   SANITIZE=1          then scripts/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
-#   BASELINE=FILE       then compare the bench's times with FILE's (a committed bench/results JSON of the same
-#                       device kind): python -m epcomm.bench.compare, fails on a slowdown above 5%
+#   SANITIZE=1          then tools/ci/sanitize.sh (compute-sanitizer memcheck, racecheck, synccheck)
+#   BASELINE=FILE       then compare the bench's times with FILE's (one of bench/baselines/ measured on the
+#                       same device kind): python -m epcomm.bench.compare, fails on a slowdown above 5%
 #   HIER_PUT=1          then the bench again with EPCOMM_HIER_TRANSPORT=put (hierarchical: NVSHMEM puts to
 #                       every mate, the inter-node path) into bench-put.json
 #   EPCOMM_TEST_SHARE_GPUS=1  the tests at 2, 4 and 8 ranks run on fewer GPUs, ranks sharing them
 #                       (tests/conftest.py): protocols and results, not timings
 set -uo pipefail
-source "$(dirname "$0")/device_env.sh"
+cd "$(dirname "$0")/../.."
+# NVLink multicast stays off: on a shared host it can take the whole machine down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+export OUT=${OUT:-/tmp/epcomm-gpu-check}
+mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvidia-smi topo -m
-} 2>&1  # to stdout only: the device tool brings back few files from $OUT
+} 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 status=0
-# The commit id to record when the tree was copied without .git: the --commit given to the bench.
+# The commit to record in the pressure run too, when the bench was given one (a tree copied without .git).
 COMMIT_ARGS=()
 prev=""
 for arg in "$@"; do
@@ -50,6 +56,6 @@ if [ "${PRESSURE:-0}" -gt 0 ]; then
     --json "$OUT/pressure.json" ${COMMIT_ARGS[@]+"${COMMIT_ARGS[@]}"} 2>&1 | tee "$OUT/pressure.log" || status=1
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
-  bash scripts/sanitize.sh || status=1
+  bash tools/ci/sanitize.sh || status=1
 fi
 exit $status

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The CUDA-kernel tests under compute-sanitizer (memcheck, racecheck, synccheck), on the GPU machine.
+# Runs a selection of the CUDA-kernel tests under compute-sanitizer (memcheck, racecheck, synccheck).
+#
 # Each rank is a child process of pytest, so the sanitizer follows all processes. The kernels' own
 # waits are bounded, but the sanitizer slows them down by orders of magnitude: the tests run with a
 # long EPCOMM_TIMEOUT_S and a small selection of cases from each mode's test file, chosen to reach
 # every kernel (fused and split paths, hooks, graph replays, refusals, empty ranks) in ~300 s for
 # the three modes and three tools together on 2 GPUs.
-# Usage: bash scripts/sanitize.sh                     (every mode)
-#        SANITIZE_SUITES="intranode" bash scripts/sanitize.sh
-#        SANITIZE_TESTS=FILE SANITIZE_K=EXPR bash scripts/sanitize.sh   (one custom selection)
-#        SANITIZE_TOOLS="racecheck synccheck" bash scripts/sanitize.sh  (some of the tools)
-# Writes a summary line per mode and tool under $OUT, and the log of each run that failed.
+# Usage: bash tools/ci/sanitize.sh                     (every mode)
+#        SANITIZE_SUITES="intranode" bash tools/ci/sanitize.sh
+#        SANITIZE_TESTS=FILE SANITIZE_K=EXPR bash tools/ci/sanitize.sh   (one custom selection)
+#        SANITIZE_TOOLS="racecheck synccheck" bash tools/ci/sanitize.sh  (some of the tools)
+# Writes a summary line per mode and tool under $OUT (default /tmp/epcomm-sanitize), and the log of
+# each run that failed.
 set -uo pipefail
-source "$(dirname "$0")/device_env.sh"
+cd "$(dirname "$0")/../.."
+# NVLink multicast stays off: on a shared host it can take the whole machine down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+OUT=${OUT:-/tmp/epcomm-sanitize}
+mkdir -p "$OUT"
 export EPCOMM_TEST_BACKEND=nccl EPCOMM_TEST_TIMEOUT_S=300
 declare -A FILES=(
   [intranode]=tests/test_intranode_cuda.py
@@ -56,8 +64,7 @@ for suite in "${suites[@]}"; do
       summary="no test passed: $summary"
     fi
     echo "$suite $tool: exit $rc; $summary" | tee -a "$OUT/sanitize-summary.txt"
-    # A passing run's log is dropped (the summary holds its result): the device tool brings back
-    # only a few files, and a failing log must be among them.
+    # A passing run's log is dropped (the summary holds its result): what is left is what failed.
     if [ $rc -eq 0 ]; then rm -f "$log"; else status=1; fi
   done
 done

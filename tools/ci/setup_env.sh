@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Installs what epcomm needs on a fresh machine, once. Sourced by the quick-start commands.
-# With no torch present, take the CPU build of PyTorch that this project's machines keep on disk
-# (a plain `pip install torch` would download a multi-GB CUDA build).
+# Installs what epcomm's build, tests and benchmark need on a fresh machine (run by `make test` and `make bench`).
+# With no torch present, the pinned version first (a local wheel cache may hold it), else the newest.
 set -euo pipefail
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -15,7 +14,7 @@ if [ -n "$missing" ]; then
   "$PY" -m pip install -q $missing
 fi
 # NVSHMEM (the transport to peers outside the NVLink domain): its headers let CI compile that
-# source too; the version the GPU machines have.
+# source too; the version the kernels are tested with.
 if ! "$PY" -c "import nvidia.nvshmem" >/dev/null 2>&1; then
   "$PY" -m pip install -q "nvidia-nvshmem-cu13==3.4.5" >/dev/null 2>&1 || echo "setup_env: NVSHMEM not installed"
 fi

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# Benchmark several commits side by side in one device call: each commit's tree is built with its
-# own kernel cache and run with the same benchmark arguments, in turn, on the same GPUs. This is how
-# the two combine regressions of 2026-11-24 were found (bench/results/2026-11-24_ep2-combine-bisect_*):
-# a result from another day's machine does not compare; a bisect inside one call does.
+# Benchmarks several commits side by side on one GPU machine, each built from its own tree, in A..Z then Z..A order.
 #
-# Two steps, because the GPU machine's git is stale (it has a copy of the working tree, not the history):
-#   here:        bash scripts/ab_commits.sh prepare SHA...      # trees under ab/ (untracked, so the
-#                                                                # device copies them; delete after)
-#   GPU machine: [AB_ENV_SETS='tag=VAR=VALUE ...'] [AB_TEST_K='pytest -k expression' [AB_TEST_FILES=...]]
-#                bash scripts/ab_commits.sh run -- BENCH ARGS
-# (AB_TEST_K: each tree's own GPU tests first, default file tests/test_low_latency_cuda.py, one
-# summary line per tree; their logs go into ab.tgz as tests-SHA.log; AB_TEST_TREES='SHA ...' limits
-# the tests to those trees, so a bisect's middle commits are only timed; AB_PROFILE='ARGS': after
-# the benchmark, each tree's scripts/ll_profile.py ARGS, its rank-0 lines into ab.tgz as
-# profile-SHA.txt, the dispatch send's phase timeline printed)
+# Timings from different machines or days do not compare; commits timed in turn on the same GPUs do
+# (a bisect of a slowdown works this way). Each commit's tree is built with its own kernel cache and
+# run with the same benchmark arguments.
+#
+# Two steps, so that the GPU machine needs no git history (a copy of the working tree is enough):
+#   where git is:  bash tools/dev/ab_commits.sh prepare SHA...   # trees under ab/ (untracked; delete after)
+#   GPU machine:   [AB_ENV_SETS='tag=VAR=VALUE ...'] [AB_TEST_K='pytest -k expression' [AB_TEST_FILES=...]]
+#                  bash tools/dev/ab_commits.sh run -- BENCH ARGS
+# AB_TEST_K: each tree's own GPU tests first (default file tests/test_low_latency_cuda.py), one
+# summary line per tree, their logs packed as tests-SHA.log; AB_TEST_TREES='SHA ...' limits the tests
+# to those trees, so a bisect's middle commits are only timed. AB_PROFILE='ARGS': after the
+# benchmark, each tree's tools/profile/ll_profile.py ARGS, its rank-0 lines packed as profile-SHA.txt,
+# the dispatch send's phase timeline printed.
 # `run` builds every tree in parallel, then runs `python -m epcomm.bench --backend cuda --commit SHA
 # --json ...` with BENCH ARGS per tree and per environment set (AB_ENV_SETS: space-separated
 # tag=VAR=VALUE[,VAR=VALUE]; default: one set, no variables), twice in A..Z, Z..A order (drift
-# shows), prints each run's table rows and packs every JSON and log into $OUT/ab.tgz (the device
-# tool returns few files). Compare two of them with python -m epcomm.bench.compare.
+# shows), prints each run's table rows and packs every JSON and log into $OUT/ab.tgz (OUT defaults
+# to /tmp/epcomm-ab). Compare two of them with python -m epcomm.bench.compare.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 step=${1:?usage: ab_commits.sh prepare SHA... | run -- BENCH ARGS}
 shift
 case $step in
@@ -30,22 +30,24 @@ case $step in
     for sha in "$@"; do
       full=$(git rev-parse --short "$sha^{commit}") || exit 2
       paths=()  # the tests too where the commit has them (a tree's own tests can run against it)
-      for p in epcomm scripts tests pyproject.toml; do git cat-file -e "$full:$p" 2>/dev/null && paths+=("$p"); done
+      for p in epcomm tools scripts tests pyproject.toml; do git cat-file -e "$full:$p" 2>/dev/null && paths+=("$p"); done
       mkdir -p "ab/$full" && git archive "$full" "${paths[@]}" | tar -x -C "ab/$full" || exit 1
       echo "$full" >> ab/TREES
       echo "ab_commits: ab/$full"
     done
-    echo "ab_commits: run on the GPU machine: bash scripts/ab_commits.sh run -- BENCH ARGS; then rm -rf ab"
+    echo "ab_commits: run on the GPU machine: bash tools/dev/ab_commits.sh run -- BENCH ARGS; then rm -rf ab"
     ;;
   run)
     [ "${1:-}" = "--" ] && shift
-    source scripts/device_env.sh
+    # NVLink multicast stays off: on a shared host it can take the whole machine down.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+    OUT=${OUT:-/tmp/epcomm-ab}
+    mkdir -p "$OUT"
     [ -f ab/TREES ] || { echo "ab_commits: no ab/TREES (run prepare first, here)"; exit 2; }
     res=$(mktemp -d)/ab
     mkdir -p "$res"
     trap 'tar czf "$OUT/ab.tgz" -C "$(dirname "$res")" ab && echo "ab_commits: packed $OUT/ab.tgz"' EXIT
-    # The trees `prepare` made (ab/TREES): the GPU machine keeps what earlier sessions copied under ab/,
-    # and their trees would run too (2026-11-27: two stale trees, ~2 minutes of device time).
+    # Only the trees `prepare` listed (ab/TREES): a tree an earlier prepare left under ab/ is not run.
     trees=$(sort -u ab/TREES)
     in_tree() {  # in_tree SHA CMD...: CMD in that commit's tree, with its own kernel cache
       local t=$1
@@ -82,9 +84,11 @@ load_library(); load_nvshmem_library()" > "$res/build-$t.log" 2>&1 || echo "ab_c
         done
       done
     done
-    if [ -n "${AB_PROFILE:-}" ]; then  # each tree's phase timeline (scripts/ll_profile.py), after the timing
+    if [ -n "${AB_PROFILE:-}" ]; then  # each tree's phase timeline (ll_profile.py), after the timing
       for t in $trees; do
-        in_tree "$t" timeout "${AB_PROFILE_TIMEOUT_S:-90}" python3 scripts/ll_profile.py $AB_PROFILE 2>&1 \
+        prof=tools/profile/ll_profile.py  # where the tree has it (commits before tools/: scripts/)
+        [ -f "ab/$t/scripts/ll_profile.py" ] && prof=scripts/ll_profile.py
+        in_tree "$t" timeout "${AB_PROFILE_TIMEOUT_S:-90}" python3 "$prof" $AB_PROFILE 2>&1 \
           | grep "^rank 0" > "$res/profile-$t.txt" || status=1
         grep -E "dispatch send|_fused" "$res/profile-$t.txt" | sed "s/^/profile $t: /"
       done

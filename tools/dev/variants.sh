@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# A/B kernel variants in one device call: each variant is a set of sed edits of kernel sources,
-# built (the build cache is keyed by the sources' hash, so each variant compiles once) and measured
-# with the same benchmark; the sources are restored after each. Nothing is committed: a variant
-# that wins is then written properly, tested, and measured again by gpu_check.sh.
-# Usage (on the GPU machine):
-#   bash scripts/variants.sh 'NAME|FILE|SED-EXPR[|FILE|SED-EXPR...]' ... -- BENCH ARGS
+# Measures kernel variants, each a set of sed edits of the kernel sources or environment variables, with one benchmark.
+#
+# Each variant is built (the build cache is keyed by the sources' hash, so each compiles once) and
+# measured with the same benchmark arguments; epcomm/csrc and epcomm/include are restored after each.
+# Nothing is committed: a variant that wins is then written properly, tested and measured again.
+# Usage (on a GPU machine):
+#   bash tools/dev/variants.sh 'NAME|FILE|SED-EXPR[|FILE|SED-EXPR...]' ... -- BENCH ARGS
 # e.g.
-#   bash scripts/variants.sh 'base' \
-#     'unroll8|epcomm/csrc/kernels/intranode.cu|s/constexpr int kUnroll = 4;/constexpr int kUnroll = 8;/' \
+#   bash tools/dev/variants.sh 'base' \
+#     'send8|epcomm/csrc/kernels/intranode.cu|s/kCombineSendUnroll = 4;/kCombineSendUnroll = 8;/' \
 #     -- --backend cuda --modes normal --num-sms 24
 # A pair 'env|VAR=VALUE' sets an environment variable for that variant instead (A/B of a runtime
 # switch, e.g. 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1'). VARIANT_CMD='...' runs that command per
 # variant instead of the bench (its output goes to $OUT/variant-NAME.txt), e.g.
-#   VARIANT_CMD='python3 scripts/ll_profile.py --ranks 1 --tokens 1,128' bash scripts/variants.sh ...
-# Writes $OUT/variant-NAME.json per variant and prints each variant's table rows; a sed edit that
-# changes nothing is reported (a typo must not pass for a measured variant).
+#   VARIANT_CMD='python3 tools/profile/ll_profile.py --ranks 1 --tokens 1,128' bash tools/dev/variants.sh ...
+# Writes $OUT/variant-NAME.json per variant (OUT defaults to /tmp/epcomm-variants) and prints each
+# variant's table rows; a sed edit that changes nothing is reported (a typo must not pass for a
+# measured variant).
 set -uo pipefail
-source "$(dirname "$0")/device_env.sh"
+cd "$(dirname "$0")/../.."
+# NVLink multicast stays off: on a shared host it can take the whole machine down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+OUT=${OUT:-/tmp/epcomm-variants}
+mkdir -p "$OUT"
 variants=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   variants+=("$1")
@@ -24,7 +32,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
 done
 [ "${1:-}" = "--" ] && shift
 backup=$(mktemp -d)
-cp -r epcomm/csrc "$backup/"
+cp -r epcomm/csrc epcomm/include "$backup/"
 status=0
 for spec in "${variants[@]}"; do
   IFS='|' read -r -a parts <<< "$spec"
@@ -58,8 +66,9 @@ for spec in "${variants[@]}"; do
   else
     status=1
   fi
-  rm -rf epcomm/csrc
+  rm -rf epcomm/csrc epcomm/include
   cp -r "$backup/csrc" epcomm/csrc
+  cp -r "$backup/include" epcomm/include
 done
 rm -rf "$backup"
 exit $status

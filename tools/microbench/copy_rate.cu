@@ -1,11 +1,13 @@
-// How fast one SM copies token rows, by the two means the normal-mode kernels have: warps moving
-// 16-byte words through registers (warp_copy_int4, the receivers; the senders' loop is the same
-// with 4 words), and bulk copies (cp.async.bulk, tma.cuh) through a ring of shared-memory stages.
+// Measures how fast SMs copy token rows within one GPU, by registers and by bulk copies, at 4-24 SMs.
+//
+// The two means the normal-mode kernels have: warps moving 16-byte words through registers
+// (warp_copy_int4, the receivers; the senders' loop is the same with 4 words), and bulk copies
+// (cp.async.bulk, tma.cuh) through a ring of shared-memory stages.
 // Rows as a dispatch's receivers see them: 14336 bytes (7168 BF16 channels) from slots of the
 // buffer's stride into a packed output, 16384 rows (235 MB each way, far beyond L2), local memory.
 // The rate per SM at 4-24 SMs says which side of a dispatch or combine needs how many SMs.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_rate scripts/copy_rate.cu && /tmp/copy_rate
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_rate tools/microbench/copy_rate.cu && /tmp/copy_rate
 // Prints one JSON object per (method, SMs): bytes copied (one way) per second, in total and per SM.
 #include <cuda_runtime.h>
 
@@ -13,8 +15,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "../epcomm/include/epcomm/common.cuh"
-#include "../epcomm/include/epcomm/tma.cuh"
+#include "../../epcomm/include/epcomm/common.cuh"
+#include "../../epcomm/include/epcomm/tma.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;

@@ -1,6 +1,5 @@
-// What the stand-alone CUDA micro-benchmarks of scripts/ (copy_rate.cu, reduce_rate.cu, nvlink_rate.cu,
-// flag_rate.cu) share: error checks, the median time of a launch by CUDA events, and the same for
-// launches on every GPU at once.
+// Shared by the microbenchmarks: error checks and the median time of a launch, on one GPU or all.
+// (copy_rate.cu, reduce_rate.cu, nvlink_rate.cu; the times are taken by CUDA events.)
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,7 @@
-// How fast SMs move token rows between the GPUs of one host over NVLink, every GPU sending to every
-// other at once (an all-to-all, as a dispatch or combine loads the switch), by the means the
-// normal-mode kernels could use:
+// Measures how fast SMs and copy engines move token rows between the GPUs of one host over NVLink.
+//
+// Every GPU sends to every other at once (an all-to-all, as a dispatch or combine loads the switch),
+// by the means the normal-mode kernels could use:
 //   push      a warp per token loads its row once and stores it into every peer's buffer (the
 //             intranode dispatch's senders), optionally releasing a per-row flag after it (sys scope)
 //   push-dst  a warp per (token, peer): the row is loaded once per peer, each warp stores to one GPU
@@ -10,7 +11,7 @@
 // cudaMemcpyPeerAsync to every peer at once is the copy engines' figure for the same bytes; with
 // `ce` as the argument only the copy engines run, in more ways (why: SMs store 128-byte payloads over
 // NVLink, copy engines 256-byte ones, so their ceiling is higher if they can keep every link busy):
-//   ce-one-way     GPU 0 to GPU 1 alone (the BENCHMARK.md ceiling's setting)
+//   ce-one-way     GPU 0 to GPU 1 alone (the one-way ceiling)
 //   ce-pair        GPU 0 and GPU 1 to each other at once
 //   ce-push        every GPU to every peer, the copies issued by the source, a stream per peer
 //   ce-pull        the same bytes, the copies issued by the destination (it reads from the peers)
@@ -22,7 +23,7 @@
 //   ce-rounds+local-copy  the rounds beside 24 SMs copying (n-1) x T rows inside the GPU
 //   sm+ce          half of every peer's rows pushed by 24 SMs, the other half by the copy engines
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/nvlink_rate scripts/nvlink_rate.cu && /tmp/nvlink_rate [ce]
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/nvlink_rate tools/microbench/nvlink_rate.cu && /tmp/nvlink_rate [ce]
 // One JSON object a line: per GPU bytes leaving it (push) or entering it (pull) over NVLink per
 // second, the slowest GPU's median time of 10 launches.
 #include <cuda_runtime.h>
@@ -33,8 +34,8 @@
 #include <string>
 #include <vector>
 
-#include "../epcomm/include/epcomm/common.cuh"
-#include "../epcomm/include/epcomm/tma.cuh"
+#include "../../epcomm/include/epcomm/common.cuh"
+#include "../../epcomm/include/epcomm/tma.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;

@@ -1,10 +1,12 @@
-// How fast one SM sums a combine's returned rows: the inner loop of the normal-mode reducer
-// (intranode.cu, combine_reduce) on its own, against variants that keep more loads in flight. At
+// Measures how fast SMs sum a combine's returned BF16 rows, the reducer's loop against variants.
+//
+// The inner loop of the normal-mode reducer (intranode.cu, combine_reduce) on its own, against
+// variants that keep more loads in flight. At
 // EP8 a token's rows come back from ~5 ranks (top-8 of 256), into this rank's buffer: local reads,
 // so one GPU measures this part of an EP8 combine as it is. 4096 tokens of 7168 BF16 channels,
 // each summing M rows (M = 1..8) found at random slots of a buffer, fp32 sums rounded once to BF16.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/reduce_rate scripts/reduce_rate.cu && /tmp/reduce_rate
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/reduce_rate tools/microbench/reduce_rate.cu && /tmp/reduce_rate
 // Prints one JSON object per (variant, M, SMs): rows read per second, in total and per SM.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -14,8 +16,8 @@
 #include <random>
 #include <vector>
 
-#include "../epcomm/include/epcomm/common.cuh"
-#include "../epcomm/include/epcomm/row_sum.cuh"
+#include "../../epcomm/include/epcomm/common.cuh"
+#include "../../epcomm/include/epcomm/row_sum.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;

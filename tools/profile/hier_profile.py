@@ -1,8 +1,11 @@
-"""Where a hierarchical normal-mode call's time goes on the GPU machine: per-kernel device time
-(torch.profiler) of dispatch, cached dispatch and combine on the CUDA backend, at the benchmark's
-shape; then a timeline of each call: when the host and the GPU reach each kernel launch (host-bound
-steps show the GPU waiting for the host).
-Usage (on the GPU machine): EPCOMM_RANKS_PER_DOMAIN=1 python scripts/hier_profile.py [--tokens 4096]
+"""Profiles where a hierarchical normal-mode call's time goes: per-kernel device time and a timeline.
+
+Per-kernel device time (torch.profiler) of dispatch, cached dispatch and combine on the CUDA
+backend, at the benchmark's shape; then a timeline of each call: when the host and the GPU reach
+each kernel launch (host-bound steps show the GPU waiting for the host).
+
+Usage (on a GPU machine, from the repository root):
+    EPCOMM_RANKS_PER_DOMAIN=1 python tools/profile/hier_profile.py [--tokens 4096]
 """
 
 from __future__ import annotations

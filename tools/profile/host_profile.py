@@ -1,4 +1,4 @@
-"""Where the host time of an eager (not graph-captured) call goes, per token count.
+"""Profiles where the host time of an eager (not graph-captured) call goes, per token count.
 
 Low-latency mode (default): the host time per call of back-to-back eager dispatches, combines and
 decode steps, the time of each piece of the Python path (monkeypatched timers around the CUDA
@@ -7,8 +7,8 @@ cProfile by cumulative time. Normal mode (--mode normal, CUDA intranode kernels)
 per call of eager dispatches (with the layout), cached dispatches and combines, against the time
 with the GPU, and a cProfile of each.
 
-Usage (on the GPU machine): python scripts/host_profile.py [--mode low_latency|normal] [--ranks 1]
-[--tokens 1,128]
+Usage (on a GPU machine, from the repository root):
+    python tools/profile/host_profile.py [--mode low_latency|normal] [--ranks 1] [--tokens 1,128]
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The floor of the benchmark's timing method on this GPU: the span its CUDA events measure around
-a call that does (almost) nothing, eager and replayed from a CUDA graph, with the benchmark's L2
-flush and head start before each span (epcomm/bench/timing.py, cold_start). A low-latency call's figure is
-its kernels plus this floor, so the floor says how much of a 20 us dispatch is the launch. The
-"+ event" cases record one more event without timing after the call, as the low-latency buffer
-does after each of its calls, to show what that event adds to the span.
+"""Measures the floor of the benchmark's timing method on this GPU: the span of a call doing nothing.
 
-    python3 scripts/launch_floor.py [--iters 200]
+The span is what the benchmark's CUDA events measure around a call that does (almost) nothing,
+eager and replayed from a CUDA graph, with the benchmark's L2 flush and head start before each span
+(epcomm/bench/timing.py, cold_start). A low-latency call's figure is its kernels plus this floor, so
+the floor says how much of a short dispatch is the launch. The "+ event" cases record one more
+event without timing after the call, as the low-latency buffer does after each of its calls, to
+show what that event adds to the span.
+
+    python3 tools/profile/launch_floor.py [--iters 200]
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""Where a low-latency call's time goes on the GPU machine: per-kernel device time (torch.profiler,
-as DeepEP's tests measure) and the host time of an eager call (cProfile), per token count.
+"""Profiles where a low-latency call's time goes: per-kernel device time, phase timeline, host time.
 
-Usage (on the GPU machine): python scripts/ll_profile.py [--ranks 2] [--tokens 1,128] [--after dispatch]
+The per-kernel device time is torch.profiler's (as DeepEP's tests measure), the host time of an
+eager call cProfile's, per token count.
+
+Usage (on a GPU machine, from the repository root):
+    python tools/profile/ll_profile.py [--ranks 2] [--tokens 1,128] [--after dispatch]
 
 --after dispatch: the replayed step is two dispatches (the timeline shows the second) instead of a
 dispatch and a combine, so a dispatch starts with the state its own kernel left (instruction cache,
@@ -192,7 +195,7 @@ def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: str = "") -> li
 def _senders_by_sm(rank: int, n: int, stamps: torch.Tensor, origin: int) -> list[str]:
     """The fused dispatch's senders in the last replay, in SM order, each as block@SM:written (us
     from the step's start): whether the senders that store their messages last share a part of the
-    GPU (their `written` spread is wider than their share of the work: EP4, 128 tokens, 8.6 to 13.4 us)."""
+    GPU (their `written` spread is then wider than their share of the work)."""
     if stamps.shape[-1] <= _SM:
         return []
     sent = (_senders(stamps) & (stamps[:, _SM] > 0)).nonzero().flatten().tolist()
@@ -211,8 +214,8 @@ def _senders(stamps: torch.Tensor) -> torch.Tensor:
 def _roles(op: str, plane: int, stamps: torch.Tensor) -> dict[str, torch.Tensor]:
     """The blocks of a kernel's plane to summarize apart: a fused dispatch's senders (the blocks
     that stamped `entered`, a first load of x) and its receive-only blocks, where it has both (their
-    median would otherwise be whichever role has more blocks: at EP4, 128 tokens, 88 of 132
-    receive, and a median block read as a sender hid the senders' 2.8 us rows phase); else all."""
+    median would otherwise be whichever role has more blocks, and where most blocks only receive,
+    a median block read as a sender hides the senders' rows phase); else all."""
     every = stamps[:, 0] > 0
     if op == "dispatch" and plane == 0:
         sent = _senders(stamps)

@@ -1,8 +1,9 @@
-"""A text summary of an Nsight Compute report (scripts/ncu_ll.sh): per profiled kernel, its duration
-and launch shape, its warp-stall samples by reason, and its hottest SASS lines by stall samples with
-their CUDA source lines.
+"""Summarizes an Nsight Compute report as text: per kernel its stalls and hottest SASS lines.
 
-Usage: python scripts/ncu_summary.py REPORT.ncu-rep [--lines 40]
+The report is ncu_ll.sh's. Per profiled kernel: its duration and launch shape, its warp-stall
+samples by reason, and its hottest SASS lines by stall samples with their CUDA source lines.
+
+Usage: python tools/profile/ncu_summary.py REPORT.ncu-rep [--lines 40]
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""Where a normal-mode call's time goes on the GPU machine (CUDA intranode kernels): the device time
-of each kernel of a dispatch (with its count exchange), a cached dispatch and a combine
+"""Profiles where a normal-mode call's time goes on the CUDA intranode kernels, per token count.
+
+The device time of each kernel of a dispatch (with its count exchange), a cached dispatch and a combine
 (torch.profiler), and the GPU activities of one call in start order with the gaps between them,
 per token count. The benchmark's time of a call is these kernels plus the launch gaps; what is
 fixed (the notify / barrier kernel, launches) shows at small token counts, what scales with the
 rows at large ones. Then a timeline of each call: where the host and the GPU are at each step (in a
 fresh dispatch: its wait for the counts, and the receive launch after it).
 
-Usage (on the GPU machine): python scripts/normal_profile.py [--ranks 1] [--tokens 512,4096] [--num-sms 24]
-                                 [--dtype bf16|fp8]   (fp8: x cast per token, 1x128 scales, as the bench)
+Usage (on a GPU machine, from the repository root):
+    python tools/profile/normal_profile.py [--ranks 1] [--tokens 512,4096] [--num-sms 24]
+        [--dtype bf16|fp8]   (fp8: x cast per token, 1x128 scales, as the bench)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""What the profiling scripts (normal_profile.py, hier_profile.py, ll_profile.py) share: what they
-read out of a torch.profiler run of `calls` identical calls (each kernel's device times, and the GPU
-activities of the last call in start order: the gaps between a call's kernels, and what else runs in
-it), and a call's timeline of where the host and the GPU are at each of its steps."""
+"""Shared by the profilers (normal_profile.py, hier_profile.py, ll_profile.py): reading profiler runs.
+
+What they read out of a torch.profiler run of `calls` identical calls (each kernel's device times,
+and the GPU activities of the last call in start order: the gaps between a call's kernels, and what
+else runs in it), and a call's timeline of where the host and the GPU are at each of its steps."""
 
 from __future__ import annotations
 
