@@ -29,7 +29,8 @@ from epcomm import Buffer
 from epcomm.backends.cuda.low_latency import partials_asked, partials_fit
 from epcomm.bench.checks import poison_, same_bits
 
-pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")]
 
 # One rank too: every kernel then runs end to end (sending to itself) on a one-GPU machine.
 RANKS = [1, 2, 4, 8]
