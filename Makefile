@@ -5,14 +5,14 @@ export PYTHON
 .PHONY: bench test lint
 
 bench:
-	bash scripts/setup_env.sh
+	bash tools/ci/setup_env.sh
 	$(PYTHON) -m epcomm.bench $(ARGS)
 
 test:
-	bash scripts/setup_env.sh
-	$(PYTHON) -m ruff check epcomm tests scripts
-	bash scripts/compile_kernels.sh
+	bash tools/ci/setup_env.sh
+	$(PYTHON) -m ruff check epcomm tests tools
+	bash tools/ci/compile_kernels.sh
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
 lint:
-	$(PYTHON) -m ruff check epcomm tests scripts
+	$(PYTHON) -m ruff check epcomm tests tools

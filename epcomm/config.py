@@ -102,7 +102,7 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
     return 2 * per_slot
 
 
-# Configs used when the caller passes none, by rank count (tuned on H200 NVLink; see bench/results/).
+# Configs used when the caller passes none, by rank count (tuned on H200 NVLink; see docs/TUNING.md).
 _DISPATCH_CONFIGS = {r: Config(20, 6, 256, 6, 128) for r in (2, 4, 8)}
 _COMBINE_CONFIGS = {r: Config(20, 6, 256, 6, 128) for r in (2, 4, 8)}
 

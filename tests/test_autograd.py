@@ -72,7 +72,7 @@ def rank_moe_layer(tokens_per_rank, hidden, ffn, num_experts, num_topk, seed, ba
 
 
 # On GPUs also 'auto', which runs the CUDA kernels there (on CPU ranks it would repeat the reference).
-BACKENDS = ["reference", "auto"] if BACKEND == "nccl" else ["reference"]
+BACKENDS = ["reference", pytest.param("auto", marks=pytest.mark.gpu)] if BACKEND == "nccl" else ["reference"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -198,6 +198,7 @@ def rank_auto_on_gpus(group_backend: str | None):
     return True
 
 
+@pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("group_backend", [None, "gloo"], ids=["world", "gloo-group"])
@@ -223,6 +224,7 @@ def rank_auto_falls_back():
     return int(out["recv_x"].shape[0])
 
 
+@pytest.mark.gpu
 @gpu_only
 def test_auto_keeps_a_mode_the_kernels_cannot_run_on_the_reference():
     cluster(2).run(rank_auto_falls_back)

@@ -245,7 +245,7 @@ def test_pressure_comparison_is_bitwise():
     assert not _same((a,), (a, a))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU job; GPU pressure runs go to bench/results/")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU job; on GPUs, tools/ci/gpu_check.sh PRESSURE=N")
 def test_pressure_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "pressure.json"
     assert main(["--pressure", "8", "--pressure-replays", "2", "--num-ranks", "3", "--json", str(out)]) == 0
@@ -340,7 +340,7 @@ def test_compare_flags_slower_times_of_the_same_configurations(tmp_path, capsys)
 
 
 def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
-    """scripts/ab_commits.sh in a scratch repository: `prepare` archives each commit's tree under ab/,
+    """tools/dev/ab_commits.sh in a scratch repository: `prepare` archives each commit's tree under ab/,
     `run` (with a stand-in python3 that records its arguments) runs the bench per tree of those (not
     another left under ab/) and per AB_ENV_SETS entry, A..Z then Z..A, and packs every JSON into
     $OUT/ab.tgz."""
@@ -348,10 +348,10 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     import tarfile
 
     repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
+    (repo / "tools" / "dev").mkdir(parents=True)
     (repo / "epcomm").mkdir()
-    for name in ("ab_commits.sh", "device_env.sh"):
-        shutil.copy(os.path.join(os.path.dirname(__file__), "..", "scripts", name), repo / "scripts" / name)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "tools", "dev", "ab_commits.sh"),
+                repo / "tools" / "dev" / "ab_commits.sh")
     (repo / "pyproject.toml").write_text("")
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
@@ -365,17 +365,17 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
         subprocess.run([*git, "commit", "-q", "-m", version], check=True)
         shas.append(subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                    check=True).stdout.strip())
-    script = str(repo / "scripts" / "ab_commits.sh")
+    script = str(repo / "tools" / "dev" / "ab_commits.sh")
     subprocess.run(["bash", script, "prepare", *shas], check=True, capture_output=True)
     assert sorted(os.listdir(repo / "ab")) == sorted([*shas, "TREES"])
     assert (repo / "ab" / shas[0] / "epcomm" / "version.txt").read_text() == "1"
-    # a tree an earlier session left under ab/ (the GPU machine keeps them): not one of prepare's, not run
+    # a tree an earlier prepare left under ab/: not one of this prepare's, not run
     shutil.copytree(repo / "ab" / shas[0], repo / "ab" / "0stale")
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "python3").write_text(
         '#!/bin/bash\n[ "$1" = "-c" ] && exit 0\n[ "$2" = "pytest" ] && { echo "ran pytest ${*: -2}"; exit 0; }\n'
-        '[ "$1" = "scripts/ll_profile.py" ] && '
+        '[ "$1" = "tools/profile/ll_profile.py" ] && '
         '{ echo "rank 0 dispatch send v=$(cat epcomm/version.txt) $*"; exit 0; }\n'
         'prev=""; for a in "$@"; do [ "$prev" = "--json" ] && j=$a; '
         'prev=$a; done\necho "[]" > "$j"\n'

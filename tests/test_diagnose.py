@@ -123,8 +123,7 @@ def test_bad_diagnose_options_name_the_option(argv, option, capsys):
     assert option in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CPU job (3 gloo ranks); GPU runs are recorded in "
-                                                     "bench/results/")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CPU job (3 gloo ranks)")
 def test_diagnose_names_an_injected_straggler(tmp_path, capsys):
     out = tmp_path / "diag.json"
     argv = ["--num-ranks", "3", "--tokens", "24", "--hidden", "256", "--topk", "4", "--experts", "12",

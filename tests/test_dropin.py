@@ -21,8 +21,8 @@ from epcomm.bench.checks import same_bits
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 1024, 16, 4, 300
 # The reference backend everywhere; the CUDA kernels where the suite runs on GPUs.
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.skipif(
-    BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs"))]
+BACKENDS = ["reference", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")])]
 
 
 def _device() -> torch.device:
@@ -176,6 +176,7 @@ def rank_megatron_events():
     return True
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(BACKEND != "nccl", reason="CUDA events: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_megatron_event_handles(ranks):

@@ -1325,6 +1325,7 @@ def test_per_token_cast_back_argument_types(case):
         epcomm.per_token_cast_back(*args)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="wrong-device checks with real CUDA tensors need a GPU; "
                                                           "the meta-device cases above cover the check on CPU")
 def test_wrong_device_cuda_tensors():

@@ -26,6 +26,7 @@ from epcomm.bench.checks import same_bits
 from epcomm.utils.launch import LocalCluster, RankFailure
 
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs"),
     pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)"),
 ]

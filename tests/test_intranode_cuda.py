@@ -17,7 +17,8 @@ import epcomm
 from epcomm import Buffer
 from epcomm.bench.checks import poison_, same_bits
 
-pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")]
 
 NVL_BYTES = 512 << 20
 # One rank too: every kernel then runs end to end (sending to itself) on a one-GPU machine.

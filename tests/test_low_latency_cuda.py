@@ -29,7 +29,8 @@ from epcomm import Buffer
 from epcomm.backends.cuda.low_latency import partials_asked, partials_fit
 from epcomm.bench.checks import poison_, same_bits
 
-pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")]
 
 # One rank too: every kernel then runs end to end (sending to itself) on a one-GPU machine.
 RANKS = [1, 2, 4, 8]
@@ -524,7 +525,7 @@ def test_ll_cuda_call_after_async_call_is_ordered(ranks):
 
 
 def rank_ll_trace(use_hook, partials):
-    """The phase timeline (CudaLowLatency.trace, read by scripts/ll_profile.py): every block of every
+    """The phase timeline (CudaLowLatency.trace, read by tools/profile/ll_profile.py): every block of every
     kernel stamps its points in order, and the receive kernels' stamps follow the sends'. The send
     role of a combine by partial sums passes kTraceArrived (its first peer's requests) before
     kTraceSignalled (its partials)."""

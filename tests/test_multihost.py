@@ -37,6 +37,7 @@ def test_hierarchical_equals_flat_across_hosts():
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
 def test_hierarchical_cuda_across_hosts():
     """The CUDA kernels (NVSHMEM between hosts over RDMA, CUDA IPC inside) against the reference
     backend's hierarchical strategy, one domain per host; and again with a CUDA graph."""

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from conftest import BACKEND, fresh_cluster, nvshmem_found
 
-pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="NVSHMEM: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(BACKEND != "nccl", reason="NVSHMEM: run with EPCOMM_TEST_BACKEND=nccl on GPUs")]
 
 
 def rank_probe_ring(num_words: int, rounds: int) -> dict:

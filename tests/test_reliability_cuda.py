@@ -23,7 +23,8 @@ from epcomm import Buffer
 from epcomm.bench.checks import same_bits
 from epcomm.utils.launch import RankFailure
 
-pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")]
 
 NVL_BYTES = 64 << 20
 

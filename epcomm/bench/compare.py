@@ -1,7 +1,8 @@
-"""Compare two benchmark result files (bench/results/*.json): the same configurations' times side by
-side, and the ones that got slower by more than a threshold. Two combine regressions went unseen for
-a day (one a refactor that changed which loads nvcc kept in flight, one a helper that read a row 4
-bytes at a time), each found only by rerunning old commits: this makes the check one command.
+"""Compare two benchmark result files (a run's --json output, bench/baselines/*.json): the same
+configurations' times side by side, and the ones that got slower by more than a threshold. Two combine
+regressions went unseen for a day (one a refactor that changed which loads nvcc kept in flight, one
+a helper that read a row 4 bytes at a time), each found only by rerunning old commits: this makes
+the check one command.
 
     python -m epcomm.bench.compare OLD.json NEW.json [--threshold-pct 5]
 

@@ -350,7 +350,7 @@ def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) 
     epcomm::ll; a combine's two are summed), from torch.profiler over ``case.iters`` calls with the
     L2 flushed before each: how DeepEP's test reports its per-operation times (bench_kineto), so
     they compare directly. The event spans (``dispatch_us``) add the launch floor to them: ~4 us
-    of a tiny kernel's span on one H100 (scripts/launch_floor.py).
+    of a tiny kernel's span on one H100 (tools/profile/launch_floor.py).
 
     The GPU first sleeps long enough for the host to queue every call (~1.1 ms a call allowed):
     otherwise a rank whose host queued its calls more slowly (the profiler's overhead) made the

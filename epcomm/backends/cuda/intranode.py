@@ -36,7 +36,7 @@ from .ipc import SharedBuffer
 
 # Row slots start on 128-byte boundaries (the trailer inside the rounding): NVLink moved 4 GPUs'
 # all-to-all stores 3-4% faster into 128-byte-aligned slots than into 16-byte-aligned ones (329 vs
-# 317 GB/s at 16 SMs, scripts/nvlink_rate.cu, 4 x H100).
+# 317 GB/s at 16 SMs, tools/microbench/nvlink_rate.cu, 4 x H100).
 _ROW_ALIGN = 128
 ROWS_OFFSET = 67584  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
 ROW_TRAILER_BYTES = 16
@@ -142,13 +142,13 @@ def send_share(work: str, num_ranks: int) -> float:
     A dispatch's receivers copy this rank's own rows from x (`dispatch`), but a fused kernel's
     (cached, num_worst_tokens) at 1 or 2 ranks has its senders write them (`dispatch_own`; see
     CudaIntranode._launch_dispatch). Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM
-    for a row copy, scripts/copy_rate.cu; 2 x H200, 24 SMs: dispatch_own 234 us at 2/3 against 258
+    for a row copy, tools/microbench/copy_rate.cu; 2 x H200, 24 SMs: dispatch_own 234 us at 2/3 against 258
     at 1/2). In combine a sender's stores to a peer move slower than a reducer's
     local sums (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs
     at 2 ranks (8 with equal rates), 12 at 4, 13 at 8. At 4 ranks the sweep agrees (4 x H100, BF16,
     4096 tokens, combine us at 9-15 senders: 691, 637, 608, 612, 631, 658, 703; 16384 tokens at
-    11-14: 2292, 2285, 2339, 2426; multi_gpu_plan.sh STEP=combineshare,
-    bench/results/2026-11-28_ep4-combine-senders-*); the 8-rank rate is owed. At one rank the side
+    11-14: 2292, 2285, 2339, 2426;
+    bench/results/2026-11-28_ep4-combine-senders-*); the 8-rank rate is not measured yet. At one rank the side
     with nothing to move keeps one SM."""
     if work == "dispatch":
         return (num_ranks - 1) / (2 * num_ranks - 1)

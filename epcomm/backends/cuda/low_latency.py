@@ -317,7 +317,7 @@ class CudaLowLatency:
                 partials_asked(self.combine_partials_mode, num_max_tokens))
 
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
-        """Have the following calls record their phase timeline (scripts/ll_profile.py): per op
+        """Have the following calls record their phase timeline (tools/profile/ll_profile.py): per op
         ("dispatch", "combine"), an int64 tensor [2 kernels (send, receive), blocks, points] of global
         timer values (ns) that each block stores as it passes the points of csrc/kernels/low_latency.cuh
         (TracePoint); 0 where a block did not pass. The last point (kTraceSm) is no time: the block's

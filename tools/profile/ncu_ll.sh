@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Profiles the low-latency kernels with Nsight Compute: each kernel's stall reasons and hottest SASS lines.
+#
+# One GPU is enough: tools/profile/ll_profile.py at one rank, per token count; the SASS lines come
+# with their CUDA source lines (built with -lineinfo), ranked by warp-stall samples.
+# Text summaries under $OUT/ncu-ll-T<tokens>.txt (OUT defaults to /tmp/epcomm-ncu; the .ncu-rep
+# reports stay in /tmp: too large).
+# Usage: bash tools/profile/ncu_ll.sh [tokens...]   (default: 1 128)
+#   NCU_KERNELS=regex  kernels to profile [dispatch_fused|combine_send|combine_recv]
+#   NCU_SKIP=N         launches of those to skip first (warm-up) [3]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+# NVLink multicast stays off: on a shared host it can take the whole machine down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
+OUT=${OUT:-/tmp/epcomm-ncu}
+mkdir -p "$OUT"
+kernels=${NCU_KERNELS:-dispatch_fused|combine_send|combine_recv}
+status=0
+for t in "${@:-1 128}"; do
+  for tokens in $t; do
+    rep=/tmp/ncu-ll-T$tokens
+    # --clock-control none: the clocks stay as they are (the kernels are timed at the clocks they run at).
+    timeout 280 ncu --clock-control none --set full --import-source yes --target-processes all \
+      -k "regex:$kernels" --launch-skip "${NCU_SKIP:-3}" --launch-count 3 -f -o "$rep" \
+      python3 tools/profile/ll_profile.py --ranks 1 --tokens "$tokens" > "/tmp/ncu-ll-T$tokens.log" 2>&1 || status=1
+    tail -3 "/tmp/ncu-ll-T$tokens.log"
+    python3 tools/profile/ncu_summary.py "$rep.ncu-rep" > "$OUT/ncu-ll-T$tokens.txt" 2>&1 || status=1
+    head -c 6000 "$OUT/ncu-ll-T$tokens.txt"
+  done
+done
+exit $status
