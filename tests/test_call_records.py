@@ -1,5 +1,5 @@
-"""The intranode and low-latency entry points take call records (structs in csrc/kernels/intranode.cu
-and low_latency.cuh) that Python fills through ctypes mirrors; a mirror that drifts from its struct
+"""The intranode and low-latency entry points take call records (structs in csrc/intranode.cu
+and csrc/low_latency.cu) that Python fills through ctypes mirrors; a mirror that drifts from its struct
 passes garbage to the kernels. Checked without a GPU: a library is built from one source alone
 (intranode.cu; low_latency.cu, the IPC library's low-latency kernels), as host code and PTX (nothing
 is launched), and loaded lazily (the CUDA driver it links against may be absent)."""
@@ -22,7 +22,7 @@ def build_alone(tmp_path_factory, name: str) -> ctypes.CDLL:
     except RuntimeError:
         pytest.skip("nvcc not found")
     out = tmp_path_factory.mktemp("records") / f"lib{name}.so"
-    source = build.PACKAGE_DIR / "csrc" / "kernels" / f"{name}.cu"
+    source = build.PACKAGE_DIR / "csrc" / f"{name}.cu"
     subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90,code=compute_90", "-Xcompiler", "-fPIC", "-shared",
                     "-o", str(out), str(source)], check=True, capture_output=True)
     return ctypes.CDLL(str(out), mode=os.RTLD_LAZY)

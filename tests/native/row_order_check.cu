@@ -1,4 +1,4 @@
-// Host-side check of round_robin_row (epcomm/include/epcomm/row_order.cuh), run by
+// Host-side check of round_robin_row (epcomm/include/epcomm/common/row_order.cuh), run by
 // tests/test_row_order.py: for random block sizes (zeros, one huge block, equal sizes), every
 // (block, row) is visited once, rows in order within each block, and no block is more than one
 // round ahead of a block that still has rows. Prints "ok" or the first failure; exit status 1 on it.
@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "../../epcomm/include/epcomm/row_order.cuh"
+#include "../../epcomm/include/epcomm/common/row_order.cuh"
 
 int main() {
     std::mt19937 rng(1234);

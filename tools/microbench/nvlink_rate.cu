@@ -34,8 +34,8 @@
 #include <string>
 #include <vector>
 
-#include "../../epcomm/include/epcomm/common.cuh"
-#include "../../epcomm/include/epcomm/tma.cuh"
+#include "../../epcomm/include/epcomm/common/ptx.cuh"
+#include "../../epcomm/include/epcomm/common/tma.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;

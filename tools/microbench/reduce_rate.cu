@@ -16,8 +16,8 @@
 #include <random>
 #include <vector>
 
-#include "../../epcomm/include/epcomm/common.cuh"
-#include "../../epcomm/include/epcomm/row_sum.cuh"
+#include "../../epcomm/include/epcomm/common/ptx.cuh"
+#include "../../epcomm/include/epcomm/common/row_sum.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;

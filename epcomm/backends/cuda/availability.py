@@ -18,7 +18,7 @@ import hashlib
 
 import torch
 
-MAX_RANKS = 8  # the intranode and low-latency kernels (kMaxRanks in csrc/kernels)
+MAX_RANKS = 8  # the intranode and low-latency kernels (kMaxRanks in include/epcomm/common/ptx.cuh)
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 
 

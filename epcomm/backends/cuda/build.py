@@ -18,7 +18,9 @@ from pathlib import Path
 from ... import _env
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
-KERNEL_SOURCES = sorted((PACKAGE_DIR / "csrc" / "kernels").glob("*.cu"))
+# Two libraries: the IPC one (every peer mapped into this process) and the NVSHMEM one, which builds the
+# low-latency launchers again with EPCOMM_NVSHMEM so that peers outside the NVLink domain get puts.
+KERNEL_SOURCES = [PACKAGE_DIR / "csrc" / name for name in ("intranode.cu", "low_latency.cu")]
 HEADERS = sorted([*(PACKAGE_DIR / "include").rglob("*.cuh"), *(PACKAGE_DIR / "csrc").rglob("*.cuh")])
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", *ARCH_FLAGS]
@@ -51,7 +53,7 @@ def _cached_build(name: str, sources: list[Path], extra_key: str,
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256(version.encode())
     for path in [*sources, *HEADERS]:
-        digest.update(path.name.encode())
+        digest.update(str(path.relative_to(PACKAGE_DIR)).encode())
         digest.update(path.read_bytes())
     digest.update(extra_key.encode())
     for command in commands(nvcc, Path("/work"), Path("/work") / name):  # how it is built is part of the key
@@ -81,7 +83,7 @@ def load_library() -> ctypes.CDLL:
 
 
 # ---------------------------------------------------------------------------------------- NVSHMEM
-NVSHMEM_SOURCES = sorted((PACKAGE_DIR / "csrc" / "nvshmem").glob("*.cu"))
+NVSHMEM_SOURCES = [PACKAGE_DIR / "csrc" / name for name in ("hierarchical.cu", "low_latency.cu", "nvshmem_bootstrap.cu")]
 _nvshmem_library: ctypes.CDLL | None = None
 
 
@@ -107,7 +109,7 @@ def nvshmem_build_commands(nvcc: str, nvshmem: Path, workdir: Path, output: Path
     """Relocatable device code, a device link against libnvshmem_device.a, then the shared library
     (NVSHMEM's device API needs all three steps)."""
     objects = [workdir / (src.stem + ".o") for src in NVSHMEM_SOURCES]
-    flags = [*NVCC_FLAGS, "-rdc=true", f"-I{nvshmem / 'include'}"]
+    flags = [*NVCC_FLAGS, "-rdc=true", f"-I{nvshmem / 'include'}", "-DEPCOMM_NVSHMEM"]
     commands = [[nvcc, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(NVSHMEM_SOURCES, objects)]
     dlink = workdir / "dlink.o"
     commands.append([nvcc, *ARCH_FLAGS, "-Xcompiler", "-fPIC", "-dlink", *map(str, objects),
@@ -119,7 +121,8 @@ def nvshmem_build_commands(nvcc: str, nvshmem: Path, workdir: Path, output: Path
 
 
 def load_nvshmem_library() -> ctypes.CDLL:
-    """The NVSHMEM transport library (epcomm/csrc/nvshmem), built on first use like the kernels."""
+    """The NVSHMEM library (hierarchical mode, the low-latency kernels with puts, the bootstrap), built on
+    first use like the kernels."""
     global _nvshmem_library
     if _nvshmem_library is None:
         nvshmem = find_nvshmem()

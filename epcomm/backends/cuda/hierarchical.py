@@ -4,7 +4,7 @@ backend="cuda")``): each token crosses the slow tier once per destination domain
 The group is split into domains of ``ranks_per_domain`` consecutive ranks (one per host, or the
 virtual ones EPCOMM_RANKS_PER_DOMAIN sets); rank r's mate in domain d has r's local index there.
 The algorithm is the reference strategy's (backends/reference/hierarchical.py), so the results are
-bitwise equal to it. The kernels: csrc/nvshmem/hierarchical.cuh (design, shared device code),
+bitwise equal to it. The kernels: include/epcomm/impls/hierarchical_*.cuh (docs/DESIGN.md: design),
 hierarchical_dispatch.cu and hierarchical_combine.cu.
 
 Dispatch

@@ -1,4 +1,4 @@
-"""Normal mode inside one NVLink domain with the CUDA kernels (csrc/kernels/intranode.cu).
+"""Normal mode inside one NVLink domain with the CUDA kernels (include/epcomm/impls/intranode_*.cuh).
 
 Each rank's communication buffer is shared with the other ranks through CUDA IPC, so senders store
 token rows straight into the receivers' buffers. A dispatch is two kernels on the stream:
@@ -38,7 +38,7 @@ from .ipc import SharedBuffer
 # all-to-all stores 3-4% faster into 128-byte-aligned slots than into 16-byte-aligned ones (329 vs
 # 317 GB/s at 16 SMs, tools/microbench/nvlink_rate.cu, 4 x H100).
 _ROW_ALIGN = 128
-ROWS_OFFSET = 67584  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
+ROWS_OFFSET = 67584  # mirrors kRowsOffset in include/epcomm/layout/intranode.cuh (checked when the library loads)
 ROW_TRAILER_BYTES = 16
 LAYOUT_INTS = 48
 _ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
@@ -168,7 +168,7 @@ def send_share(work: str, num_ranks: int) -> float:
 
 class CallContext(ctypes.Structure):
     """What every call of one rank's Buffer shares. This and the call records below mirror the
-    structs of the same names in csrc/kernels/intranode.cu (checked when the library loads)."""
+    structs of the same names in csrc/intranode.cu (checked when the library loads)."""
     _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), *fields(ctypes.c_int32, "rank num_ranks")]
 
 
@@ -211,7 +211,7 @@ def bind_calls(lib: ctypes.CDLL) -> None:
 def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
                     ranks_per_domain: int):
     """get_dispatch_layout on the device: tokens per rank, per domain (None with one domain), per
-    expert, and is_token_in_rank [T, R] (csrc/kernels/intranode.cu layout_kernel)."""
+    expert, and is_token_in_rank [T, R] (impls/dispatch_layout.cuh)."""
     num_tokens, num_topk = topk_idx.shape
     if num_experts + num_ranks + num_ranks // ranks_per_domain > 12 * 1024:
         raise ValueError(f"num_experts={num_experts}: the CUDA layout kernel counts up to 12K experts")

@@ -1,4 +1,4 @@
-"""Low-latency mode with the CUDA kernels (csrc/kernels/low_latency.cuh).
+"""Low-latency mode with the CUDA kernels (include/epcomm/impls/ll_*.cuh).
 
 Two transports (EPCOMM_LL_TRANSPORT): CUDA IPC inside one host (every peer's buffer mapped, direct
 stores), or the NVSHMEM symmetric heap, where peers mapped over NVLink still get direct stores
@@ -160,7 +160,7 @@ def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int
 
 class LLCallContext(ctypes.Structure):
     """What every call of one rank's buffer in one slot shares. This and the call records below
-    mirror the structs of the same names in csrc/kernels/low_latency.cuh (checked when the library
+    mirror the structs of the same names in csrc/low_latency.cu (checked when the library
     loads)."""
     _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), ("slot_bytes", ctypes.c_int64),
                 *fields(ctypes.c_int32, "rank num_ranks slot num_sms")]
@@ -319,7 +319,7 @@ class CudaLowLatency:
     def trace(self, on: bool = True) -> dict[str, torch.Tensor] | None:
         """Have the following calls record their phase timeline (tools/profile/ll_profile.py): per op
         ("dispatch", "combine"), an int64 tensor [2 kernels (send, receive), blocks, points] of global
-        timer values (ns) that each block stores as it passes the points of csrc/kernels/low_latency.cuh
+        timer values (ns) that each block stores as it passes the points of include/epcomm/layout/low_latency.cuh
         (TracePoint); 0 where a block did not pass. The last point (kTraceSm) is no time: the block's
         SM + 1, stamped by the dispatch's send role only. Each call overwrites its op's tensor. For
         diagnosis only: not to be used inside a captured graph that outlives the tensors."""

@@ -2,7 +2,7 @@
 
 Rank 0 makes an NVSHMEM unique id, the group broadcasts it, and every rank initializes NVSHMEM with
 it and its rank (so NVSHMEM PE == rank in the group). The symmetric heap then gives every rank
-memory that GPU kernels on other ranks can put into and signal (csrc/nvshmem/transport.cu): over
+memory that GPU kernels on other ranks can put into and signal (csrc/nvshmem_bootstrap.cu): over
 RDMA between nodes, over NVLink inside one. One team per process (NVSHMEM is initialized once).
 
 It carries the low-latency kernels to peers that CUDA IPC cannot reach (``SymmetricBuffer``; the
@@ -135,7 +135,7 @@ def process_team(group: dist.ProcessGroup, device: torch.device, heap_bytes: int
 
 class SymmetricBuffer:
     """A rank's communication buffer in the NVSHMEM symmetric heap, with the peer table the kernels
-    take (csrc/kernels/low_latency.cuh): each peer's copy as mapped here, or 0 for a peer reached by
+    take (include/epcomm/impls/ll_*.cuh): each peer's copy as mapped here, or 0 for a peer reached by
     NVSHMEM puts (not mapped, or listed in ``remote_ranks``). The same attributes as ipc.SharedBuffer."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_bytes: int, remote_ranks: set[int],

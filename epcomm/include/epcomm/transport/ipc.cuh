@@ -1,6 +1,8 @@
-// The low-latency kernels of the IPC library: every peer's buffer is mapped into this process
-// (CUDA IPC, one node), so every message and signal is a direct store (no remote transport).
-#include "../../include/epcomm/common.cuh"
+// The transport of a library whose peers are all mapped into this process (CUDA IPC, one node):
+// every message and signal is a direct store, so nothing here is ever called.
+#pragma once
+
+#include "../common/ptx.cuh"
 
 namespace epcomm {
 namespace ll {
@@ -15,5 +17,3 @@ struct Net {
 
 }  // namespace ll
 }  // namespace epcomm
-
-#include "low_latency.cuh"

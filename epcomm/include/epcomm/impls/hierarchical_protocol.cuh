@@ -1,121 +1,11 @@
-// The hierarchical normal mode's kernels: rows cross between scale-up domains once per domain over
-// NVSHMEM (GPU-initiated puts and signals: RDMA between nodes; NVLink when the domains are virtual
-// ones of one host, so the same code runs there), and are forwarded inside each domain over CUDA
-// IPC, with the two tiers overlapped inside one kernel.
-//
-// Rank r's mate in domain d is the rank of d with r's local index (r itself in its own domain).
-// Two buffers per rank:
-//   * slow tier, NVSHMEM symmetric: a header of signal words, then a staging and a receive area of
-//     the same shape: per field (token rows, scales, top-k ids, weights, slots) one array of
-//     num_domains x region_rows rows. Region d of the staging area holds the rows for domain d's
-//     mate when it is reached by puts; they land in region `my_domain` of that mate's receive area.
-//     The other regions are not staged: a mate NVLink maps gets its rows stored there straight from
-//     the caller's tensors, and the own domain's are forwarded from them. Regions are cut in
-//     `chunks` chunks, each put and signalled on its own (the signal carries the call and the count).
-//   * fast tier, CUDA IPC inside the domain: a header of flags, then the rows each rank receives,
-//     per field, at their final (flat-order) positions.
-//
-// Dispatch (one launch): sender blocks put their chunks to the mates as soon as each mate has
-// entered the call; forwarder blocks take each arriving chunk and store its rows straight into the
-// final receive positions of their domain's ranks: source s's block of rank r starts at start[s][r]
-// (the flat count matrix's prefix), and a row's place in it, its slot, came with the row. So the
-// output is in the flat strategy's order (source rank, token) without a sort.
-// Combine (one launch): each rank's expert outputs are in its IPC area; forwarder blocks pull, for
-// each row they forwarded, the rows of the domain's ranks it went to, sum them in fp32 in ascending
-// rank order (the reference's order), and put each chunk's partial sums back to the source's mate
-// area; the source then sums the partials in ascending domain order (reduce_kernel).
-//
-// Every wait is bounded (EPCOMM_TIMEOUT_S). A timeout, a mate or domain peer running another
-// operation or shape, or a rank refusing its inputs gives up the call: it is reported in `info`
-// and the first waiter to give up marks the call aborted, so the others stop waiting too. Rows that
-// would land outside a receive area or their block are skipped and reported without giving up, so
-// every rank still reaches its host check. A call given up on one rank sends its mates no rows but
-// a done word that says so, and its domain ranks a leave flag that says so: they give up too,
-// naming it (7), instead of waiting out the timeout or ending with rows missing. Every report also sets a sticky word: the rank's next dispatch
-// tells every rank (error 6), and its later calls give up; the Buffer must be destroyed.
-//
-// This header: the layout constants, the call's common state (Call), the bounded waits, the copies
-// to mates, the domain handshake, and the host side of the entry points. The kernels:
-// hierarchical_dispatch.cu (advance, plan, notify, counts, stage, dispatch, copy-out) and hierarchical_combine.cu.
+// The hierarchical call's shared state (Call): who this rank is, how it reports and gives up, the
+// bounded waits, the copies to mates and the domain handshake.
 #pragma once
 
-#include <cstdint>
-#include <cstring>
-
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <nvshmem.h>
-#include <nvshmemx.h>
-
-#include "../../include/epcomm/common.cuh"
-#include "../../include/epcomm/row_sum.cuh"
+#include "../layout/hierarchical.cuh"
 
 namespace epcomm {
 namespace hierarchical {
-
-constexpr int kMaxDomains = 16;
-constexpr int kMaxChunks = 16;      // per region
-constexpr int kMaxLocal = kMaxRanks;  // ranks per domain
-constexpr int kMaxForwarders = 160;
-// Threads per block. The combine's blocks are bound by bytes in flight per SM: 32 warps (combine
-// 642 -> 557 us on 2x1 against 16) take a whole SM's registers. The dispatch kernel keeps 16 warps
-// (no measured gain from 32) so that its blocks can share an SM with the caller's compute kernels.
-constexpr int kDispatchThreads = 512;
-constexpr int kCombineThreads = 1024;
-constexpr int kTagBits = 20;        // ready words carry (call << kTagBits) | shape tag
-
-// Slow-tier header (NVSHMEM, int64 words): ready[D] (a mate entered the call: its receive area is
-// free), done[D][chunks] ((call << 32) | count of the mate's chunk), abort (a call given up here),
-// notified[64] (the call whose counts row each rank delivered here), seq and notify_seq (this
-// rank's operation and notify counters, advance_kernel), sticky_error, notify_gave_up (the last
-// call whose counts exchange gave up here: mate_to_send). Then the counts area
-// (notify_kernel), then the staging area (Call::stage_offset).
-constexpr int kMaxGroupRanks = 64;
-constexpr int64_t kSymHeaderBytes = 4096;
-static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks + 4) <= kSymHeaderBytes,
-              "slow-tier header");
-// Fast-tier header (IPC, int64 words): ready[L] (a domain rank entered the call), flags[L][F] (a
-// domain rank's forwarder block finished with this rank's area).
-constexpr int64_t kDomainHeaderBytes = 16384;
-static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes, "fast-tier header");
-
-// info words (host-mapped) written on an error; the Python side reads them after a sync.
-constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small,
-                               // 4: more rows received than num_worst_tokens, 5: refused inputs,
-                               // 6: an earlier call's error on that rank, 7: that rank gave this call up
-constexpr int kRefused = -1;   // the shape digest of a rank whose inputs are invalid (notify_kernel)
-constexpr int kPendingError = -2;  // ... of a rank with an earlier call's error not yet raised
-constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
-constexpr int kInfoInts = 1 + kMaxGroupRanks;
-
-__device__ __forceinline__ int64_t* sym_ready(uint8_t* sym, int d) { return reinterpret_cast<int64_t*>(sym) + d; }
-__device__ __forceinline__ int64_t* sym_done(uint8_t* sym, int d, int j) {
-    return reinterpret_cast<int64_t*>(sym) + kMaxDomains + d * kMaxChunks + j;
-}
-__device__ __forceinline__ int64_t* sym_abort(uint8_t* sym) {
-    return reinterpret_cast<int64_t*>(sym) + kMaxDomains + kMaxDomains * kMaxChunks;
-}
-__device__ __forceinline__ int64_t* sym_notified(uint8_t* sym, int r) { return sym_abort(sym) + 1 + r; }
-__device__ __forceinline__ int64_t* sym_seq(uint8_t* sym) { return sym_notified(sym, kMaxGroupRanks); }
-__device__ __forceinline__ int64_t* sym_notify_seq(uint8_t* sym) { return sym_seq(sym) + 1; }
-// Set by every error report and never cleared (the Buffer must be destroyed after one): the next
-// notify tells every rank (kPendingError), whatever the host has read and cleared of `info`.
-__device__ __forceinline__ int64_t* sym_sticky_error(uint8_t* sym) { return sym_notify_seq(sym) + 1; }
-// The call whose counts exchange gave up on this rank. Every rank that finished that exchange saw
-// the same rows and gave up too, so no mate waits for this rank's chunks: mate_to_send need not wait
-// to tell it (a rank that raised early and went away would never come, and the wait would run to the
-// timeout).
-__device__ __forceinline__ int64_t* sym_notify_gave_up(uint8_t* sym) { return sym_sticky_error(sym) + 1; }
-__device__ __forceinline__ int64_t* dom_ready(uint8_t* buf, int i) { return reinterpret_cast<int64_t*>(buf) + i; }
-__device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
-    return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
-}
-
-__device__ inline void report(int* info, int code, int rank) {
-    if (rank >= 0) info[kInfoRanks + rank] = 1;
-    info[kInfoError] = code;  // racing reporters each write a valid code
-    __threadfence_system();
-}
 
 // What every kernel of a call shares: who this rank is, the call, and how to give up.
 struct Call {
@@ -323,40 +213,6 @@ __device__ inline void leave_domain(const Call& c, int b) {
             seen == 2 * c.call() + 1 && !c.aborted())
             c.abort(7, rank);
     }
-}
-
-// ------------------------------------------------------------------ host side of the entry points
-// The call's common part, from `call_params`: sym, num_ranks, num_domains, my_domain,
-// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns, stage_offset, then each domain
-// rank's IPC buffer (kMaxLocal entries), then each domain's mate's mapped NVSHMEM buffer or 0
-// (kMaxDomains entries).
-inline int make_call(const int64_t* p, int* info, Call* c) {
-    c->sym = reinterpret_cast<uint8_t*>(p[0]);
-    c->num_ranks = static_cast<int>(p[1]);
-    c->num_domains = static_cast<int>(p[2]);
-    c->my_domain = static_cast<int>(p[3]);
-    c->ranks_per_domain = static_cast<int>(p[4]);
-    c->local = static_cast<int>(p[5]);
-    // p[6]: unused (the call number lives on the GPU: advance_kernel)
-    c->shape_tag = static_cast<int>(p[7] & ((1 << kTagBits) - 1));
-    c->chunks = static_cast<int>(p[8]);
-    c->num_forwarders = static_cast<int>(p[9]);
-    c->timeout_ns = static_cast<uint64_t>(p[10]);
-    c->stage_offset = p[11];
-    c->info = info;
-    if (c->num_domains < 1 || c->num_domains > kMaxDomains || c->ranks_per_domain < 1 ||
-        c->ranks_per_domain > kMaxLocal || c->chunks < 1 || c->chunks > kMaxChunks || c->num_forwarders < 1 ||
-        c->num_forwarders > kMaxForwarders || c->num_ranks > kMaxGroupRanks)
-        return static_cast<int>(cudaErrorInvalidValue);
-    for (int i = 0; i < c->ranks_per_domain; ++i) c->peers[i] = reinterpret_cast<uint8_t*>(p[12 + i]);
-    for (int d = 0; d < c->num_domains; ++d) c->mates[d] = reinterpret_cast<uint8_t*>(p[12 + kMaxLocal + d]);
-    return 0;
-}
-
-// Blocks of 256 threads, a warp per token (at most 1024 blocks).
-inline int grid_for(int num_tokens) {
-    const int blocks = (num_tokens + 7) / 8;
-    return blocks < 1 ? 1 : (blocks < 1024 ? blocks : 1024);
 }
 
 }  // namespace hierarchical

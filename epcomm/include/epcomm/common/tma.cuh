@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "common.cuh"
+#include "ptx.cuh"
 
 namespace epcomm {
 

@@ -5,7 +5,7 @@
 
 #include <cuda_bf16.h>
 
-#include "common.cuh"
+#include "ptx.cuh"
 
 namespace epcomm {
 

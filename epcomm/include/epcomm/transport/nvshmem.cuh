@@ -1,11 +1,12 @@
-// The low-latency kernels of the NVSHMEM library: the buffer lives in the NVSHMEM symmetric heap.
-// Peers mapped into this process (nvshmem_ptr: NVLink) get direct stores, as in the IPC library;
-// the others (other nodes over RDMA, or peers EPCOMM_LL_REMOTE_RANKS marks remote) get NVSHMEM
-// puts and signal operations. The kernels are those of kernels/low_latency.cuh.
+// The NVSHMEM transport: peers mapped into this process (nvshmem_ptr: NVLink) get direct stores;
+// the others (other nodes over RDMA, or peers EPCOMM_LL_REMOTE_RANKS marks remote) get NVSHMEM puts
+// and signal operations.
+#pragma once
+
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "../../include/epcomm/common.cuh"
+#include "../common/ptx.cuh"
 
 namespace epcomm {
 namespace ll {
@@ -26,5 +27,3 @@ struct Net {
 
 }  // namespace ll
 }  // namespace epcomm
-
-#include "../kernels/low_latency.cuh"

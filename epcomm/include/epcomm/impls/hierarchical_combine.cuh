@@ -1,7 +1,8 @@
-// The hierarchical normal mode's combine (design: hierarchical.cuh): the kernel that pulls the
-// domain's rows, sums them and sends the partial sums back (combine_kernel), and the source's sum
-// of the partials (reduce_kernel).
-#include "hierarchical.cuh"
+// Hierarchical combine: forwarders pull their domain's rows, sum them and put the partial sums back;
+// the source sums the partials in domain order.
+#pragma once
+
+#include "hierarchical_protocol.cuh"
 
 namespace epcomm {
 namespace hierarchical {
@@ -180,57 +181,3 @@ __global__ void __launch_bounds__(256) reduce_kernel(ReduceArgs a) {
 
 }  // namespace hierarchical
 }  // namespace epcomm
-
-using namespace epcomm::hierarchical;
-
-extern "C" {
-
-// params: area, region_rows, off_partial, off_partial_weights, in_off_y, in_off_weights, hidden, num_topk,
-// in_rows.
-int epcomm_hierarchical_combine(const int64_t* call_params, const int64_t* params,
-                               const int* counts, const int* start, const int* slots, int* info, cudaStream_t stream) {
-    CombineArgs a{};
-    const int status = make_call(call_params, info, &a.c);
-    if (status != 0) return status;
-    a.area = params[0];
-    a.region_rows = params[1];
-    a.off_partial = params[2];
-    a.off_partial_weights = params[3];
-    a.in_off_y = params[4];
-    a.in_off_weights = params[5];
-    a.in_rows = params[8];
-    a.hidden = static_cast<int>(params[6]);
-    a.num_topk = static_cast<int>(params[7]);
-    a.counts = counts;
-    a.start = start;
-    a.slots = slots;
-    if (a.hidden % 8 != 0 || a.num_topk > epcomm::kWarpSize) return static_cast<int>(cudaErrorInvalidValue);
-    combine_kernel<<<a.c.num_forwarders, kCombineThreads, 0, stream>>>(a);
-    return static_cast<int>(cudaGetLastError());
-}
-
-int epcomm_hierarchical_reduce(const float* partial, const float* partial_weights, int64_t region_rows,
-                              const bool* flags, const int* pos, const void* bias0, const void* bias1, void* out,
-                              float* out_weights, int num_tokens, int hidden, int num_topk, int num_domains,
-                              cudaStream_t stream) {
-    if (num_tokens == 0) return 0;
-    if (hidden % 8 != 0) return static_cast<int>(cudaErrorInvalidValue);
-    ReduceArgs a{};
-    a.partial = partial;
-    a.partial_weights = partial_weights;
-    a.region_rows = region_rows;
-    a.flags = flags;
-    a.pos = pos;
-    a.bias0 = static_cast<const __nv_bfloat16*>(bias0);
-    a.bias1 = static_cast<const __nv_bfloat16*>(bias1);
-    a.out = static_cast<__nv_bfloat16*>(out);
-    a.out_weights = out_weights;
-    a.num_tokens = num_tokens;
-    a.hidden = hidden;
-    a.num_topk = num_topk;
-    a.num_domains = num_domains;
-    reduce_kernel<<<grid_for(num_tokens), 256, 0, stream>>>(a);
-    return static_cast<int>(cudaGetLastError());
-}
-
-}  // extern "C"

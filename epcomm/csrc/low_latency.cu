@@ -1,0 +1,354 @@
+// Low-latency host launchers and C ABI. Built twice: into the IPC library, and with EPCOMM_NVSHMEM
+// defined into the NVSHMEM library, where peers outside the NVLink domain are reached by puts.
+#ifdef EPCOMM_NVSHMEM
+#include "../include/epcomm/transport/nvshmem.cuh"
+#else
+#include "../include/epcomm/transport/ipc.cuh"
+#endif
+#include "../include/epcomm/common/records.cuh"
+#include "../include/epcomm/impls/ll_dispatch.cuh"
+#include "../include/epcomm/impls/ll_combine_partials.cuh"
+
+// ---------------------------------------------------------------- host entry points (C ABI, no torch)
+namespace epcomm {
+namespace ll {
+
+// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/low_latency.py,
+// checked through epcomm_ll_struct_layout and epcomm_ll_struct_field_name: this file is built into
+// both the IPC library, beside the intranode kernels and their epcomm_struct_layout, and the NVSHMEM
+// library). A field means what the kernel argument of the same name means (DispatchArgs,
+// CombineArgs); the phase to launch and the stream are arguments of their own, so the hook launches
+// the record of its call unchanged.
+
+// What every call of one rank's buffer in one slot shares.
+struct LLCallContext {
+    uint64_t peer_bufs;  // const uint64_t [num_ranks]: each rank's buffer as mapped here, 0 where remote
+    uint64_t info;       // the slot's pinned host words
+    uint64_t timeout_ns;
+    int64_t slot_bytes;
+    int32_t rank, num_ranks, slot, num_sms;
+};
+
+// The fields both records share come first, in the same order (set_call).
+struct LLDispatchCall {
+    LLCallContext context;
+    uint64_t x, topk_idx, mask, wait_stats, trace;
+    uint64_t sent_pairs, slot_map, topk_copy, recv_data, recv_scales, src_info, recv_count, layout_range;
+    uint64_t cumulative_stats;
+    int64_t scale_stride_e, scale_stride_row, scale_stride_col;
+    int64_t arrival_key;  // dispatch_mode: the shape's arrival key (0: its format has no arrival area)
+    int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
+    int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
+    int32_t block_receive, message_align;
+    int32_t arrival, arrival_msg_bytes;  // whether the call may go by arrival (the host's half), its messages' bytes
+    int32_t send_blocks;  // by arrival, the blocks that send (EPCOMM_LL_DISPATCH_SENDERS; 0: send_plan's choice)
+    int32_t unused;       // (records have no implicit padding)
+};
+
+struct LLCombineCall {
+    LLCallContext context;
+    uint64_t x, topk_idx, mask, wait_stats, trace;
+    uint64_t layout_range, caller_topk_idx, topk_weights, slot_map, out, counters;
+    int64_t area_tag;  // the shape tag of the slot layout's dispatch area (ArrivalKeyUpdate)
+    int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
+    int32_t partials, request_bytes;  // by partial sums (combine_partials_send), and its record bytes
+};
+
+}  // namespace ll
+
+template <>
+constexpr auto fields_of<ll::LLCallContext>() {
+    using S = ll::LLCallContext;
+    return std::array{EPCOMM_FIELD(peer_bufs), EPCOMM_FIELD(info), EPCOMM_FIELD(timeout_ns),
+                      EPCOMM_FIELD(slot_bytes), EPCOMM_FIELD(rank), EPCOMM_FIELD(num_ranks), EPCOMM_FIELD(slot),
+                      EPCOMM_FIELD(num_sms)};
+}
+template <>
+constexpr auto fields_of<ll::LLDispatchCall>() {
+    using S = ll::LLDispatchCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
+                      EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(sent_pairs),
+                      EPCOMM_FIELD(slot_map), EPCOMM_FIELD(topk_copy), EPCOMM_FIELD(recv_data),
+                      EPCOMM_FIELD(recv_scales),
+                      EPCOMM_FIELD(src_info), EPCOMM_FIELD(recv_count), EPCOMM_FIELD(layout_range),
+                      EPCOMM_FIELD(cumulative_stats), EPCOMM_FIELD(scale_stride_e), EPCOMM_FIELD(scale_stride_row),
+                      EPCOMM_FIELD(scale_stride_col), EPCOMM_FIELD(arrival_key), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(hidden),
+                      EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
+                      EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
+                      EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
+                      EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(block_receive),
+                      EPCOMM_FIELD(message_align), EPCOMM_FIELD(arrival), EPCOMM_FIELD(arrival_msg_bytes),
+                      EPCOMM_FIELD(send_blocks), EPCOMM_FIELD(unused)};
+}
+template <>
+constexpr auto fields_of<ll::LLCombineCall>() {
+    using S = ll::LLCombineCall;
+    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
+                      EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(layout_range),
+                      EPCOMM_FIELD(caller_topk_idx), EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(slot_map),
+                      EPCOMM_FIELD(out), EPCOMM_FIELD(counters), EPCOMM_FIELD(area_tag), EPCOMM_FIELD(num_tokens),
+                      EPCOMM_FIELD(hidden),
+                      EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
+                      EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(partials), EPCOMM_FIELD(request_bytes)};
+}
+
+}  // namespace epcomm
+
+using namespace epcomm;
+
+namespace {
+
+constexpr RecordLayout kLLCallRecords[] = {record_layout<ll::LLCallContext>("LLCallContext"),
+                                           record_layout<ll::LLDispatchCall>("LLDispatchCall"),
+                                           record_layout<ll::LLCombineCall>("LLCombineCall")};
+
+// Tokens per block of a kernel that owns token ranges: enough blocks to cover the SMs, and a block's
+// (token, slot) pairs fit its shared arrays.
+int chunk_tokens(int num_tokens, int num_topk, int num_sms) {
+    int chunk = (num_tokens + num_sms - 1) / num_sms;
+    const int most = ll::kMaxChunkEntries / (num_topk > 0 ? num_topk : 1);
+    if (chunk > most) chunk = most;
+    return chunk > 0 ? chunk : 1;
+}
+
+// The most dynamic shared memory of a dispatch's send role: its counts at kMaxExperts, which fit
+// beside the kernel's static arrays (~14 KB) under the 48 KB a launch gets without opting in to more.
+constexpr size_t kMaxSendShared = 2 * sizeof(int) * ll::kMaxExperts;
+
+int num_blocks(int num_tokens, int chunk) {
+    const int blocks = (num_tokens + chunk - 1) / chunk;
+    return blocks > 0 ? blocks : 1;
+}
+
+// Whether `blocks` blocks of a fused kernel (kThreads each) can all be resident at once: its blocks
+// wait for each other's signals, so all must run together (the cooperative launch guarantees it,
+// or refuses).
+// Asked once per kernel, with the most shared memory a call may use (the calls stay fast).
+template <auto kKernel>
+bool fits_at_once(int blocks, size_t most_shared, int num_sms) {
+    static const int per_sm = [&] {
+        int n = 0;
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, ll::kThreads, most_shared) == cudaSuccess ? n : 0;
+    }();
+    return blocks <= per_sm * num_sms;
+}
+
+// The low-latency kernels' cooperative launches: kThreads a block.
+template <class Args>
+cudaError_t launch_cooperative(void (*kernel)(Args), int blocks, size_t shared, cudaStream_t stream, const Args& a) {
+    return epcomm::launch_cooperative(kernel, blocks, ll::kThreads, shared, stream, a);
+}
+
+// The kernel arguments both records give alike: the slot's context, the inputs' shapes and the
+// shared pointers; and the token range of a block (from num_sms).
+template <class Args, class Call>
+void set_call(Args& a, const Call& c) {
+    const ll::LLCallContext& ctx = c.context;
+    const auto* bufs = reinterpret_cast<const uint64_t*>(static_cast<uintptr_t>(ctx.peer_bufs));
+    for (int r = 0; r < ctx.num_ranks; ++r) set_ptr(a.peers.bufs[r], bufs[r]);
+    a.rank = ctx.rank;
+    a.num_ranks = ctx.num_ranks;
+    a.slot = ctx.slot;
+    a.slot_bytes = ctx.slot_bytes;
+    set_ptr(a.info, ctx.info);
+    a.timeout_ns = ctx.timeout_ns;
+    set_ptr(a.x, c.x);
+    set_ptr(a.topk_idx, c.topk_idx);
+    set_ptr(a.mask, c.mask);
+    set_ptr(a.wait_stats, c.wait_stats);
+    set_ptr(a.trace, c.trace);
+    a.num_tokens = c.num_tokens;
+    a.hidden = c.hidden;
+    a.num_topk = c.num_topk;
+    a.num_experts = c.num_experts;
+    a.num_max_tokens = c.num_max_tokens;
+    a.shape_tag = c.shape_tag;
+    a.chunk_tokens = chunk_tokens(c.num_tokens, c.num_topk, ctx.num_sms);
+}
+
+}  // namespace
+
+extern "C" {
+
+int epcomm_ll_header_bytes() { return ll::kHeaderBytes; }
+
+int epcomm_ll_max_experts() { return ll::kMaxExperts; }
+
+// The phase timeline's shape: int64 [2, blocks, points] per call (trace_point).
+void epcomm_ll_trace_shape(int* blocks, int* points) {
+    *blocks = ll::kTraceBlocks;
+    *points = ll::kTracePoints;
+}
+
+// phase 1: send (and return); phase 2: receive (the hook), with the same record; phase 0: both
+// in one kernel (no hook), or one after the other where its blocks cannot all be resident.
+static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream) {
+    const ll::LLDispatchCall& c = *call;
+    if (c.num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
+    ll::DispatchArgs a{};
+    set_call(a, c);
+    a.mode = {c.use_fp8 != 0, c.round_scale != 0, c.use_ue8m0 != 0};
+    a.data_bytes = c.data_bytes;
+    a.msg_bytes = c.msg_bytes;
+    a.message_align = c.message_align == 128 ? 128 : 16;
+    a.num_scale_cols = c.num_scale_cols;
+    set_ptr(a.sent_pairs, c.sent_pairs);
+    set_ptr(a.slot_map, c.slot_map);
+    set_ptr(a.topk_copy, c.topk_copy);
+    set_ptr(a.recv_data, c.recv_data);
+    set_ptr(a.recv_scales, c.recv_scales);
+    a.scale_stride_e = c.scale_stride_e;
+    a.scale_stride_row = c.scale_stride_row;
+    a.scale_stride_col = c.scale_stride_col;
+    set_ptr(a.src_info, c.src_info);
+    set_ptr(a.recv_count, c.recv_count);
+    set_ptr(a.layout_range, c.layout_range);
+    set_ptr(a.cumulative_stats, c.cumulative_stats);
+    a.arrival = phase == 0 ? c.arrival : 0;  // the fused kernel's alone (dispatch_mode)
+    a.defer_acks = phase == 0;
+    a.arrival_msg_bytes = c.arrival_msg_bytes;
+    a.arrival_key = c.arrival_key;
+    const int num_sms = c.context.num_sms, num_experts = c.num_experts;
+    // The send role's counts: all pairs per expert, and those before each of a block's tokens (one
+    // range a block, or one segment per token where send_plan gives senders tokens by stride).
+    // Where they would not fit kMaxSendShared, or the pairs a block's arrays, the senders' count is
+    // send_plan's own.
+    int segments = 1, senders = c.send_blocks;
+    if (senders == 0) senders = ll::auto_senders(c.num_tokens, num_sms);
+    a.send_blocks = phase == 0 && c.arrival != 0 && senders > 0 && senders < num_sms ? senders : 0;
+    if (a.send_blocks > 0 && c.num_tokens > a.send_blocks) {
+        segments = (c.num_tokens + a.send_blocks - 1) / a.send_blocks;
+        if (segments * c.num_topk > ll::kMaxChunkEntries ||
+            (1 + segments) * sizeof(int) * static_cast<size_t>(num_experts) > kMaxSendShared)
+            a.send_blocks = 0, segments = 1;
+    }
+    const size_t shared = (1 + segments) * sizeof(int) * static_cast<size_t>(num_experts);
+    const bool together = c.block_receive != 0;
+    if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+        (together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms)
+                  : fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms))) {
+        const cudaError_t launched = together ? launch_cooperative(ll::dispatch_fused<true>, num_sms, shared, stream, a)
+                                              : launch_cooperative(ll::dispatch_fused<false>, num_sms, shared, stream, a);
+        if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
+        // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
+        (void)cudaGetLastError();
+    }
+    a.arrival = 0;
+    // The hook's send: a block per token range (no token parts: idle blocks would spin on the
+    // acknowledgements on every SM, and a hook's send must leave the SMs to the work beside it).
+    if (phase != 2)
+        ll::dispatch_send<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
+    if (phase != 1)
+        ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// Whether a dispatch without a hook can run as one cooperative kernel here (dispatch_fused, either
+// receive, one block per SM with the most shared memory a call uses); else every such call takes
+// the two kernels (measured: 36.0 against ~30 us at EP4, 128 tokens), which the tests must see.
+int epcomm_ll_dispatch_fused_fit(int num_sms) {
+    return fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms) &&
+                   fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms)
+               ? 1
+               : 0;
+}
+
+// Whether a combine by partial sums can launch here: its send kernel fits one block per SM of the
+// device (registers, shared memory). Not whether the process may use every SM: under MPS or green
+// contexts the cooperative launch can still be refused at the call, which then raises.
+int epcomm_ll_combine_partials_fit(int num_sms) {
+    return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
+}
+
+// A combine without a hook as one cooperative kernel (combine_fused) rather than two; the same for
+// a combine by partial sums (combine_partials_fused).
+constexpr bool kFusedCombine = true;
+constexpr bool kFusedPartials = true;
+
+// phases as in launch_dispatch
+static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
+    const ll::LLCombineCall& c = *call;
+    ll::CombineArgs a{};
+    set_call(a, c);
+    set_ptr(a.layout_range, c.layout_range);
+    set_ptr(a.caller_topk_idx, c.caller_topk_idx);
+    set_ptr(a.topk_weights, c.topk_weights);
+    set_ptr(a.slot_map, c.slot_map);
+    set_ptr(a.out, c.out);
+    set_ptr(a.counters, c.counters);
+    a.request_bytes = c.request_bytes;
+    a.area_tag = static_cast<uint32_t>(c.area_tag);
+    a.defer_acks = phase == 0;
+    const int num_experts = c.num_experts;
+    if (c.partials != 0) {
+        // Its blocks wait for each other through the peers: all resident at once, or not launched
+        // (the host then raises; fewer SMs than the device has, under MPS or green contexts).
+        const int num_sms = c.context.num_sms;
+        if (kFusedPartials && phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+            fits_at_once<ll::combine_partials_fused>(num_sms, 0, num_sms))
+            return static_cast<int>(launch_cooperative(ll::combine_partials_fused, num_sms, 0, stream, a));
+        if (phase != 2) {
+            if (!fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms))
+                return static_cast<int>(cudaErrorCooperativeLaunchTooLarge);
+            const cudaError_t launched = launch_cooperative(ll::combine_partials_send, num_sms, 0, stream, a);
+            if (launched != cudaSuccess) return static_cast<int>(launched);
+        }
+        if (phase != 1) ll::combine_partials_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+        return static_cast<int>(cudaGetLastError());
+    }
+    // Phase 0 with every peer mapped: one cooperative kernel (combine_fused), where it fits.
+    const int num_sms = c.context.num_sms;
+    bool any_remote = false;
+    for (int r = 0; r < a.num_ranks; ++r) any_remote |= a.peers.bufs[r] == nullptr;
+    if (kFusedCombine && phase == 0 && !any_remote && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+        fits_at_once<ll::combine_fused>(num_sms, 0, num_sms)) {
+        const cudaError_t launched = launch_cooperative(ll::combine_fused, num_sms, 0, stream, a);
+        if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
+        (void)cudaGetLastError();  // fewer SMs than the device has are ours: the two kernels instead
+    }
+    if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// A call's kernels of `phase`, then `done` recorded on the stream after them (nullptr: none): the
+// event the host waits on before it reads the slot's error record (after a receive), or the one a
+// receive hook on another stream waits on (after a send). Recorded here, the host needs no stream
+// object per call (an eager call's host time is what an eager decode step waits on).
+int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
+    const int launched = launch_dispatch(call, phase, stream);
+    if (launched != 0 || done == nullptr) return launched;
+    return static_cast<int>(cudaEventRecord(done, stream));
+}
+
+int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
+    const int launched = launch_combine(call, phase, stream);
+    if (launched != 0 || done == nullptr) return launched;
+    return static_cast<int>(cudaEventRecord(done, stream));
+}
+
+// The buffer's events (two per slot), on the current device, without timing.
+int epcomm_ll_event_create(cudaEvent_t* event) {
+    return static_cast<int>(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+}
+
+int epcomm_ll_event_synchronize(cudaEvent_t event) { return static_cast<int>(cudaEventSynchronize(event)); }
+
+int epcomm_ll_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
+    return static_cast<int>(cudaStreamWaitEvent(stream, event, 0));
+}
+
+int epcomm_ll_event_destroy(cudaEvent_t event) { return static_cast<int>(cudaEventDestroy(event)); }
+
+// The layout and field names of call record `name` (LLCallContext, LLDispatchCall, LLCombineCall):
+// write_record_layout and record_field_name (call_record.cuh) say what they return.
+int epcomm_ll_struct_layout(const char* name, int64_t* out, int max) {
+    return write_record_layout(kLLCallRecords, name, out, max);
+}
+
+const char* epcomm_ll_struct_field_name(const char* name, int index) {
+    return record_field_name(kLLCallRecords, name, index);
+}
+
+}  // extern "C"

@@ -1,0 +1,73 @@
+// Low-latency dispatch entry points: the send kernel and the receive kernel of a call with a
+// receive hook, and the fused kernel (send, then receive) of a call without one.
+#pragma once
+
+#include "ll_dispatch_recv.cuh"
+
+namespace epcomm {
+namespace ll {
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);  // (never by arrival: a.arrival is 0)
+    send_dispatch_messages(a, m, send_plan(a, m));
+}
+
+// The receive hook's kernel: one block per (local expert, source).
+__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(DispatchArgs a) {
+    trace_point(a.trace, 1, kTraceStart);
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    __shared__ int counts[kMaxRanks];
+    receive_dispatch_unit(a, seq, lay, blockIdx.x, 1, WarpGroup{0, kUnitThreads, 0, counts}, blockIdx.x);
+    trace_point(a.trace, 1, kTraceReceived);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
+    trace_point(a.trace, 1, kTraceEnd);
+}
+
+// Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
+// (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
+// cooperatively (every block resident at once; see the launcher). kBlockReceive: the receive role
+// of receive_dispatch_units_together instead of a warp group per unit.
+// receive_dispatch_balanced in place of receive_dispatch_units_together (EPCOMM_LL_BLOCK_RECEIVE's
+// block receive), where no failed-rank masking is on (measured above).
+constexpr bool kBalancedReceive = true;
+
+template <bool kBlockReceive>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);
+    const SendPlan plan = send_plan(a, m);
+    const int64_t seq = send_dispatch_messages(a, m, plan);
+    if (m.on) {
+        // (all of them sending: every block receives after its sends)
+        receive_dispatch_arrival(a, m, seq, lay, plan.senders < static_cast<int>(gridDim.x) ? plan.senders : 0);
+    } else if constexpr (kBlockReceive) {
+        if (kBalancedReceive && a.mask == nullptr)
+            receive_dispatch_balanced(a, seq, lay);
+        else
+            receive_dispatch_units_together(a, seq, lay);
+    } else {
+        // The units are split among groups of warps, enough groups that every unit has one at once
+        // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a
+        // wait, a copy and two barriers to the kernel.
+        const int wanted = (a.num_experts + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+        const int groups = wanted <= 1 ? 1 : wanted <= 2 ? 2 : wanted <= 4 ? 4 : kMaxFusedGroups;
+        const int group_threads = kThreads / groups, group = static_cast<int>(threadIdx.x) / group_threads;
+        __shared__ int counts[kMaxFusedGroups][kMaxRanks];
+        // Barrier 0 is __syncthreads'; the groups take 1.. (a block has 16).
+        const WarpGroup g{group * group_threads, group_threads, groups == 1 ? 0 : 1 + group, counts[group]};
+        const int first_unit = static_cast<int>(blockIdx.x) * groups;
+        for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
+            receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
+    }
+    if (m.poison) poison_arrival_area(a, m);
+    if (a.trace != nullptr) __syncthreads();  // every copy of the block is done
+    trace_point(a.trace, 0, kTraceReceived);
+    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
+    trace_point(a.trace, 0, kTraceEnd);
+}
+
+}  // namespace ll
+}  // namespace epcomm

@@ -1,0 +1,244 @@
+// The low-latency slot protocol shared by dispatch and combine: finishing a kernel, acknowledging a
+// slot (now or at the next call), the bounded waits for signals and acknowledgements, the FP8 cast,
+// and the piecewise warp copy.
+#pragma once
+
+#include "../layout/low_latency.cuh"
+
+namespace epcomm {
+namespace ll {
+
+// The last block to finish (every block has read the counter and the slot's previous call by then)
+// records this call as the slot's latest and as the rank's last, updates the slot's arrival key,
+// and records whether the next call owes this one's acknowledgements (`owes_acks`: a call without
+// a hook, see pay_owed_acks; this kernel's payer has paid the previous call's by then).
+__device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, ArrivalKeyUpdate key_update,
+                                   bool owes_acks) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        fence_gpu();  // the block's reads of the counter and the slot come before its arrival
+        int* done = reinterpret_cast<int*>(mine + kDoneOffset);
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+            *done = 0;
+            reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
+            *counter(mine) = seq;
+            int64_t* key = arrival_key_word(mine, slot);
+            if (key_update.set)
+                *key = key_update.key;
+            else if (static_cast<uint32_t>(static_cast<uint64_t>(*key) >> 32) != key_update.area_tag)
+                *key = 0;
+            *reinterpret_cast<int*>(mine + kOwedAckOffset) = owes_acks ? slot + 1 : 0;
+            fence_gpu();  // the next kernel on this GPU reads them
+        }
+    }
+}
+
+// The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
+// call to every rank, so their next sends into this slot may start: the receive of a call with a
+// hook. A call without one (`deferred`: the fused kernels, or send and receive kernels launched
+// together) acknowledges nothing here: its next call does (pay_owed_acks), so what follows is about
+// hook receives alone; the by-arrival paths (fused only) always defer.
+// A GPU-scope fence, on purpose: an ack publishes no data that a peer reads (every path was
+// checked: the receives only read their own slot; the self-ack is read on this GPU; Net::signal
+// acks carry nothing), it tells a peer that this rank's loads of the slot are done, so that the
+// peer may overwrite it. (A dispatch by arrival stores the poison back into its own arrival area,
+// and a peer's next payload must land after it: with a GPU-scope fence that held on the hardware,
+// not by the PTX model; it is deferred now, where the kernel's end orders it.) The loads are done
+// because every one of them fed a store, an address or a branch issued before the
+// block's barrier, so it has returned its value; the count orders every block's barrier
+// before the acks. This relies on that hardware behaviour, not on the PTX model (a gpu-scope fence
+// does not synchronize with a peer's ld.acquire.sys): a slot load added later whose value is not
+// consumed before the barrier (a prefetch, an unawaited bulk copy) would need the fence_sys back.
+// The fence_sys also waited for the receive's output stores to reach system scope, which no peer
+// reads: at EP4, 128 tokens (4 x H100, 7459464) the last block ended 1.3 us (dispatch) and 2.4 us
+// (combine) earlier without it, a graph step 67.4 -> 64.6 us (timings of the fused kernels,
+// before they deferred their acknowledgements).
+__device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq,
+                                   const int* mask, bool deferred) {
+    if (deferred) return;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        fence_gpu();  // the block's reads of the slot come before its arrival
+        int* done = reinterpret_cast<int*>(peers.bufs[me] + kRecvDoneOffset) + slot;
+        if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+            *done = 0;
+            fence_gpu();  // acquires every block's arrival (each fenced its reads first)
+            for (int r = 0; r < num_ranks; ++r)  // not to masked ranks: they may be gone
+                if (r == me || !masked(mask, r)) signal_peer(peers, me, r, acks + 8 * me, seq);
+        }
+    }
+}
+
+// Deferred acknowledgements. A call without a hook (phase 0: the fused kernel, or its send and
+// receive kernels one after the other) does not acknowledge its slot at its end: the first kernel
+// of the buffer's next call does (every call's first kernel calls this). That kernel starts after
+// this call's kernels have ended (calls of a buffer are ordered on the GPU: the call counters
+// already rely on it), so every load of the slot has returned and every store of the call (the
+// arrival area's poison among them) has been performed: a stronger order than the fences of
+// finish_recv_kernel, for none of their cost.
+// Who waits longer: a peer's call that reuses the slot now waits for this rank's next call to
+// start, not for this one to end. With alternating slots that next call starts before the slot's
+// next user, so nobody waits; a captured graph of one call replayed (one slot, every replay) makes
+// a peer's next replay wait for this rank's next replay to start, where it also waits for its data.
+// Nor can it deadlock, where the payer pays before it waits for anything: a call waits for the acks
+// of the slot's previous call, two calls before it (paid by the peers' previous calls), or one
+// before it in that graph (paid by the peers' payers of this call, which wait for nothing first).
+// Block 0's first warp pays: where a kernel's blocks are not all resident at once (a non-cooperative
+// combine_send with more units than fit), this assumes block 0 is among the first to run, as the
+// hardware schedules blocks in index order (the CUDA model does not promise it; a kernel of more
+// blocks than fit whose first blocks wait for a peer's payer could otherwise stall until the
+// timeout). The payer loads the words beside the counters its kernel reads first (a line of the
+// buffer's header) and the mask; every other block goes on at once. The end of the call
+// saves a barrier, a fence and an atomic per block, and the last block's stores to every peer,
+// which the kernel's end waits for (EP4, 128 tokens, 4 x H100: a probe without the finish,
+// c755d5f, took the dispatch kernel from 20.6 to 19.3 us; deferring them gave the dispatch
+// 25.0-26.2 us eager against 26.0-27.2 in the same calls). A call with a hook acknowledges at the
+// end of its receive, as before: the hook may run after later calls.
+// By lane r < R of the calling warp (the whole warp calls); lane 0 clears the word before its
+// block arrives in finish_send_kernel, whose last block then sets it for this call.
+static_assert(kMaxRanks <= kWarpSize, "pay_owed_acks signals a rank a lane");
+__device__ __forceinline__ void pay_owed_acks(const Peers& peers, int num_ranks, int me, int64_t slot_bytes,
+                                              const int* mask) {
+    uint8_t* mine = peers.bufs[me];
+    int* owed = reinterpret_cast<int*>(mine + kOwedAckOffset);
+    const auto* slot_seqs = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset);
+    const int slot_plus_one = ld_volatile_int(owed), lane = static_cast<int>(threadIdx.x) % kWarpSize;
+    const int64_t seqs[2] = {ld_volatile(slot_seqs), ld_volatile(slot_seqs + 1)};  // in flight together
+    if (slot_plus_one == 0) return;
+    const int slot = slot_plus_one - 1;
+    const int64_t seq = seqs[slot];
+    if (lane < num_ranks && (lane == me || !masked(mask, lane)))  // not to masked ranks: they may be gone
+        signal_peer(peers, me, lane, slot_acks(slot, slot_bytes) + 8 * me, seq);
+    __syncwarp();
+    if (lane == 0) *owed = 0;
+}
+
+// The checks every bounded wait makes now and then, beside its own. Whether an earlier wait of this
+// rank gave up (then so does this call: reported as abandoned).
+__device__ __forceinline__ bool abandoned(int* info, int* gave_up, int op) {
+    if (ld_volatile_int(gave_up) == 0) return false;
+    record_error(info, kErrAbandoned, op, -1);
+    return true;
+}
+// Whether `timeout_ns` have passed since `start` waiting for rank `src`: with failed-rank masking
+// src is masked from then on (not waited for again), else the timeout is reported and this rank
+// gives up (its other waits stop).
+__device__ __forceinline__ bool past_deadline(int* info, int* gave_up, int op, int src, int* mask, uint64_t start,
+                                              uint64_t timeout_ns) {
+    if (global_timer_ns() - start <= timeout_ns) return false;
+    if (mask != nullptr) {
+        atomicExch(mask + src, 1);
+    } else {
+        record_error(info, kErrTimeout, op, src);
+        give_up(gave_up);
+    }
+    return true;
+}
+
+// Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
+// timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
+// `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
+// relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land
+// (the counts, sent before the data, read as arriving at 15.3 us of a 20.5 us dispatch, EP4, 128
+// tokens, 4 x H100, cdab994).
+__device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
+                           int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
+    const uint64_t start = global_timer_ns();
+    for (int spin = 0;; ++spin) {
+        const int64_t v = acquire ? ld_acquire_sys(signal) : ld_volatile(signal);
+        if (signal_of_call(v, seq)) {
+            if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
+            if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
+                record_error(info, kErrShapeMismatch, op, src);
+                give_up(gave_up);  // signals it laid out elsewhere may never come: stop every wait
+                return -2;
+            }
+            if (v & kInvalidInputBit)  // the source's inputs were refused (its signals say so)
+                record_error(info, op == kOpDispatch ? kErrInvalidDispatch : kErrIdsDiffer, op, src);
+            return static_cast<int>((v & kCountMask) - 1);
+        }
+        if ((spin & 63) == 63) {
+            if (masked(mask, src)) return -1;
+            if (abandoned(info, gave_up, op)) return -2;
+            if (past_deadline(info, gave_up, op, src, mask, start, timeout_ns)) return mask != nullptr ? -1 : -2;
+        }
+    }
+}
+
+// Before writing into `dst`'s slot: wait until `dst` has acknowledged the previous call that used
+// the slot (`prev`; 0 when none). False (the writes are skipped) when dst is masked or timed out.
+__device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t prev, int* mask, uint64_t timeout_ns,
+                         int* info, int op) {
+    int* gave_up = gave_up_word(const_cast<uint8_t*>(mine));
+    if (prev <= 0) return true;
+    const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
+    const uint64_t start = global_timer_ns();
+    for (int spin = 0;; ++spin) {
+        if (ld_acquire_sys(ack) >= prev) return true;
+        if ((spin & 63) == 63 &&
+            (masked(mask, dst) || abandoned(info, gave_up, op) ||
+             past_deadline(info, gave_up, op, dst, mask, start, timeout_ns)))
+            return false;
+    }
+}
+
+// Whether this call may write into rank r's slot: neither rank masked, and r acknowledged the
+// slot's previous call (wait_ack).
+__device__ bool may_write_slot(const uint8_t* mine, int64_t acks, int me, int r, int64_t prev, int* mask,
+                               uint64_t timeout_ns, int* info, int op) {
+    return !masked(mask, me) && !masked(mask, r) && wait_ack(mine, acks, r, prev, mask, timeout_ns, info, op);
+}
+
+// ------------------------------------------------------------------ FP8 cast (the rule of epcomm/fp8.py)
+struct CastMode {
+    bool fp8, round_scale, ue8m0;
+};
+
+// 8 bf16 channels of one lane, cast as members of a 128-channel group spread over 16 lanes
+// (lanes 0-15 or 16-31 of the warp). Returns the group's scale (fp32 bits, or its UE8M0 exponent).
+__device__ __forceinline__ uint2 cast_fp8x8(const int4& raw, bool valid, const CastMode& mode, float& scale_out) {
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(h[k]);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+    if (!valid) amax = 0.f;
+#pragma unroll
+    for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+    amax = fmaxf(amax, 1e-4f);
+    float scale = __fmul_rn(amax, static_cast<float>(1.0 / 448.0));
+    float inv;
+    if (mode.round_scale) {  // smallest power of two >= scale; its inverse is exact
+        const int bits = __float_as_int(scale);
+        const int exponent = ((bits >> 23) & 0xff) + ((bits & 0x7fffff) != 0 ? 1 : 0);
+        scale = __int_as_float(exponent << 23);
+        inv = __fdiv_rn(1.0f, scale);
+    } else {
+        inv = __fdiv_rn(448.0f, amax);
+    }
+    scale_out = scale;
+    uint2 out;
+    auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        q[k] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[2 * k], inv), __fmul_rn(v[2 * k + 1], inv)),
+                                        __NV_SATFINITE, __NV_E4M3);
+    return out;
+}
+
+// One warp copies piece `piece` (kPieceInt4 16-byte words) of a `num_int4`-word message or row.
+__device__ __forceinline__ void copy_piece(int4* dst, const int4* src, int num_int4, int piece, int lane) {
+    const int begin = piece * kPieceInt4;
+    warp_copy_int4<8>(dst + begin, src + begin, min(kPieceInt4, num_int4 - begin), lane);
+}
+
+__device__ __forceinline__ int num_pieces(int num_int4) { return (num_int4 + kPieceInt4 - 1) / kPieceInt4; }
+
+}  // namespace ll
+}  // namespace epcomm
