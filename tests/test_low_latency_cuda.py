@@ -26,8 +26,9 @@ from conftest import (
 from routing import make_inputs
 
 from epcomm import Buffer
-from epcomm.backends.cuda.low_latency import partials_asked, partials_fit
+from epcomm.backends.cuda.low_latency import partials_fit
 from epcomm.bench.checks import poison_, same_bits
+from epcomm.tuning import partials_asked
 
 pytestmark = pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")
 

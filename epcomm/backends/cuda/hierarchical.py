@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
+from ...tuning import hierarchical_roles
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
 from ..rows import scale_kind, shape_digest
 from .build import load_library, load_nvshmem_library
@@ -276,12 +277,8 @@ class CudaHierarchical:
         key = (op, shape, num_sms)
         call = self.calls.get(key)
         if call is None:
-            others = max(1, self.num_domains - 1)
-            chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
-            # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
-            # combine: every SM forwards (and sends).
-            senders = 0 if op == _OP_COMBINE else (self.num_domains - 1) * chunks
-            forwarders = max(1, min(self.c["max_forwarders"], num_sms - senders))
+            chunks, forwarders = hierarchical_roles(num_sms, self.num_domains, op == _OP_COMBINE,
+                                                    self.c["max_chunks"], self.c["max_forwarders"])
             tag = shape_digest(op, *shape, chunks, forwarders, bits=20)  # kTagBits: ranks must agree on all
             peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
             mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)

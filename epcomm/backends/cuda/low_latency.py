@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import LowLatencyHandle
+from ...tuning import partials_asked, receive_together
 from ..rows import low_latency_scales_layout, shape_digest
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
@@ -124,38 +125,11 @@ def request_bytes(num_topk: int) -> int:
     return 16 + 16 * num_topk
 
 
-# EPCOMM_LL_COMBINE_PARTIALS=auto combines by partial sums from this num_max_dispatch_tokens_per_rank
-# (every rank passes the same N; a rank's token count may differ). At EP4 (4 x H100, 288 experts,
-# H 7168, N = tokens, d1787213) the combine took 19.1 -> 26.4 us at 1 token, 27.8 -> 30.9 at 32,
-# 36.3 -> 35.6 at 64, 54.0 -> 46.3 at 128, 94.0 -> 65.4 at 256: the second exchange (requests, then
-# partials) costs ~4-7 us that the fewer bytes over NVLink repay from about 64 tokens.
-PARTIALS_AUTO_MIN_TOKENS = 64
-
-
-def partials_asked(mode: str, num_max_tokens: int) -> bool:
-    """Whether EPCOMM_LL_COMBINE_PARTIALS (``mode``: auto, 0 or 1) asks for partial sums at this
-    num_max_dispatch_tokens_per_rank (where the Buffer can and the shape allows: combine_by_partials)."""
-    return mode == "1" or (mode == "auto" and num_max_tokens >= PARTIALS_AUTO_MIN_TOKENS)
-
-
 def partials_fit(num_ranks: int, num_experts: int, hidden: int, num_topk: int) -> bool:
     """Whether a combine by partial sums fits a slot's combine area ([E][N] rows) and signals ([E]):
     partial rows [R][N] and request records [R][N], and 2R signals."""
     return (num_experts >= 2 * num_ranks and
             num_ranks * (2 * hidden + request_bytes(num_topk)) <= num_experts * 2 * hidden)
-
-
-def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int) -> bool:
-    """Whether a fused dispatch's blocks receive their (expert, source) units together (their warps
-    share the rows' copies) rather than a group of warps per unit (EPCOMM_LL_BLOCK_RECEIVE). auto:
-    at 2 or more pairs per expert, where the unit with the most rows would otherwise set the end
-    (one H100, one rank, graph dispatch: 25.4 -> 24.4 us at 128 tokens, 37.8 -> 35.4 at 256, but
-    16.3 -> 17.8 at 1 and 18.8 -> 19.4 at 32: the wait for all of a block's counts first costs
-    more than a few rows' copies; bench/results/2026-11-23_ll-one-rank-block-receive-*-308727c_*).
-    Every source sends about T * K / E pairs to each unit."""
-    if mode != "auto":
-        return mode == "1"
-    return num_tokens * num_topk >= 2 * num_experts
 
 
 class LLCallContext(ctypes.Structure):
@@ -312,7 +286,7 @@ class CudaLowLatency:
         """Whether a combine of this shape goes by partial sums: allowed (combine_partials), without a
         hook (its send kernel waits for every peer's requests, which a hook's send must not: no SM
         held while data is in flight), where its rows and records fit (partials_fit), and asked for
-        (1) or, with auto, from PARTIALS_AUTO_MIN_TOKENS tokens a rank. The same on every rank."""
+        (1) or, with auto, from tuning.PARTIALS_AUTO_MIN_TOKENS tokens a rank. The same on every rank."""
         return (self.combine_partials and not hook and partials_fit(self.num_ranks, num_experts, hidden, num_topk) and
                 partials_asked(self.combine_partials_mode, num_max_tokens))
 
