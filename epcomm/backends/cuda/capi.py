@@ -107,3 +107,10 @@ def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure], exp
                        f"{structure.__module__}.{name} ({ctypes.sizeof(structure)} bytes): field {i} is "
                        f"{describe(library)} in the library, {describe(mirror)} in the mirror; the two must "
                        "declare the same fields in the same order")
+
+
+def library_constants(lib: ctypes.CDLL, exports: str, names: str) -> dict[str, int]:
+    """The values of the constants ``names`` (space-separated) the library exports through the
+    function ``exports`` (epcomm_constant, epcomm_hierarchical_constant), by name; -1 where absent."""
+    lookup = getattr(lib, exports)
+    return {name: lookup(name.encode()) for name in names.split()}

@@ -30,28 +30,25 @@ from ... import _env
 from ...handle import DispatchHandle
 from ...tuning import ROW_ALIGN, dispatch_work, own_rows_by_receivers, send_blocks
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
-from ..rows import scale_kind, shape_digest
+from ..rows import round_up, scale_kind, shape_digest
 from .build import load_library
-from .capi import addr, check, check_aligned, check_struct_layout, current_stream, fields, ptr, stream_ptr
+from .capi import (
+    addr,
+    check,
+    check_aligned,
+    check_struct_layout,
+    current_stream,
+    fields,
+    library_constants,
+    ptr,
+    stream_ptr,
+)
+from .errors import INTRANODE, ErrorTable, RecordLayout
 from .ipc import SharedBuffer
 
 ROWS_OFFSET = 67584  # mirrors kRowsOffset in csrc/kernels/intranode.cu (checked when the library loads)
 ROW_TRAILER_BYTES = 16
 LAYOUT_INTS = 48
-_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
-           2: "ranks called different operations: {mismatch}",
-           3: "the communication buffer is too small for the rows of this call",
-           4: "received more tokens than num_worst_tokens",
-           6: "rank(s) {ranks} passed rows of another shape to this call than this rank (hidden size, dtype, FP8 "
-              "scale count or dtype, top-k width); nothing was moved"}
-_REFUSED = 5
-_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "destroy"}
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: int, has_weights: bool,
                        num_worst_tokens: int) -> int:
     """The shape key of a dispatch (header word 3, compared by every rank's notify kernel)."""
@@ -62,11 +59,11 @@ def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: i
 def dispatch_row_bytes(hidden: int, element_size: int, num_topk: int = 0, num_scales: int = 0) -> int:
     """Bytes of one dispatch row slot: x, top-k ids and weights, scales and the 16-byte flag trailer (the slot's
     last bytes), rounded up to ROW_ALIGN."""
-    return _round_up(hidden * element_size + num_topk * 12 + num_scales * 4 + ROW_TRAILER_BYTES, ROW_ALIGN)
+    return round_up(hidden * element_size + num_topk * 12 + num_scales * 4 + ROW_TRAILER_BYTES, ROW_ALIGN)
 
 
 def combine_row_bytes(hidden: int, num_topk: int = 0) -> int:
-    return _round_up(hidden * 2 + num_topk * 4 + ROW_TRAILER_BYTES, ROW_ALIGN)
+    return round_up(hidden * 2 + num_topk * 4 + ROW_TRAILER_BYTES, ROW_ALIGN)
 
 
 def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks: int, num_topk: int = 0,
@@ -151,14 +148,15 @@ class CudaIntranode:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
-        self.c = {name: self.lib.epcomm_constant(name.encode()) for name in (
-            "rows_offset", "row_trailer_bytes", "max_ranks", "max_experts_per_rank", "info_ints", "layout_ints",
-            "info_error", "info_error_op", "info_error_ranks", "info_num_recv", "info_recv_counts", "info_matrix",
-            "info_max_recv", "info_max_send", "info_refusal", "info_experts", "op_dispatch", "op_cached_dispatch",
-            "op_combine", "op_barrier")}
+        self.c = library_constants(self.lib, "epcomm_constant", (
+            "rows_offset row_trailer_bytes max_ranks max_experts_per_rank info_ints layout_ints info_error "
+            "info_error_op info_error_ranks info_num_recv info_recv_counts info_matrix info_max_recv info_max_send "
+            "info_refusal info_experts op_dispatch op_cached_dispatch op_combine op_barrier"))
         if (self.c["rows_offset"], self.c["row_trailer_bytes"], self.c["layout_ints"]) != \
                 (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
+        self.errors = ErrorTable(INTRANODE, RecordLayout(code=self.c["info_error"], op=self.c["info_error_op"],
+                                                         ranks=self.c["info_error_ranks"], clear="ranks"), self.lib)
         if self.num_ranks > self.c["max_ranks"]:
             raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
                                f"has {self.num_ranks}")
@@ -220,21 +218,7 @@ class CudaIntranode:
         Refused inputs raise ValueError (every rank gets the same list of refusing ranks); timeouts,
         mismatched calls and capacity overruns raise RuntimeError.
         """
-        info, c = self.info_np, self.c
-        code = int(info[c["info_error"]])
-        if code == 0:
-            return
-        flags = [int(v) for v in info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks]]
-        failed_op = _OPS.get(int(info[c["info_error_op"]]), "call")
-        info[c["info_error"]] = 0
-        info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks] = 0
-        if code == _REFUSED:
-            self._raise_refusals()
-        ranks = [r for r in range(self.num_ranks) if flags[r]]
-        mismatch = ", ".join(f"rank {r}: {_OPS.get(flags[r], '?')}" for r in ranks)
-        message = _ERRORS.get(code, f"error {code}").format(ranks=ranks, mismatch=mismatch)
-        raise RuntimeError(f"epcomm {failed_op} (reported by {op}) on rank {self.rank}: {message}. Destroy the Buffer "
-                           "and the process group.")
+        self.errors.check(self.info_np, op, self.rank, self.num_ranks, self.c["info_refusal"])
 
     def _sync_and_check(self, op: str) -> None:
         event = torch.cuda.Event()
@@ -484,21 +468,6 @@ class CudaIntranode:
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
 
     # ------------------------------------------------------------------ errors raised on every rank alike
-    def _raise_refusals(self) -> None:
-        c = self.c
-        refusals = [int(v) for v in self.info_np[c["info_refusal"]:c["info_refusal"] + self.num_ranks]]
-        reasons = {1: "topk_idx values outside [-1, num_experts)",
-                   2: "num_tokens_per_rank does not match is_token_in_rank.sum(0) (pass both from get_dispatch_layout)",
-                   4: "ranks disagree on the row shape (hidden size, dtype, FP8 scale count or dtype, top-k width, "
-                      "weights) or num_worst_tokens",
-                   8: "it receives more tokens than its num_worst_tokens"}
-        parts = []
-        for r, code in enumerate(refusals):
-            if code:
-                why = "; ".join(text for bit, text in reasons.items() if code & bit)
-                parts.append(f"rank {r}: {why}")
-        raise ValueError("epcomm dispatch refused its inputs, nothing was sent: " + " | ".join(parts))
-
     def _raise_capacity(self, op: str, rows: int, row_bytes: int, cap_rows: int) -> None:
         need = ROWS_OFFSET + rows * row_bytes
         raise ValueError(f"epcomm {op}: num_nvl_bytes={self.num_bytes} holds {cap_rows} rows of {row_bytes} bytes, "
