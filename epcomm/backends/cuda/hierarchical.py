@@ -152,6 +152,9 @@ def _domain_group(group: dist.ProcessGroup, ranks_per_domain: int, my_domain: in
 
 
 class CudaHierarchical:
+    """Normal mode across domains on the CUDA kernels (the NormalOps of backends/base.py)."""
+
+    on_kernels = True
     frees_after_meeting = True  # Buffer.destroy meets every rank (bounded) before close()
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_rdma_bytes: int,

@@ -141,6 +141,11 @@ def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tens
 
 
 class CudaIntranode:
+    """Normal mode inside one NVLink domain on the CUDA kernels (the NormalOps of backends/base.py)."""
+
+    on_kernels = True
+    frees_after_meeting = False  # destroy: a barrier (no peer writes into the buffer any more), then close()
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
         bind_calls(self.lib)

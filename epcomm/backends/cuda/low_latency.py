@@ -181,6 +181,10 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:
 
 
 class CudaLowLatency:
+    """Low-latency mode on the CUDA kernels (the LowLatencyOps of backends/base.py)."""
+
+    on_kernels = True
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         if self.num_ranks > 8:
@@ -304,7 +308,10 @@ class CudaLowLatency:
         self._received_events = self._sent_events = []
         self.shared.close()
 
-    def reset(self, meet: Callable[[str], None]) -> None:
+    def remote_ranks(self) -> list[int]:
+        return list(getattr(self.shared, "remote_ranks", []))
+
+    def clean(self, meet: Callable[[str], None]) -> bool:
         """clean_low_latency_buffer, collective: every rank's kernels are done (first meeting), the
         whole buffer is zeroed (signals, acknowledgements, call counters) with the error records and
         pair counters, and nobody sends again before every rank has zeroed (second meeting). Every
@@ -319,6 +326,7 @@ class CudaLowLatency:
         self._captured = False
         torch.cuda.synchronize(self.device)
         meet("zeroed")
+        return True
 
     def check_errors(self, op: str, slot: int, capturing: bool) -> None:
         """Raise what the kernels reported before a call in ``slot`` launches anything: the record of
