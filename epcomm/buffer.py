@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import lifecycle
 from ._arguments import ArgumentChecks
 from ._checks import check_int, check_tensor, check_topk_idx, same_device
+from .backends import sm90_kernels_buildable
 from .backends.base import LowLatencyOps, NormalOps, Op
 from .config import Config, default_combine_config, default_dispatch_config, low_latency_size_hint
 from .event import EventOverlap
@@ -136,15 +137,7 @@ class Buffer(ArgumentChecks):
     def is_sm90_compiled() -> bool:
         """Whether the SM90 kernels can run here: a Hopper GPU is visible and nvcc is there to build them on
         first use (they are compiled on first use, not at install)."""
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-            return False
-        from .backends.cuda.build import find_nvcc
-
-        try:
-            find_nvcc()
-        except RuntimeError:
-            return False
-        return True
+        return sm90_kernels_buildable()
 
     @staticmethod
     def capture() -> EventOverlap:

@@ -37,4 +37,17 @@ def make_ops(group: dist.ProcessGroup, device: torch.device, reference: Referenc
     return normal, low_latency
 
 
-__all__ = ["LowLatencyOps", "NormalOps", "make_ops"]
+def sm90_kernels_buildable() -> bool:
+    """Whether a Hopper GPU is visible and nvcc is there to build the kernels on first use."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    from .cuda.build import find_nvcc
+
+    try:
+        find_nvcc()
+    except RuntimeError:
+        return False
+    return True
+
+
+__all__ = ["LowLatencyOps", "NormalOps", "make_ops", "sm90_kernels_buildable"]
