@@ -184,7 +184,7 @@ def test_send_sms_split():
     SMs send (fewer for FP8 rows), 2/3 where the senders also write the rank's own rows (a fused
     dispatch at 2 ranks), and 10 of a combine's 24 (its senders' NVLink stores are slower than its
     reducers' sums); at one rank the side with nothing to move keeps one SM."""
-    from epcomm.backends.cuda.intranode import send_blocks, send_share
+    from epcomm.tuning import send_blocks, send_share
 
     for name in ("EPCOMM_DISPATCH_SEND_SMS_PCT", "EPCOMM_COMBINE_SEND_SMS_PCT"):
         assert _env.send_sms_pct(name) is None
@@ -236,7 +236,7 @@ def test_low_latency_transport_choice():
 
 def test_low_latency_block_receive_choice():
     """EPCOMM_LL_BLOCK_RECEIVE=auto takes the block receive from 2 pairs per expert on; 0 and 1 force."""
-    from epcomm.backends.cuda.low_latency import receive_together
+    from epcomm.tuning import receive_together
     assert receive_together("auto", 128, 8, 288) and receive_together("auto", 72, 8, 288)
     assert not receive_together("auto", 71, 8, 288) and not receive_together("auto", 1, 8, 288)
     assert not receive_together("auto", 0, 8, 288)

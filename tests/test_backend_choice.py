@@ -62,14 +62,14 @@ def _same(a, b) -> bool:
 @contextlib.contextmanager
 def _blockers_on_rank(rank: int, fake):
     """availability.mode_blockers replaced by ``fake`` on ``rank``, by no blocker on the others."""
-    import epcomm.buffer as buffer_module
+    import epcomm.lifecycle as lifecycle
 
-    real = buffer_module.mode_blockers
-    buffer_module.mode_blockers = fake if dist.get_rank() == rank else (lambda *args, **kwargs: {})
+    real = lifecycle.mode_blockers
+    lifecycle.mode_blockers = fake if dist.get_rank() == rank else (lambda *args, **kwargs: {})
     try:
         yield
     finally:
-        buffer_module.mode_blockers = real
+        lifecycle.mode_blockers = real
 
 
 def rank_auto_on_cpu():

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from epcomm import tuning
 from epcomm.backends.cuda import build, intranode, low_latency
 from epcomm.backends.cuda.capi import check_struct_layout
 
@@ -91,10 +92,10 @@ def test_combine_partials_fit_the_slot():
 def test_combine_by_partial_sums_is_asked_for_from_64_tokens_by_default():
     """EPCOMM_LL_COMBINE_PARTIALS=auto takes partial sums from 64 tokens a rank (EP4 measured: slower
     below, from the second exchange's latency; faster from 64), 1 always, 0 never."""
-    assert low_latency.PARTIALS_AUTO_MIN_TOKENS == 64
-    assert [low_latency.partials_asked("auto", n) for n in (1, 32, 63, 64, 128, 256)] == [False] * 3 + [True] * 3
-    assert all(low_latency.partials_asked("1", n) for n in (1, 64, 4096))
-    assert not any(low_latency.partials_asked("0", n) for n in (1, 64, 4096))
+    assert tuning.PARTIALS_AUTO_MIN_TOKENS == 64
+    assert [tuning.partials_asked("auto", n) for n in (1, 32, 63, 64, 128, 256)] == [False] * 3 + [True] * 3
+    assert all(tuning.partials_asked("1", n) for n in (1, 64, 4096))
+    assert not any(tuning.partials_asked("0", n) for n in (1, 64, 4096))
 
 
 def test_dispatch_messages_fill_128_byte_lines_where_the_area_has_room():

@@ -192,7 +192,7 @@ def rank_collected_buffers(backend: str, low_latency: bool):
     collects the Buffer at once."""
     import gc
 
-    import epcomm.buffer as buffer_module
+    from epcomm import lifecycle
 
     rank, dev = dist.get_rank(), _device()
     size = 64 << 20
@@ -207,7 +207,7 @@ def rank_collected_buffers(backend: str, low_latency: bool):
         base = torch.cuda.memory_allocated(dev) if backend == "cuda" else 0
 
         def pending(uid: str) -> bool:
-            return any(c.uid == uid for c in buffer_module._COLLECTED)
+            return uid in lifecycle.collected_uids()
 
         with EpcommLog() as log:
             buf = new_buffer()

@@ -28,8 +28,7 @@ from hypothesis import strategies as st
 from routing import make_inputs
 
 import epcomm
-from epcomm import Buffer, Config
-from epcomm import buffer as buffer_module
+from epcomm import Buffer, Config, lifecycle
 from epcomm.backends.reference.backend import Op
 from epcomm.backends.reference.transport import Transport
 from epcomm.handle import DispatchHandle, LowLatencyHandle
@@ -897,12 +896,12 @@ def test_num_worst_tokens_too_small():
 # Buffers here have a 2 s timeout and the refusing rank joins the peers' abandoned handshake, so the
 # shared cluster stays in step and the assertion (not a hang) reports it.
 def _join_abandoned_handshake(buf: Buffer, op: Op, seq_before: int, tag: str) -> None:
-    if buf._backend.seq != seq_before:
+    if buf.agreement.seq != seq_before:
         return  # the refusal was announced: nobody waits
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     if not _wait_keys([f"{tag}/done/{r}" for r in range(num_ranks) if r != rank], 30):
         raise RuntimeError("the peers never finished their call")
-    buf._backend.handshake(op, {}, refused=True)
+    buf.agreement.handshake(op, {}, refused=True)
 
 
 def rank_refusal_alone(kind: str, bad_rank: int, tag: str) -> tuple:
@@ -911,12 +910,12 @@ def rank_refusal_alone(kind: str, bad_rank: int, tag: str) -> tuple:
     store = dist.distributed_c10d._get_default_store()
     if kind == "dispatch previous_event":
         c: Any = _with_timeout(SHORT_TIMEOUT_S, _NormalCtx)
-        op, seq = Op.DISPATCH, c.buf._backend.seq
+        op, seq = Op.DISPATCH, c.buf.agreement.seq
         outcome = _outcome(lambda: c.dispatch(previous_event="event") if bad else c.dispatch())
         store.set(f"{tag}/done/{rank}", "1")
     elif kind == "combine allocate_on_comm_stream":
         c = _with_timeout(SHORT_TIMEOUT_S, _NormalCtx)
-        op, seq = Op.COMBINE, c.buf._backend.seq
+        op, seq = Op.COMBINE, c.buf.agreement.seq
         outcome = _outcome(lambda: c.combine(allocate_on_comm_stream=True) if bad else c.combine())
         store.set(f"{tag}/done/{rank}", "1")
     elif kind == "third low-latency call":
@@ -926,7 +925,7 @@ def rank_refusal_alone(kind: str, bad_rank: int, tag: str) -> tuple:
         if not bad:
             for hook in hooks:
                 hook()
-        op, seq = Op.LL_DISPATCH, c.buf._backend.seq
+        op, seq = Op.LL_DISPATCH, c.buf.agreement.seq
         outcome = _outcome(lambda: c.ll_dispatch())
         store.set(f"{tag}/done/{rank}", "1")
         if bad:
@@ -973,7 +972,7 @@ def rank_constructor_refusal_alone(bad_rank: int, tag: str) -> tuple:
         # The peers wait in the constructor's all_gather_object, bounded only by the process group's
         # own timeout (30 min on gloo): join it, and take a Buffer id as their Buffer did.
         dist.all_gather_object([None] * num_ranks, socket.gethostname())
-        buffer_module._next_uid(dist.group.WORLD)
+        lifecycle.next_uid(dist.group.WORLD)
     ranks: list[Any] = [None] * num_ranks
     dist.all_gather_object(ranks, rank)
     if ranks != list(range(num_ranks)):

@@ -42,12 +42,12 @@ def _round_trip(buf: Buffer, x, idx, w, num_experts: int, fp8: bool, worst: int,
     recv_x, recv_idx, recv_w, expert_list, handle, _ = buf.dispatch(
         x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
-    traffic = dict(buf._backend.traffic)
+    traffic = dict(buf.normal_ops.traffic)
     cached = buf.dispatch(x_in, handle=handle)[0]
     data = recv_x[0].float() if fp8 else recv_x.float()
     y = (data * 0.75).to(torch.bfloat16)
     combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=bias)
-    traffic.update({k: v for k, v in buf._backend.traffic.items() if k.startswith("combine")})
+    traffic.update({k: v for k, v in buf.normal_ops.traffic.items() if k.startswith("combine")})
     return (recv_x, recv_idx, recv_w, expert_list, cached, combined, combined_w), traffic, per_domain
 
 
@@ -152,7 +152,7 @@ def rank_tier_rows(num_tokens: int, num_experts: int, num_topk: int, ranks_per_d
     per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(idx.to(dev), num_experts)
     buf.dispatch(x.to(dev), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain,
                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx.to(dev))
-    traffic = dict(buf._backend.traffic)
+    traffic = dict(buf.normal_ops.traffic)
     buf.destroy()
     return traffic
 

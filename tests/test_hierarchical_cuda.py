@@ -45,8 +45,8 @@ def _buffers(ranks_per_domain: int, num_tokens: int, transport: str):
     # "put": every other domain's mate through NVSHMEM puts (the path to other hosts); "auto": direct
     # stores to the mates NVLink maps (all of them on one host), puts to the others.
     one_host = "LOCAL_WORLD_SIZE" not in os.environ or os.environ["LOCAL_WORLD_SIZE"] == str(num_ranks)
-    want = others if transport == "put" else (set() if one_host else set(cuda._cuda.put_domains))
-    assert set(cuda._cuda.put_domains) == want and want <= others, cuda._cuda.put_domains
+    want = others if transport == "put" else (set() if one_host else set(cuda.normal_ops.put_domains))
+    assert set(cuda.normal_ops.put_domains) == want and want <= others, cuda.normal_ops.put_domains
     return ref, cuda
 
 
@@ -83,7 +83,7 @@ def _assert_matches(want, got, per_domain, cuda: Buffer, ranks_per_domain: int, 
     assert same_bits(want[6], got[6]), f"{tag}: combined weights differ"
     own = dist.get_rank() // ranks_per_domain
     expected = sum(c for d, c in enumerate(per_domain.tolist()) if d != own) if per_domain is not None else 0
-    traffic = cuda._cuda.traffic("dispatch")
+    traffic = cuda.normal_ops.traffic("dispatch")
     assert traffic["dispatch_inter_domain_rows"] == expected, (tag, traffic, expected)
 
 
@@ -146,7 +146,7 @@ def rank_rounds_vs_reference(ranks_per_domain: int):
         got, _, _ = _round_trip(cuda, x, idx, w, num_experts, fp8, col_major, 0, bias)
         tag = f"rank {rank} {ranks_per_domain}/{num_ranks} T={num_tokens} fp8={fp8} seed={seed}"
         # The call did not fit: its (cached) dispatches ran in rounds, each a call of its own.
-        assert len(cuda._cuda.traffic_state.get("dispatch_rounds", ())) >= 2, f"{tag}: not run in rounds"
+        assert len(cuda.normal_ops.traffic_state.get("dispatch_rounds", ())) >= 2, f"{tag}: not run in rounds"
         _assert_matches(want, got, per_domain, cuda, ranks_per_domain, tag)
         ref.destroy()
         cuda.destroy()

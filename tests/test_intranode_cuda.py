@@ -14,7 +14,7 @@ from conftest import BACKEND, busy_side_stream, capture_graph, cluster, env_var,
 from routing import make_inputs
 
 import epcomm
-from epcomm import Buffer
+from epcomm import Buffer, lifecycle
 from epcomm.bench.checks import poison_, same_bits
 
 pytestmark = [pytest.mark.gpu,
@@ -312,8 +312,7 @@ def rank_timeout(timeout_s):
     dist.barrier()
     # The call counters now disagree: unmap without the epcomm barrier (what a user does is destroy
     # the Buffer and the process group; here the group is shared with the next tests).
-    buf._cuda.close()
-    buf._cuda = None
+    lifecycle.drop_normal_kernels(buf)
     buf.destroy()
     return elapsed
 
@@ -383,7 +382,7 @@ def rank_cuda_fuzz(max_examples: int):
             assert worst, f"{fault}: the counts were read on the host, yet nothing was raised"
             torch.cuda.synchronize()
             with pytest.raises(ValueError, match="refused its inputs"):
-                cuda._cuda.check_errors("fuzz")
+                cuda.normal_ops.check_errors("fuzz")
             seen["reported"] += 1
             return
         assert fault is None, f"{fault} was not refused"

@@ -26,8 +26,9 @@ from conftest import (
 from routing import make_inputs
 
 from epcomm import Buffer
-from epcomm.backends.cuda.low_latency import partials_asked, partials_fit
+from epcomm.backends.cuda.low_latency import partials_fit
 from epcomm.bench.checks import poison_, same_bits
+from epcomm.tuning import partials_asked
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs")]
@@ -86,8 +87,9 @@ def _partials_expected(buf, n: int, num_experts: int, hidden: int, num_topk: int
     """Whether this Buffer's combines of this shape without a hook go by partial sums: where the
     Buffer may (IPC transport, the send kernel fits), they fit, and EPCOMM_LL_COMBINE_PARTIALS asks
     for them (1; or auto, the default, from 64 tokens a rank: partials_asked, pinned by the CPU tests)."""
-    return (buf._cuda_ll.combine_partials and partials_fit(dist.get_world_size(), num_experts, hidden, num_topk) and
-            partials_asked(buf._cuda_ll.combine_partials_mode, n))
+    ll = buf.low_latency_ops
+    return (ll.combine_partials and partials_fit(dist.get_world_size(), num_experts, hidden, num_topk) and
+            partials_asked(ll.combine_partials_mode, n))
 
 
 def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, routing, seed, use_fp8, round_scale,
@@ -111,11 +113,11 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
     for backend in ("reference", "cuda"):
         buf = _buffer(backend, n, hidden, num_experts, enable_shrink=shrink_last)
         if backend == "cuda" and partials:  # the mode is available (else the test would prove nothing)
-            assert buf._cuda_ll.combine_partials and partials_fit(num_ranks, num_experts, hidden, num_topk), tag
+            assert buf.low_latency_ops.combine_partials and partials_fit(num_ranks, num_experts, hidden, num_topk), tag
         if backend == "cuda":  # forced (partials: asserted available above), or by the auto rule
             by_partials = not use_hook and _partials_expected(buf, n, num_experts, hidden, num_topk)
         if backend == "cuda" and num_sms is not None:  # the dispatch's kernels on fewer blocks than SMs
-            for call in buf._cuda_ll._dispatch_calls:  # the shape records copy these at the first call
+            for call in buf.low_latency_ops._dispatch_calls:  # the shape records copy these at the first call
                 call.context.num_sms = num_sms
         if shrink_last:
             buf.low_latency_update_mask_buffer(num_ranks - 1, True)
@@ -142,7 +144,7 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
                 hook()
         torch.cuda.synchronize()
         if backend == "cuda":  # by partial sums exactly when asked for (or by auto) and without a hook
-            assert buf._cuda_ll.last_combine_partials == by_partials, tag
+            assert buf.low_latency_ops.last_combine_partials == by_partials, tag
             if by_partials and num_ranks > 1:
                 bound = _partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
         outs[backend] = dict(rows=_valid_rows(recv_x, recv_count), recv_count=recv_count.clone(),
@@ -264,7 +266,7 @@ def rank_ll_block_receive(mode):
     num_ranks = dist.get_world_size()
     with env_var("EPCOMM_LL_BLOCK_RECEIVE", mode):
         probe = _buffer("cuda", 8, 512, 2 * num_ranks)
-        assert probe._cuda_ll.block_receive == mode  # the switch took (else the test would prove nothing)
+        assert probe.low_latency_ops.block_receive == mode  # the switch took (else the test would prove nothing)
         probe.destroy()
         for i, case in enumerate(LL_CASES):
             for mode in MODES:
@@ -378,7 +380,7 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False, pattern="pla
         assert _bits_equal(outputs[0], want[0]), f"rank {rank} replay {seed}: recv_count differs from the reference"
         assert _combined_matches(outputs[1], want[1], bound), \
             f"rank {rank} replay {seed}: combined differs from the reference backend"
-    assert buf._cuda_ll.last_combine_partials == partials, f"rank {rank}: combine by partial sums not taken"
+    assert buf.low_latency_ops.last_combine_partials == partials, f"rank {rank}: combine by partial sums not taken"
     buf.destroy()
     ref.destroy()
 
@@ -434,7 +436,7 @@ def rank_ll_graph_of_one_dispatch(n, hidden, num_experts, num_topk):
         torch.cuda.synchronize()
         results.append((got_count.clone(), combined.clone()))
     bound = None
-    if num_ranks > 1 and buf._cuda_ll.last_combine_partials:
+    if num_ranks > 1 and buf.low_latency_ops.last_combine_partials:
         bound = _partials_bound(x, idx, w, lambda e: torch.full_like(e, 0.5, dtype=torch.float32))
     assert _bits_equal(results[0][0], results[1][0]), f"rank {rank}: eager recv_count after the replays differs"
     assert _combined_matches(results[0][1], results[1][1], bound), \
@@ -501,8 +503,8 @@ def rank_ll_call_after_async_call(n, hidden, num_experts, num_topk):
         y = None
         for _round in range(2):  # the second after a dispatch and combine of the same shape
             if backend == "cuda":
-                buf._comm_stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(buf._comm_stream):
+                buf.get_comm_stream().wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(buf.get_comm_stream()):
                     torch.cuda._sleep(2_000_000)
             recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
                                                                         async_finish=True)
@@ -540,14 +542,14 @@ def _ll_trace(use_hook, partials):
     x, idx, w = (t.to(dev) for t in make_inputs(5, rank, n, hidden, num_experts, 4, num_ranks, "random"))
     buf = _buffer("cuda", n, hidden, num_experts)
     # the mode taken (else the partial sums' order below would go untested)
-    assert buf._cuda_ll.combine_by_partials(num_experts, hidden, n, 4, use_hook) == partials
+    assert buf.low_latency_ops.combine_by_partials(num_experts, hidden, n, 4, use_hook) == partials
     # The fused dispatch fits the device (a kernel whose shared memory outgrew it would send every
     # call through the two kernels, correct but slower, and nothing else would say so).
-    ll = buf._cuda_ll
+    ll = buf.low_latency_ops
     fused = ll.lib.epcomm_ll_dispatch_fused_fit(ll.num_sms) == 1
     assert fused, "dispatch_fused does not fit one block per SM: every dispatch would take the two kernels"
 
-    traces = buf._cuda_ll.trace()
+    traces = buf.low_latency_ops.trace()
     recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True,
                                                           return_recv_hook=use_hook)
     if use_hook:
@@ -588,7 +590,7 @@ def _ll_trace(use_hook, partials):
         if (recvs > 0).any():
             first_recv, first_send = recvs[recvs > 0].min(), sends[sends > 0].min()
             assert int(first_recv) >= int(first_send), f"rank {rank} {op}: receive stamped before the send"
-    buf._cuda_ll.trace(False)
+    buf.low_latency_ops.trace(False)
     buf.destroy()
 
 
@@ -771,7 +773,7 @@ def _ll_outputs(buf, x, topk_idx, weights, n, num_experts, flags, combine: bool)
 
 def _arrival_key_of_slot(buf, slot: int) -> int:
     """The slot's arrival key in the CUDA buffer's header (low_latency.cuh kArrivalKeyOffset)."""
-    return int(buf._cuda_ll.shared.tensor[48:64].view(torch.int64)[slot])
+    return int(buf.low_latency_ops.shared.tensor[48:64].view(torch.int64)[slot])
 
 
 def rank_ll_arrival(senders: str = "auto"):
@@ -819,7 +821,7 @@ def rank_ll_arrival(senders: str = "auto"):
             assert _bits_equal(got[name], want[name]), f"{tag}: {name} differs from the reference backend"
         if combine:  # by partial sums (auto from 64 tokens): within their bf16 rounding on several ranks
             bound = (_partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
-                     if cuda._cuda_ll.last_combine_partials and num_ranks > 1 else None)
+                     if cuda.low_latency_ops.last_combine_partials and num_ranks > 1 else None)
             assert _combined_matches(got["combined"], want["combined"], bound), f"{tag}: combined differs"
         assert len(got["rows"]) == len(want["rows"]), tag
         for j, (a, b) in enumerate(zip(got["rows"], want["rows"])):

@@ -317,7 +317,7 @@ def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "i
     except RuntimeError as error:
         outcome["error"] = str(error)
     outcome["raised_after_s"] = time.monotonic() - start
-    outcome["partials"] = buf._cuda_ll.last_combine_partials
+    outcome["partials"] = buf.low_latency_ops.last_combine_partials
     outcome["context_usable"] = _context_is_usable()  # synchronizes: every kernel has ended
     outcome["idle_after_s"] = time.monotonic() - start
     buf.destroy()  # does not wait for the dead peer

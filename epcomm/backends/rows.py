@@ -115,3 +115,8 @@ def low_latency_recv_tensors(num_local_experts: int, rows: int, hidden: int, use
     shape, strides, dtype = low_latency_scales_layout(num_local_experts, rows, hidden, use_ue8m0)
     scales = torch.empty_strided(shape, strides, dtype=dtype, device=device)
     return (data, scales), data, scales
+
+
+def round_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return (n + align - 1) // align * align

@@ -320,7 +320,7 @@ def _by_partials(buf: Buffer) -> bool:
     """Whether the Buffer's last low-latency combine summed partials per (token, rank) on the expert
     side (EPCOMM_LL_COMBINE_PARTIALS: 1, or auto from 64 tokens a rank): its result is checked
     within their rounding too."""
-    return bool(getattr(buf._cuda_ll, "last_combine_partials", False))
+    return bool(getattr(buf.low_latency_ops, "last_combine_partials", False))
 
 
 def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combine: Callable[[], Any],

@@ -8,7 +8,7 @@
 #   bash tools/dev/variants.sh 'NAME|FILE|SED-EXPR[|FILE|SED-EXPR...]' ... -- BENCH ARGS
 # e.g.
 #   bash tools/dev/variants.sh 'base' \
-#     'send8|epcomm/csrc/kernels/intranode.cu|s/kCombineSendUnroll = 4;/kCombineSendUnroll = 8;/' \
+#     'send8|epcomm/include/epcomm/impls/intranode_combine.cuh|s/kCombineSendUnroll = 4;/kCombineSendUnroll = 8;/' \
 #     -- --backend cuda --modes normal --num-sms 24
 # A pair 'env|VAR=VALUE' sets an environment variable for that variant instead (A/B of a runtime
 # switch, e.g. 'partials|env|EPCOMM_LL_COMBINE_PARTIALS=1'). VARIANT_CMD='...' runs that command per

@@ -59,7 +59,7 @@ def rank_profile(n: int, hidden: int, num_experts: int, num_topk: int, num_sms: 
 
 def _timeline(buf, steps: dict, rank: int) -> list[str]:
     """Where the host and the GPU are at each step of a call (profiling.timeline_lines)."""
-    cuda = buf._cuda
+    cuda = buf.normal_ops
     marks = Marks()
     lib, check_errors = cuda.nv, cuda.check_errors
 

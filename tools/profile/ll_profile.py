@@ -138,12 +138,12 @@ _KERNELS = {("dispatch", 0): "dispatch send (fused: all)", ("dispatch", 1): "dis
 
 def _timeline(buf: Buffer, step, n: int, samples: int = 5, cold: str = "") -> list[str]:
     """The phase timeline of a replayed decode step: each block's global-timer stamps at the points
-    of csrc/kernels/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
+    of include/epcomm/layout/low_latency.cuh (TracePoint), relative to the step's first dispatch block start.
     Per point: the earliest, median and latest block, medians over `samples` steady-state replays.
     `cold` "write": each replay after the benchmark's L2 flush and head start (timing.cold_start);
     "read": the same with the 256 MB read instead of written (L2 cold but clean)."""
     flush = l2_flush_buffer(torch.device("cuda", torch.cuda.current_device())) if cold else None
-    ll = buf._cuda_ll
+    ll = buf.low_latency_ops
     traces = ll.trace()
     graph = torch.cuda.CUDAGraph()  # captured with the trace on (the timed graph above had it off)
     with torch.cuda.graph(graph):

@@ -89,7 +89,7 @@ def _timeline(buf, calls: dict, prefix: str) -> list[str]:
     """Where the host and the GPU are at each step of each call (profiling.timeline_lines): in a
     dispatch, the host's wait for the counts, its error check, each output allocation, and the
     receive launch after them (host-only marks, but for the kernel launches and the wait)."""
-    cuda = buf._cuda
+    cuda = buf.normal_ops
     marks = Marks()
     lib, counted, check_errors, empty = cuda.lib, cuda._counted, cuda.check_errors, torch.empty
 

@@ -83,7 +83,8 @@ def load_library() -> ctypes.CDLL:
 
 
 # ---------------------------------------------------------------------------------------- NVSHMEM
-NVSHMEM_SOURCES = [PACKAGE_DIR / "csrc" / name for name in ("hierarchical.cu", "low_latency.cu", "nvshmem_bootstrap.cu")]
+NVSHMEM_SOURCES = [PACKAGE_DIR / "csrc" / name
+                   for name in ("hierarchical.cu", "low_latency.cu", "nvshmem_bootstrap.cu")]
 _nvshmem_library: ctypes.CDLL | None = None
 
 

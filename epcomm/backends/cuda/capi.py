@@ -8,6 +8,10 @@ import ctypes
 
 import torch
 
+# The stream helpers, re-exported: the backends take everything of the C ABI from here.
+from ...utils.streams import current_stream as current_stream
+from ...utils.streams import raw_stream
+
 
 def addr(t: torch.Tensor | None) -> int:
     """A tensor's device address as an integer, for a call record's uint64 field (0 for None or an
@@ -18,36 +22,6 @@ def addr(t: torch.Tensor | None) -> int:
 def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     """A tensor's device address (NULL for None or an empty tensor)."""
     return ctypes.c_void_p(addr(t))
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def raw_stream(device: torch.device) -> int:
-    """The current CUDA stream of ``device`` as a cudaStream_t: no Stream object (building one costs
-    a few microseconds of host time per call, which eager calls wait on)."""
-    if _raw_stream is not None:
-        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def current_stream(device: torch.device) -> torch.cuda.Stream:
-    """torch.cuda.current_stream(device), the Stream object kept per raw stream: building one costs
-    ~4 us of host time (H100 host), which a dispatch that reads its counts makes the GPU wait for.
-    The object only names the stream, so one kept from an earlier call names the same one."""
-    if _raw_stream is None:
-        return torch.cuda.current_stream(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, _raw_stream(index))
-    stream = _streams.get(key)
-    if stream is None:
-        if len(_streams) >= 64:  # streams made and dropped by the caller: keep the table small
-            _streams.clear()
-        stream = _streams[key] = torch.cuda.current_stream(device)
-    return stream
 
 
 def stream_ptr(device: torch.device) -> ctypes.c_void_p:
@@ -107,3 +81,10 @@ def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure], exp
                        f"{structure.__module__}.{name} ({ctypes.sizeof(structure)} bytes): field {i} is "
                        f"{describe(library)} in the library, {describe(mirror)} in the mirror; the two must "
                        "declare the same fields in the same order")
+
+
+def library_constants(lib: ctypes.CDLL, exports: str, names: str) -> dict[str, int]:
+    """The values of the constants ``names`` (space-separated) the library exports through the
+    function ``exports`` (epcomm_constant, epcomm_hierarchical_constant), by name; -1 where absent."""
+    lookup = getattr(lib, exports)
+    return {name: lookup(name.encode()) for name in names.split()}

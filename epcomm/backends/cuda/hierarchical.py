@@ -51,32 +51,24 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
+from ...tuning import hierarchical_roles
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
-from ..rows import scale_kind, shape_digest
+from ..rows import round_up, scale_kind, shape_digest
 from .build import load_library, load_nvshmem_library
-from .capi import check, ptr, stream_ptr
+from .capi import check, library_constants, ptr, stream_ptr
+from .errors import HIERARCHICAL, ErrorTable, RecordLayout
 from .intranode import dispatch_layout
 from .ipc import SharedBuffer
 from .nvshmem import SymmetricBuffer
 
 _ALIGN = 256
 _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = 1, 2, 3
-_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
-           2: "rank(s) {ranks} called another operation or shape (hidden size, dtype, top-k, scales)",
-           3: "the receive area of rank(s) {ranks} is too small for this call (num_nvl_bytes)",
-           4: "rank(s) {ranks} received more rows than num_worst_tokens",
-           5: "rank(s) {ranks} refused the inputs (top-k ids outside [-1, num_experts), or num_tokens_per_rank not "
-              "is_token_in_rank.sum(0): pass both from get_dispatch_layout)",
-           6: "rank(s) {ranks} had an error in an earlier call (raised there)",
-           7: "rank(s) {ranks} gave this call up (another operation or shape seen there or at a rank it waits "
-              "for, or an error of its own: see its message)"}
+# The error record: the code, then a word per rank (only the words read are cleared: a kernel may
+# still be writing the others).
+_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout(code=0, op=None, ranks=1, clear="flagged"))
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def dispatch_fields(hidden_bytes: int, num_scales: int, num_topk: int, with_weights: bool, ranks_per_domain: int,
@@ -97,7 +89,7 @@ def _offsets(row_bytes: list[int], rows: int) -> tuple[list[int], int]:
     offsets, at = [], 0
     for rb in row_bytes:
         offsets.append(at)
-        at += _round_up(rows * rb, _ALIGN)
+        at += round_up(rows * rb, _ALIGN)
     return offsets, at
 
 
@@ -125,7 +117,7 @@ def _counts_width(num_ranks: int) -> int:
 def _stage_offset(num_ranks: int) -> int:
     """Where the staging area starts in the NVSHMEM buffer: after the header and the counts area
     (two sets of incoming rows, one per rank, the outgoing row, the current rows)."""
-    return _SYM_HEADER + _round_up((3 * num_ranks + 1) * _counts_width(num_ranks) * 4, 4096)
+    return _SYM_HEADER + round_up((3 * num_ranks + 1) * _counts_width(num_ranks) * 4, 4096)
 
 
 def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_topk: int = 0,
@@ -160,6 +152,9 @@ def _domain_group(group: dist.ProcessGroup, ranks_per_domain: int, my_domain: in
 
 
 class CudaHierarchical:
+    """Normal mode across domains on the CUDA kernels (the NormalOps of backends/base.py)."""
+
+    on_kernels = True
     frees_after_meeting = True  # Buffer.destroy meets every rank (bounded) before close()
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_rdma_bytes: int,
@@ -172,9 +167,9 @@ class CudaHierarchical:
         self.timeout_ns = int(timeout_s * 1e9)
         self.lib = load_library()
         self.nv = load_nvshmem_library()
-        self.c = {name: self.nv.epcomm_hierarchical_constant(name.encode()) for name in (
-            "sym_header_bytes", "domain_header_bytes", "max_domains", "max_chunks", "max_local", "max_forwarders",
-            "info_ints", "max_group_ranks")}
+        self.c = library_constants(self.nv, "epcomm_hierarchical_constant", (
+            "sym_header_bytes domain_header_bytes max_domains max_chunks max_local max_forwarders info_ints "
+            "max_group_ranks"))
         if (self.c["sym_header_bytes"], self.c["domain_header_bytes"]) != (_SYM_HEADER, _DOMAIN_HEADER):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with hierarchical.py")
         if self.num_domains > self.c["max_domains"] or ranks_per_domain > self.c["max_local"] or \
@@ -244,13 +239,7 @@ class CudaHierarchical:
                                    "before; destroy it and the process group")
             return
         self.failed = True
-        ranks = [r for r in range(self.num_ranks) if self.info_np[1 + r]]
-        self.info_np[0] = 0  # only the words read (a kernel may be writing others)
-        for r in ranks:
-            self.info_np[1 + r] = 0
-        message = _ERRORS.get(code, f"error {code}").format(ranks=ranks)
-        raise RuntimeError(f"epcomm {op} (hierarchical) on rank {self.rank}: {message}. Destroy the Buffer and the "
-                           "process group.")
+        _ERROR_TABLE.check(self.info_np, op, self.rank, self.num_ranks)
 
     def _capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -276,12 +265,8 @@ class CudaHierarchical:
         key = (op, shape, num_sms)
         call = self.calls.get(key)
         if call is None:
-            others = max(1, self.num_domains - 1)
-            chunks = max(1, min(self.c["max_chunks"], num_sms // (2 * others)))
-            # Dispatch: a block per chunk of another domain's region sends, the other SMs forward;
-            # combine: every SM forwards (and sends).
-            senders = 0 if op == _OP_COMBINE else (self.num_domains - 1) * chunks
-            forwarders = max(1, min(self.c["max_forwarders"], num_sms - senders))
+            chunks, forwarders = hierarchical_roles(num_sms, self.num_domains, op == _OP_COMBINE,
+                                                    self.c["max_chunks"], self.c["max_forwarders"])
             tag = shape_digest(op, *shape, chunks, forwarders, bits=20)  # kTagBits: ranks must agree on all
             peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
             mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
@@ -321,7 +306,7 @@ class CudaHierarchical:
                            ("send1", D), ("recv1", D), ("slots1", D * region_rows * L), ("matrix", R * R),
                            ("start", R * R), ("recv_total", 1), ("region_tokens", D * region_rows)):
             at[name] = total
-            total += _round_up(ints, 4)
+            total += round_up(ints, 4)
         at["total"] = total
         return at
 

@@ -28,33 +28,27 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import DispatchHandle
+from ...tuning import ROW_ALIGN, dispatch_work, own_rows_by_receivers, send_blocks
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
-from ..rows import scale_kind, shape_digest
+from ..rows import round_up, scale_kind, shape_digest
 from .build import load_library
-from .capi import addr, check, check_aligned, check_struct_layout, current_stream, fields, ptr, stream_ptr
+from .capi import (
+    addr,
+    check,
+    check_aligned,
+    check_struct_layout,
+    current_stream,
+    fields,
+    library_constants,
+    ptr,
+    stream_ptr,
+)
+from .errors import INTRANODE, ErrorTable, RecordLayout
 from .ipc import SharedBuffer
 
-# Row slots start on 128-byte boundaries (the trailer inside the rounding): NVLink moved 4 GPUs'
-# all-to-all stores 3-4% faster into 128-byte-aligned slots than into 16-byte-aligned ones (329 vs
-# 317 GB/s at 16 SMs, tools/microbench/nvlink_rate.cu, 4 x H100).
-_ROW_ALIGN = 128
 ROWS_OFFSET = 67584  # mirrors kRowsOffset in include/epcomm/layout/intranode.cuh (checked when the library loads)
 ROW_TRAILER_BYTES = 16
 LAYOUT_INTS = 48
-_ERRORS = {1: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
-           2: "ranks called different operations: {mismatch}",
-           3: "the communication buffer is too small for the rows of this call",
-           4: "received more tokens than num_worst_tokens",
-           6: "rank(s) {ranks} passed rows of another shape to this call than this rank (hidden size, dtype, FP8 "
-              "scale count or dtype, top-k width); nothing was moved"}
-_REFUSED = 5
-_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "destroy"}
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: int, has_weights: bool,
                        num_worst_tokens: int) -> int:
     """The shape key of a dispatch (header word 3, compared by every rank's notify kernel)."""
@@ -64,12 +58,12 @@ def dispatch_shape_key(x: torch.Tensor, scales: torch.Tensor | None, num_topk: i
 
 def dispatch_row_bytes(hidden: int, element_size: int, num_topk: int = 0, num_scales: int = 0) -> int:
     """Bytes of one dispatch row slot: x, top-k ids and weights, scales and the 16-byte flag trailer (the slot's
-    last bytes), rounded up to _ROW_ALIGN."""
-    return _round_up(hidden * element_size + num_topk * 12 + num_scales * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)
+    last bytes), rounded up to ROW_ALIGN."""
+    return round_up(hidden * element_size + num_topk * 12 + num_scales * 4 + ROW_TRAILER_BYTES, ROW_ALIGN)
 
 
 def combine_row_bytes(hidden: int, num_topk: int = 0) -> int:
-    return _round_up(hidden * 2 + num_topk * 4 + ROW_TRAILER_BYTES, _ROW_ALIGN)
+    return round_up(hidden * 2 + num_topk * 4 + ROW_TRAILER_BYTES, ROW_ALIGN)
 
 
 def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks: int, num_topk: int = 0,
@@ -83,87 +77,6 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
     row = max(dispatch_row_bytes(hidden, element_size, num_topk, num_scales), combine_row_bytes(hidden, num_topk))
     return ROWS_OFFSET + rows * row
 
-
-
-# Bytes a reducing SM sums per byte a sending SM stores into a peer over NVLink in the same time, in
-# combine: 2 x H200, 24 SMs, 4096 tokens (bench/results/2026-11-24_ep2-combine-send-pct-*): 8 senders
-# (the rule with equal rates) 295-308 us, 9 284-288, 10 276, 11 291.5; 10 of 24 is this ratio.
-_COMBINE_REDUCE_PER_SEND = 1.43
-
-# Time a receiving SM takes per byte of an FP8 row (data + scales) against a sending SM's in
-# dispatch: half a BF16 row's bytes, but the per-row work (the token's index, top-k entries and
-# scales) stays, and it weighs more on the copy into recv_x than on the stores to a peer. 4 x H100,
-# fresh FP8 dispatch, 2048-16384 tokens (bench/results/2026-11-28_ep4-fp8-split-pct-*): at 24 SMs 8
-# senders (this ratio) 363 us at 4096 tokens, 1258 at 16384, against 10 (equal rates) 419 / 1381 and
-# 6 421 / 1501; at 16 SMs 5 against 7 and 4: 494 / 1758 against 591 / 1996 and 592 / 2171. The
-# cached dispatch (the fused kernel), at 8 senders since its receivers copy the own rows too:
-# 342 / 1212-1219 us against 351-355 / 1278-1292 at 11 (`-fused-local-by-receivers-*`).
-# At 2 ranks the rates are equal, as for BF16: fresh FP8 dispatch, 24 SMs, 4096 tokens, 2 of 4 x H100
-# (bench/results/2026-11-28_ep2-fp8-senders-*): 4 / 5 / 6 (this ratio) / 7 / 8 (equal rates) / 10
-# senders 408 / 337 / 289 / 248 / 228 / 246 us. Measured at 2 and 4 ranks; 3 and 5-8 take the 4-rank
-# ratio (8 owed).
-_FP8_RECEIVE_PER_SEND = 1.5
-_FP8_RECEIVE_PER_SEND_TWO_RANKS = 1.0
-
-# The senders' share of a BF16 dispatch that reads its counts on the host (its send kernel runs
-# alone until the host has read them and launched the receive kernel), where measured: the
-# bytes' rule (R-1)/(2R-1) gives 1/3 at 2 ranks and 3/7 at 4, but 4 x H100, 4096 tokens, fresh BF16
-# dispatch (bench/results/2026-11-28_ep{2,4}-bf16-*-sms-senders-*): EP2 16 SMs 5 / 6 / 7 senders
-# 445-451 / 394-414 / 428 us, 24 SMs 7 / 8 / 9 / 10 342 / 307 / 291 / 319; EP4 16 SMs 5 / 6 / 7 / 8
-# 787 / 673-698 / 727-750 / 825, and at 24 SMs 10 (562 us) against 9 (575) and 11 (591) (ninth
-# session). 3/8 and 2/5 pick 6 of 16 and 9 of 24 at 2 ranks, 6 of 16 and 10 of 24 at 4. The fused
-# kernel (cached, num_worst_tokens) keeps the bytes' rule: at EP4 16 SMs its 7 senders gave 604 us
-# against 650 at 6.
-_SPLIT_DISPATCH_SHARE = {2: 3 / 8, 4: 2 / 5}
-
-
-def send_blocks(work: str, num_ranks: int, num_sms: int, pct: float | None = None) -> int:
-    """The SMs of a call that send, at least one for each role: `pct` percent of num_sms when given
-    (EPCOMM_{DISPATCH,COMBINE}_SEND_SMS_PCT), else send_share's share."""
-    blocks = round(num_sms * (pct / 100 if pct is not None else send_share(work, num_ranks)))
-    return min(max(1, blocks), max(1, num_sms - 1))
-
-
-def send_share(work: str, num_ranks: int) -> float:
-    """The share of a call's SMs that send when EPCOMM_*_SEND_SMS_PCT is auto: both roles busy for
-    the same time. Per byte that a rank receives in dispatch (or sends back in combine), with R ranks:
-
-        work            senders move                   receivers / reducers move   share (equal rates)
-        dispatch        (R-1)/R                        1 (own rows from x)         (R-1) / (2R-1)
-        dispatch_fp8    as dispatch, but a receiver's byte weighs
-                        _FP8_RECEIVE_PER_SEND against a sender's from 3 ranks: 1/3 at 4
-                        ranks (8 of 24 SMs); at 2 ranks as dispatch (1/3 too)
-        dispatch_split  BF16 rows of a dispatch that reads its counts on the host (send and
-                        receive kernels): the measured _SPLIT_DISPATCH_SHARE at 2 and 4 ranks
-                        (3/8, 2/5), else as dispatch
-        dispatch_own    1 (this rank's own rows too)   (R-1)/R                     R / (2R-1)
-        combine         (R-1)/R (rows of other ranks)  1 (every row summed)        (R-1) / (2R-1)
-
-    A dispatch's receivers copy this rank's own rows from x (`dispatch`), but a fused kernel's
-    (cached, num_worst_tokens) at 1 or 2 ranks has its senders write them (`dispatch_own`; see
-    CudaIntranode._launch_dispatch). Dispatch takes the rates as equal (one H100: 44-47 GB/s per SM
-    for a row copy, tools/microbench/copy_rate.cu; 2 x H200, 24 SMs: dispatch_own 234 us at 2/3 against 258
-    at 1/2). In combine a sender's stores to a peer move slower than a reducer's
-    local sums (_COMBINE_REDUCE_PER_SEND, measured at 2 ranks), so senders get more: 10 of 24 SMs
-    at 2 ranks (8 with equal rates), 12 at 4, 13 at 8. At 4 ranks the sweep agrees (4 x H100, BF16,
-    4096 tokens, combine us at 9-15 senders: 691, 637, 608, 612, 631, 658, 703; 16384 tokens at
-    11-14: 2292, 2285, 2339, 2426;
-    bench/results/2026-11-28_ep4-combine-senders-*); the 8-rank rate is not measured yet. At one rank the side
-    with nothing to move keeps one SM."""
-    if work == "dispatch":
-        return (num_ranks - 1) / (2 * num_ranks - 1)
-    if work == "dispatch_own":
-        return num_ranks / (2 * num_ranks - 1)
-    if work == "dispatch_split":
-        return _SPLIT_DISPATCH_SHARE.get(num_ranks, (num_ranks - 1) / (2 * num_ranks - 1))
-    if work == "dispatch_fp8":
-        sent = (num_ranks - 1) / num_ranks
-        weight = _FP8_RECEIVE_PER_SEND_TWO_RANKS if num_ranks <= 2 else _FP8_RECEIVE_PER_SEND
-        return sent / (sent + weight)
-    if work == "combine":
-        sent = (num_ranks - 1) / num_ranks * _COMBINE_REDUCE_PER_SEND
-        return sent / (sent + 1)
-    raise ValueError(f"unknown work {work!r}")
 
 
 class CallContext(ctypes.Structure):
@@ -228,6 +141,11 @@ def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tens
 
 
 class CudaIntranode:
+    """Normal mode inside one NVLink domain on the CUDA kernels (the NormalOps of backends/base.py)."""
+
+    on_kernels = True
+    frees_after_meeting = False  # destroy: a barrier (no peer writes into the buffer any more), then close()
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
         bind_calls(self.lib)
@@ -235,14 +153,15 @@ class CudaIntranode:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
-        self.c = {name: self.lib.epcomm_constant(name.encode()) for name in (
-            "rows_offset", "row_trailer_bytes", "max_ranks", "max_experts_per_rank", "info_ints", "layout_ints",
-            "info_error", "info_error_op", "info_error_ranks", "info_num_recv", "info_recv_counts", "info_matrix",
-            "info_max_recv", "info_max_send", "info_refusal", "info_experts", "op_dispatch", "op_cached_dispatch",
-            "op_combine", "op_barrier")}
+        self.c = library_constants(self.lib, "epcomm_constant", (
+            "rows_offset row_trailer_bytes max_ranks max_experts_per_rank info_ints layout_ints info_error "
+            "info_error_op info_error_ranks info_num_recv info_recv_counts info_matrix info_max_recv info_max_send "
+            "info_refusal info_experts op_dispatch op_cached_dispatch op_combine op_barrier"))
         if (self.c["rows_offset"], self.c["row_trailer_bytes"], self.c["layout_ints"]) != \
                 (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
+        self.errors = ErrorTable(INTRANODE, RecordLayout(code=self.c["info_error"], op=self.c["info_error_op"],
+                                                         ranks=self.c["info_error_ranks"], clear="ranks"), self.lib)
         if self.num_ranks > self.c["max_ranks"]:
             raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
                                f"has {self.num_ranks}")
@@ -304,21 +223,7 @@ class CudaIntranode:
         Refused inputs raise ValueError (every rank gets the same list of refusing ranks); timeouts,
         mismatched calls and capacity overruns raise RuntimeError.
         """
-        info, c = self.info_np, self.c
-        code = int(info[c["info_error"]])
-        if code == 0:
-            return
-        flags = [int(v) for v in info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks]]
-        failed_op = _OPS.get(int(info[c["info_error_op"]]), "call")
-        info[c["info_error"]] = 0
-        info[c["info_error_ranks"]:c["info_error_ranks"] + self.num_ranks] = 0
-        if code == _REFUSED:
-            self._raise_refusals()
-        ranks = [r for r in range(self.num_ranks) if flags[r]]
-        mismatch = ", ".join(f"rank {r}: {_OPS.get(flags[r], '?')}" for r in ranks)
-        message = _ERRORS.get(code, f"error {code}").format(ranks=ranks, mismatch=mismatch)
-        raise RuntimeError(f"epcomm {failed_op} (reported by {op}) on rank {self.rank}: {message}. Destroy the Buffer "
-                           "and the process group.")
+        self.errors.check(self.info_np, op, self.rank, self.num_ranks, self.c["info_refusal"])
 
     def _sync_and_check(self, op: str) -> None:
         event = torch.cuda.Event()
@@ -497,24 +402,8 @@ class CudaIntranode:
         inputs of the last _set_dispatch_inputs, on `stream` (a cudaStream_t; default: the current one)."""
         call = self._dispatch_call
         call.mode, call.op = mode, op_code
-        # This rank's own rows (no link to cross) are copied from x by the receivers in a split's
-        # receive half, and in the fused kernel above 2 ranks: there the senders' stores are bound
-        # by the links, so every sender's store should cross one (EP4, 24 SMs, 4 x H100, cached
-        # dispatch in one call: BF16 4096 / 16384 tokens 571 / 2147 us against 577 / 2162 with the
-        # senders writing them, FP8 342 / 1216 against 353 / 1285). At 2 ranks, where half the rows
-        # are the rank's own and one link carries the other half, the fused kernel's senders write
-        # them (2 of 4 H100s, A/B in one call: BF16 239-240 / 856-858 us against 295-298 /
-        # 1028-1138, FP8 169 / 533-535 against 276-284 / 1004-1013;
-        # bench/results/2026-11-28_ep{4,2}-fused-local-by-receivers-*).
-        by_receivers = mode != 0 or self.num_ranks > 2
-        call.local_by_receiver = by_receivers
-        # Both halves of a split take the same count (the receive half's blocks are the rest).
-        if not by_receivers:
-            work = "dispatch_own"
-        elif call.num_scales:
-            work = "dispatch_fp8"
-        else:
-            work = "dispatch_split" if mode != 0 else "dispatch"
+        call.local_by_receiver = own_rows_by_receivers(mode, self.num_ranks)
+        work = dispatch_work(mode, self.num_ranks, bool(call.num_scales))
         call.num_send_blocks = self._send_blocks(num_sms, work)
         call.recv_x, call.recv_scales, call.num_out_rows = addr(recv_x), addr(recv_scales), num_out
         call.recv_scale_stride_t, call.recv_scale_stride_c = recv_scales.stride() if recv_scales is not None else (0, 0)
@@ -584,21 +473,6 @@ class CudaIntranode:
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle
 
     # ------------------------------------------------------------------ errors raised on every rank alike
-    def _raise_refusals(self) -> None:
-        c = self.c
-        refusals = [int(v) for v in self.info_np[c["info_refusal"]:c["info_refusal"] + self.num_ranks]]
-        reasons = {1: "topk_idx values outside [-1, num_experts)",
-                   2: "num_tokens_per_rank does not match is_token_in_rank.sum(0) (pass both from get_dispatch_layout)",
-                   4: "ranks disagree on the row shape (hidden size, dtype, FP8 scale count or dtype, top-k width, "
-                      "weights) or num_worst_tokens",
-                   8: "it receives more tokens than its num_worst_tokens"}
-        parts = []
-        for r, code in enumerate(refusals):
-            if code:
-                why = "; ".join(text for bit, text in reasons.items() if code & bit)
-                parts.append(f"rank {r}: {why}")
-        raise ValueError("epcomm dispatch refused its inputs, nothing was sent: " + " | ".join(parts))
-
     def _raise_capacity(self, op: str, rows: int, row_bytes: int, cap_rows: int) -> None:
         need = ROWS_OFFSET + rows * row_bytes
         raise ValueError(f"epcomm {op}: num_nvl_bytes={self.num_bytes} holds {cap_rows} rows of {row_bytes} bytes, "

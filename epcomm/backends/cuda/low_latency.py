@@ -41,33 +41,18 @@ import torch.distributed as dist
 
 from ... import _env
 from ...handle import LowLatencyHandle
-from ..rows import low_latency_scales_layout, shape_digest
+from ...tuning import partials_asked, receive_together
+from ..rows import low_latency_scales_layout, round_up, shape_digest
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
+from .errors import LOW_LATENCY, ErrorTable, RecordLayout
 from .ipc import SharedBuffer
 
 _INFO_INTS = 16
 _MAX_BUFFER_BYTES = 32 << 30  # plan_message (low_latency.cuh): message offsets in 16-byte units, int32
-_TIMEOUT = 1
 _GAVE_UP_OFFSET = 40  # low_latency.cuh kGaveUpOffset: int32 in the buffer's header
-_ERRORS = {_TIMEOUT: "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)",
-           7: "rank(s) {ranks} passed an invalid topk_idx: values outside [-1, num_experts), or one expert named "
-              "more often than num_max_dispatch_tokens_per_rank (a token naming an expert twice); those entries "
-              "were not sent",
-           8: "rank(s) {ranks} passed low_latency_combine a topk_idx that differs from the one of its dispatch "
-              "(the dispatch's was used)",
-           9: "rank(s) {ranks} made this call with another shape (hidden, num_experts, "
-              "num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were not read",
-           10: "an earlier low-latency call of this rank failed (a timeout or a call of another shape), so this "
-               "one did not wait for its peers and is incomplete"}
-_FATAL = (_TIMEOUT, 9, 10)  # the Buffer is unusable after these (its waits give up from then on)
-# The caller's mistakes (found on the GPU, without a host sync): ValueError; the rest RuntimeError.
-_INPUT_ERRORS = (7, 8)
-_OPS = {5: "low_latency_dispatch", 6: "low_latency_combine"}
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
+# One error record per slot: the code, the failed call's op, a word per rank (zeroed whole once read).
+_ERROR_TABLE = ErrorTable(LOW_LATENCY, RecordLayout(code=0, op=1, ranks=2, clear="record"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,7 +60,7 @@ def message_bytes(hidden: int, use_fp8: bool, use_ue8m0: bool) -> tuple[int, int
     """(data bytes, scale columns, message bytes) of one dispatched token's message to a rank."""
     data = hidden if use_fp8 else hidden * 2
     cols = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
-    return data, cols, _round_up(data + cols * 4, 16)
+    return data, cols, round_up(data + cols * 4, 16)
 
 
 def message_layout(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int, use_fp8: bool,
@@ -84,7 +69,7 @@ def message_layout(num_max_tokens: int, hidden: int, num_ranks: int, num_experts
     lines (each 512-byte unit of FP8 data fills whole lines over NVLink) where the area has room for
     them, the index [E_local][R][N] of int32 and the base's rounding; else as message_bytes, 16."""
     _, _, msg = message_bytes(hidden, use_fp8, use_ue8m0)
-    wide = _round_up(msg, 128)
+    wide = round_up(msg, 128)
     area = num_experts * num_max_tokens * (hidden * 2 + 16)
     if num_ranks * num_max_tokens * wide + 4 * num_experts * num_max_tokens + 112 <= area:
         return wide, 128
@@ -98,7 +83,7 @@ def arrival_message_bytes(hidden: int, num_topk: int, use_fp8: bool, use_ue8m0: 
     if not use_fp8 or use_ue8m0 or num_topk > 16:
         return 0
     data, cols, _ = message_bytes(hidden, use_fp8, use_ue8m0)
-    return _round_up(128 + data + _round_up(cols * 4, 16), 128)
+    return round_up(128 + data + round_up(cols * 4, 16), 128)
 
 
 def area_tag(hidden: int, num_experts: int, num_max_tokens: int) -> int:
@@ -113,7 +98,7 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
     [E_local][R][N] take part of it), the combine area."""
     dispatch = num_experts * num_max_tokens * (hidden * 2 + 16)
     combine = num_experts * num_max_tokens * hidden * 2
-    return num_experts * 16 + _round_up(num_ranks * 8, 16) + dispatch + combine
+    return num_experts * 16 + round_up(num_ranks * 8, 16) + dispatch + combine
 
 
 
@@ -124,38 +109,11 @@ def request_bytes(num_topk: int) -> int:
     return 16 + 16 * num_topk
 
 
-# EPCOMM_LL_COMBINE_PARTIALS=auto combines by partial sums from this num_max_dispatch_tokens_per_rank
-# (every rank passes the same N; a rank's token count may differ). At EP4 (4 x H100, 288 experts,
-# H 7168, N = tokens, d1787213) the combine took 19.1 -> 26.4 us at 1 token, 27.8 -> 30.9 at 32,
-# 36.3 -> 35.6 at 64, 54.0 -> 46.3 at 128, 94.0 -> 65.4 at 256: the second exchange (requests, then
-# partials) costs ~4-7 us that the fewer bytes over NVLink repay from about 64 tokens.
-PARTIALS_AUTO_MIN_TOKENS = 64
-
-
-def partials_asked(mode: str, num_max_tokens: int) -> bool:
-    """Whether EPCOMM_LL_COMBINE_PARTIALS (``mode``: auto, 0 or 1) asks for partial sums at this
-    num_max_dispatch_tokens_per_rank (where the Buffer can and the shape allows: combine_by_partials)."""
-    return mode == "1" or (mode == "auto" and num_max_tokens >= PARTIALS_AUTO_MIN_TOKENS)
-
-
 def partials_fit(num_ranks: int, num_experts: int, hidden: int, num_topk: int) -> bool:
     """Whether a combine by partial sums fits a slot's combine area ([E][N] rows) and signals ([E]):
     partial rows [R][N] and request records [R][N], and 2R signals."""
     return (num_experts >= 2 * num_ranks and
             num_ranks * (2 * hidden + request_bytes(num_topk)) <= num_experts * 2 * hidden)
-
-
-def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int) -> bool:
-    """Whether a fused dispatch's blocks receive their (expert, source) units together (their warps
-    share the rows' copies) rather than a group of warps per unit (EPCOMM_LL_BLOCK_RECEIVE). auto:
-    at 2 or more pairs per expert, where the unit with the most rows would otherwise set the end
-    (one H100, one rank, graph dispatch: 25.4 -> 24.4 us at 128 tokens, 37.8 -> 35.4 at 256, but
-    16.3 -> 17.8 at 1 and 18.8 -> 19.4 at 32: the wait for all of a block's counts first costs
-    more than a few rows' copies; bench/results/2026-11-23_ll-one-rank-block-receive-*-308727c_*).
-    Every source sends about T * K / E pairs to each unit."""
-    if mode != "auto":
-        return mode == "1"
-    return num_tokens * num_topk >= 2 * num_experts
 
 
 class LLCallContext(ctypes.Structure):
@@ -223,6 +181,10 @@ def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:
 
 
 class CudaLowLatency:
+    """Low-latency mode on the CUDA kernels (the LowLatencyOps of backends/base.py)."""
+
+    on_kernels = True
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         if self.num_ranks > 8:
@@ -312,7 +274,7 @@ class CudaLowLatency:
         """Whether a combine of this shape goes by partial sums: allowed (combine_partials), without a
         hook (its send kernel waits for every peer's requests, which a hook's send must not: no SM
         held while data is in flight), where its rows and records fit (partials_fit), and asked for
-        (1) or, with auto, from PARTIALS_AUTO_MIN_TOKENS tokens a rank. The same on every rank."""
+        (1) or, with auto, from tuning.PARTIALS_AUTO_MIN_TOKENS tokens a rank. The same on every rank."""
         return (self.combine_partials and not hook and partials_fit(self.num_ranks, num_experts, hidden, num_topk) and
                 partials_asked(self.combine_partials_mode, num_max_tokens))
 
@@ -346,7 +308,10 @@ class CudaLowLatency:
         self._received_events = self._sent_events = []
         self.shared.close()
 
-    def reset(self, meet: Callable[[str], None]) -> None:
+    def remote_ranks(self) -> list[int]:
+        return list(getattr(self.shared, "remote_ranks", []))
+
+    def clean(self, meet: Callable[[str], None]) -> bool:
         """clean_low_latency_buffer, collective: every rank's kernels are done (first meeting), the
         whole buffer is zeroed (signals, acknowledgements, call counters) with the error records and
         pair counters, and nobody sends again before every rank has zeroed (second meeting). Every
@@ -361,6 +326,7 @@ class CudaLowLatency:
         self._captured = False
         torch.cuda.synchronize(self.device)
         meet("zeroed")
+        return True
 
     def check_errors(self, op: str, slot: int, capturing: bool) -> None:
         """Raise what the kernels reported before a call in ``slot`` launches anything: the record of
@@ -377,22 +343,11 @@ class CudaLowLatency:
             self._captured = False
             self._raise(op, slot)
             self._raise(op, 1 - slot)
-        if int(self.info_np[1 - slot][0]) in _FATAL:
+        if int(self.info_np[1 - slot][0]) in _ERROR_TABLE.fatal:
             self._raise(op, 1 - slot)
 
     def _raise(self, op: str, slot: int) -> None:
-        info = self.info_np[slot]
-        code = int(info[0])
-        if code == 0:
-            return
-        ranks = [r for r in range(self.num_ranks) if info[2 + r]]
-        failed = _OPS.get(int(info[1]), "a low-latency call")
-        info[:] = 0
-        what = _ERRORS.get(code, f"error {code}").format(ranks=ranks)
-        if code in _INPUT_ERRORS:
-            raise ValueError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}")
-        raise RuntimeError(f"epcomm {failed} (reported by {op}) on rank {self.rank}: {what}. Destroy the Buffer "
-                           "and the process group (or enable failed-rank masking).")
+        _ERROR_TABLE.check(self.info_np[slot], op, self.rank, self.num_ranks)
 
     def check_dispatch_args(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
                             num_experts: int) -> None:
@@ -580,10 +535,10 @@ class _DispatchShape:
         self.layout_range_shape, self.layout_range_strides = (e_local, num_ranks), (num_ranks, 1)
         self.src_info_shape, self.src_info_strides = (e_local, rows), (rows, 1)
         # Byte offsets in the small allocation (layout_range first, at 0), each part 16-byte aligned.
-        src_info_offset = _round_up(8 * e_local * num_ranks, 16)
-        recv_count_offset = src_info_offset + _round_up(4 * e_local * rows, 16)
-        scales_offset = recv_count_offset + _round_up(4 * e_local, 16)
-        self.pairs_at = scales_offset + _round_up(4 * e_local * rows * cols, 16)
+        src_info_offset = round_up(8 * e_local * num_ranks, 16)
+        recv_count_offset = src_info_offset + round_up(4 * e_local * rows, 16)
+        scales_offset = recv_count_offset + round_up(4 * e_local, 16)
+        self.pairs_at = scales_offset + round_up(4 * e_local * rows * cols, 16)
         # the same, in 4-byte elements (as_strided offsets of the int32 and fp32 views)
         self.src_info_at, self.recv_count_at = src_info_offset // 4, recv_count_offset // 4
         self.scales_at = scales_offset // 4
@@ -610,8 +565,8 @@ class _DispatchShape:
     def pairs_layout(self, pairs: int) -> tuple[int, int, int]:
         """For a call of ``pairs`` (token, slot) pairs: the byte offsets in the small allocation of
         the topk_idx copy and of the slot map, and the allocation's int64 words."""
-        slot_map_at = self.pairs_at + _round_up(8 * pairs, 16)
-        return self.pairs_at, slot_map_at, (slot_map_at + _round_up(4 * pairs, 16)) // 8
+        slot_map_at = self.pairs_at + round_up(8 * pairs, 16)
+        return self.pairs_at, slot_map_at, (slot_map_at + round_up(4 * pairs, 16)) // 8
 
 
 class _CombineShape:

@@ -1,0 +1,210 @@
+"""The errors the CUDA kernels report, and what the host raises for each: one table for every mode.
+
+The kernels write an error record into pinned host memory (an error code, the failed call's op
+code where the record has one, and a word per rank involved); the host reads it at its sync points
+and raises through ``raise_reported``. Each code appears once here with its exception type, its
+message and whether it leaves the Buffer unusable (fatal). ``codes`` is the one place that gives
+a code's value by name: it asks the library where the library exports the name, so the table
+follows the device headers instead of copying them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceError:
+    """One error code of a kernel family. ``message`` may name {ranks} (the ranks the record flags)
+    and, for the intranode family, {mismatch} (each flagged rank's op) or {refusals} (why each rank
+    refused); a ``whole`` message is raised as it is, without the call's name and rank before it."""
+    name: str            # the device's name for the code (the C constant, or a name for a bare number)
+    value: int           # its value in the device headers (used where the library does not export it)
+    exception: type[Exception]
+    message: str
+    fatal: bool          # the Buffer cannot be used after it (its waits give up, or its peers left)
+    whole: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+    """Where an error record's words lie in the pinned info words (offsets in int32 words)."""
+    code: int
+    op: int | None       # the failed call's op code; None where the record has none
+    ranks: int           # first of one word per rank: nonzero where that rank is involved
+    clear: str           # after reading: "record" zeroes the whole record, "ranks" the code and every
+    #                      rank word, "flagged" the code and the flagged rank words only (a kernel
+    #                      may still be writing the others)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """The errors of one kernel family and how its messages read."""
+    name: str
+    errors: tuple[DeviceError, ...]
+    ops: dict[str, tuple[int, str]]   # op code name -> (value in the device headers, name in messages)
+    head: str                         # the message's start: {failed} (the failed call), {op} (the caller)
+    unknown_op: str                   # {failed} where the record names no known op
+    fatal_tail: str                   # appended to a RuntimeError's message
+    exported_by: str | None = None    # the library function that gives a constant's value by name
+
+
+_TIMED_OUT = "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)"
+
+INTRANODE = Family(
+    name="intranode",
+    errors=(
+        DeviceError("kErrTimeout", 1, RuntimeError, _TIMED_OUT, True),
+        DeviceError("kErrMismatch", 2, RuntimeError, "ranks called different operations: {mismatch}", True),
+        DeviceError("kErrCapacity", 3, RuntimeError, "the communication buffer is too small for the rows of this "
+                    "call", True),
+        DeviceError("kErrWorstTokens", 4, RuntimeError, "received more tokens than num_worst_tokens", True),
+        # Refused inputs: every rank refuses alike, nothing moved, so the Buffer stays usable.
+        DeviceError("kErrRefused", 5, ValueError, "epcomm dispatch refused its inputs, nothing was sent: {refusals}",
+                    False, whole=True),
+        DeviceError("kErrShapes", 6, RuntimeError, "rank(s) {ranks} passed rows of another shape to this call than "
+                    "this rank (hidden size, dtype, FP8 scale count or dtype, top-k width); nothing was moved", True),
+    ),
+    ops={"op_dispatch": (1, "dispatch"), "op_cached_dispatch": (2, "cached dispatch"), "op_combine": (3, "combine"),
+         "op_barrier": (4, "destroy")},  # the barrier runs in destroy only
+    head="{failed} (reported by {op})",
+    unknown_op="call",
+    fatal_tail=". Destroy the Buffer and the process group.",
+    exported_by="epcomm_constant",
+)
+
+# Why a rank refused a dispatch (the refusal word's bits, kRefuse* in the intranode kernels).
+INTRANODE_REFUSALS = {
+    1: "topk_idx values outside [-1, num_experts)",
+    2: "num_tokens_per_rank does not match is_token_in_rank.sum(0) (pass both from get_dispatch_layout)",
+    4: "ranks disagree on the row shape (hidden size, dtype, FP8 scale count or dtype, top-k width, weights) or "
+       "num_worst_tokens",
+    8: "it receives more tokens than its num_worst_tokens",
+}
+
+LOW_LATENCY = Family(
+    name="low_latency",
+    errors=(
+        DeviceError("kErrTimeout", 1, RuntimeError, _TIMED_OUT, True),
+        # The caller's mistakes, found on the GPU without a host sync: the Buffer stays usable.
+        DeviceError("kErrInvalidDispatch", 7, ValueError, "rank(s) {ranks} passed an invalid topk_idx: values outside "
+                    "[-1, num_experts), or one expert named more often than num_max_dispatch_tokens_per_rank (a token "
+                    "naming an expert twice); those entries were not sent", False),
+        DeviceError("kErrIdsDiffer", 8, ValueError, "rank(s) {ranks} passed low_latency_combine a topk_idx that "
+                    "differs from the one of its dispatch (the dispatch's was used)", False),
+        DeviceError("kErrShapeMismatch", 9, RuntimeError, "rank(s) {ranks} made this call with another shape (hidden, "
+                    "num_experts, num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were "
+                    "not read", True),
+        DeviceError("kErrAbandoned", 10, RuntimeError, "an earlier low-latency call of this rank failed (a timeout or "
+                    "a call of another shape), so this one did not wait for its peers and is incomplete", True),
+    ),
+    ops={"kOpDispatch": (5, "low_latency_dispatch"), "kOpCombine": (6, "low_latency_combine")},
+    head="{failed} (reported by {op})",
+    unknown_op="a low-latency call",
+    fatal_tail=". Destroy the Buffer and the process group (or enable failed-rank masking).",
+)
+
+HIERARCHICAL = Family(
+    name="hierarchical",
+    errors=(  # the kernels report these by number (report(code, rank)): the names are the host's
+        DeviceError("timeout", 1, RuntimeError, _TIMED_OUT, True),
+        DeviceError("mismatch", 2, RuntimeError, "rank(s) {ranks} called another operation or shape (hidden size, "
+                    "dtype, top-k, scales)", True),
+        DeviceError("capacity", 3, RuntimeError, "the receive area of rank(s) {ranks} is too small for this call "
+                    "(num_nvl_bytes)", True),
+        DeviceError("worst_tokens", 4, RuntimeError, "rank(s) {ranks} received more rows than num_worst_tokens", True),
+        DeviceError("refused", 5, RuntimeError, "rank(s) {ranks} refused the inputs (top-k ids outside [-1, "
+                    "num_experts), or num_tokens_per_rank not is_token_in_rank.sum(0): pass both from "
+                    "get_dispatch_layout)", True),
+        DeviceError("earlier_error", 6, RuntimeError, "rank(s) {ranks} had an error in an earlier call (raised "
+                    "there)", True),
+        DeviceError("gave_up", 7, RuntimeError, "rank(s) {ranks} gave this call up (another operation or shape seen "
+                    "there or at a rank it waits for, or an error of its own: see its message)", True),
+    ),
+    ops={},
+    head="{op} (hierarchical)",
+    unknown_op="call",
+    fatal_tail=". Destroy the Buffer and the process group.",
+)
+
+
+def codes(family: Family, lib: ctypes.CDLL | None = None) -> dict[str, int]:
+    """Every error and op code of ``family`` by name: from ``lib`` where its family's library exports
+    the name (-1 means it does not), else the device headers' value written in the table."""
+    exported = getattr(lib, family.exported_by) if lib is not None and family.exported_by else None
+    values = {}
+    for name, value in [(e.name, e.value) for e in family.errors] + [(n, v) for n, (v, _) in family.ops.items()]:
+        found = exported(name.encode()) if exported is not None else -1
+        values[name] = found if found != -1 else value
+    return values
+
+
+class ErrorTable:
+    """The codes of one family as one library numbers them, and the raising of its error records."""
+
+    def __init__(self, family: Family, layout: RecordLayout, lib: ctypes.CDLL | None = None) -> None:
+        self.family, self.layout = family, layout
+        values = codes(family, lib)
+        self.by_code = {values[e.name]: e for e in family.errors}
+        self.op_names = {values[name]: shown for name, (_, shown) in family.ops.items()}
+        self.fatal = frozenset(code for code, e in self.by_code.items() if e.fatal)
+
+    def code(self, name: str) -> int:
+        """The value of the error named ``name`` (DeviceError.name)."""
+        return next(code for code, e in self.by_code.items() if e.name == name)
+
+    def take(self, info: np.ndarray, num_ranks: int) -> tuple[int, int | None, list[int]]:
+        """Read the record in ``info`` (code, op code or None, the rank words) and clear it as the layout
+        says; code 0: nothing reported (nothing cleared)."""
+        lay = self.layout
+        code = int(info[lay.code])
+        if code == 0:
+            return 0, None, []
+        flags = [int(v) for v in info[lay.ranks:lay.ranks + num_ranks]]
+        op = int(info[lay.op]) if lay.op is not None else None
+        if lay.clear == "record":
+            info[:] = 0
+        elif lay.clear == "ranks":
+            info[lay.code] = 0
+            info[lay.ranks:lay.ranks + num_ranks] = 0
+        else:
+            info[lay.code] = 0
+            for r, flag in enumerate(flags):
+                if flag:
+                    info[lay.ranks + r] = 0
+        return code, op, flags
+
+    def error(self, code: int, op: str, rank: int, failed_op: int | None, flags: list[int],
+              refusals: list[int] | None = None) -> Exception:
+        """The exception for a reported ``code``: raised by the call ``op`` on ``rank``; ``failed_op`` is
+        the record's op code, ``flags`` its rank words, ``refusals`` each rank's refusal bits."""
+        family = self.family
+        entry = self.by_code.get(code)
+        ranks = [r for r, flag in enumerate(flags) if flag]
+        fields = {"ranks": ranks}
+        if entry is not None and "{mismatch}" in entry.message:
+            fields["mismatch"] = ", ".join(f"rank {r}: {self.op_names.get(flags[r], '?')}" for r in ranks)
+        if entry is not None and "{refusals}" in entry.message:
+            fields["refusals"] = " | ".join(
+                f"rank {r}: " + "; ".join(text for bit, text in INTRANODE_REFUSALS.items() if bits & bit)
+                for r, bits in enumerate(refusals or []) if bits)
+        text = (entry.message if entry is not None else f"error {code}").format(**fields)
+        exception = entry.exception if entry is not None else RuntimeError
+        if entry is not None and entry.whole:
+            return exception(text)
+        failed = self.op_names.get(failed_op, family.unknown_op) if failed_op is not None else family.unknown_op
+        head = family.head.format(failed=failed, op=op)
+        tail = family.fatal_tail if exception is RuntimeError else ""
+        return exception(f"epcomm {head} on rank {rank}: {text}{tail}")
+
+    def check(self, info: np.ndarray, op: str, rank: int, num_ranks: int, refusals_at: int | None = None) -> None:
+        """Raise what the record in ``info`` reports, clearing it; nothing if it reports nothing.
+        ``refusals_at``: where each rank's refusal bits lie in ``info`` (the intranode family)."""
+        if int(info[self.layout.code]) == 0:  # the common case, on every call's host path
+            return
+        code, failed_op, flags = self.take(info, num_ranks)
+        refusals = [int(v) for v in info[refusals_at:refusals_at + num_ranks]] if refusals_at is not None else None
+        raise self.error(code, op, rank, failed_op, flags, refusals)
