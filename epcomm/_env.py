@@ -27,9 +27,6 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_COMBINE_SEND_SMS_PCT": ("auto", "CUDA backend: percent of a combine's SMs that send (the rest "
                                             "reduce), or auto: split by the bytes each role moves at the rank "
                                             "count (README)"),
-    "EPCOMM_SEND_TMA": ("0", "CUDA backend, normal mode inside a node: 1 = senders move rows with bulk copies "
-                             "(TMA) through shared memory, several rows in flight per warp; 0 = register copies "
-                             "(faster as measured on 2 H200 and 4 H100: see the README)"),
     "EPCOMM_LL_TRANSPORT": ("auto", "CUDA low-latency mode: ipc (CUDA IPC, one host), nvshmem (NVSHMEM symmetric "
                                     "heap; NVLink peers still get direct stores) or auto (ipc on one host, else "
                                     "nvshmem)"),
@@ -91,10 +88,6 @@ def _switch(name: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
-
-
-def send_tma() -> bool:
-    return _switch("EPCOMM_SEND_TMA")
 
 
 def timeout_s() -> float:

@@ -154,15 +154,6 @@ def test_low_latency_transport_settings():
             _env.ll_dispatch_senders()
 
 
-def test_send_tma_setting():
-    """EPCOMM_SEND_TMA is 0 (default) or 1; anything else is an error, not the default."""
-    assert _env.send_tma() is False
-    with env_var("EPCOMM_SEND_TMA", "1"):
-        assert _env.send_tma() is True
-    with env_var("EPCOMM_SEND_TMA", "yes"), pytest.raises(ValueError, match="must be 0 or 1"):
-        _env.send_tma()
-
-
 def test_readme_lists_every_environment_variable_with_its_default():
     """The README's table of environment variables is the code's (epcomm/_env.py): the same names,
     and each default as the code has it (an empty default is written as a phrase there)."""

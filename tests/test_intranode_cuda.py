@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, busy_side_stream, capture_graph, cluster, env_var, peer_timeout, poison_allocator
+from conftest import BACKEND, busy_side_stream, capture_graph, cluster, peer_timeout, poison_allocator
 from routing import make_inputs
 
 import epcomm
@@ -119,22 +119,6 @@ def test_cuda_matches_reference(ranks, case, fp8):
     experts = max(experts, ranks)
     cluster(ranks).run(rank_cuda_vs_reference, tokens, hidden, experts, topk, routing, seed=CASES.index(case),
                        fp8=fp8, col_major=fp8 and CASES.index(case) % 2 == 0, num_worst_tokens=0, use_bias=True,
-                       num_sms=24)
-
-
-def rank_tma_senders_vs_reference(*args, **kwargs):
-    """The senders' other path: bulk copies (TMA) through shared memory (EPCOMM_SEND_TMA=1)."""
-    with env_var("EPCOMM_SEND_TMA", "1"):
-        return rank_cuda_vs_reference(*args, **kwargs)
-
-
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=lambda c: f"T{sum(c[0])}-H{c[1]}-{c[4]}")
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_cuda_tma_senders_match_reference(ranks, case, fp8):
-    tokens, hidden, experts, topk, routing = case
-    cluster(ranks).run(rank_tma_senders_vs_reference, tokens, hidden, max(experts, ranks), topk, routing,
-                       seed=CASES.index(case), fp8=fp8, col_major=False, num_worst_tokens=0, use_bias=True,
                        num_sms=24)
 
 

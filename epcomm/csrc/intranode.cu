@@ -13,29 +13,6 @@
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
 using namespace epcomm;
 
-// Shared memory the bulk-copy senders may take per block (of the 227 KB an SM has): their row rings.
-constexpr int64_t kSendSmemBudget = 200 * 1024;
-
-// Warps per sending block that move rows of `row_bytes` by bulk copies (0: register copies, when
-// asked for or when not even one ring fits), and the dynamic shared memory they need.
-static int send_tma_warps(bool use_tma, int row_bytes, int64_t& smem) {
-    const int64_t per_warp = SendRing::smem_bytes(1, row_bytes);
-    int warps = use_tma ? static_cast<int>(kSendSmemBudget / per_warp) : 0;
-    warps = warps > 16 ? 16 : warps;  // a block has 512 threads
-    smem = warps * per_warp;
-    return warps;
-}
-
-// Let `kernel` take `smem` bytes of dynamic shared memory (above the default 48 KB); set once per size.
-template <class Kernel>
-static cudaError_t allow_smem(Kernel kernel, int64_t smem, int64_t& allowed) {
-    if (smem <= allowed) return cudaSuccess;
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err == cudaSuccess) allowed = smem;
-    return err;
-}
-
 // The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/intranode.py,
 // checked through epcomm_struct_layout and epcomm_struct_field_name). A field means what the kernel
 // argument of the same name means (NotifyArgs, DispatchArgs, CombineArgs).
@@ -61,15 +38,15 @@ struct DispatchCall {
     uint64_t recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
     int64_t scale_stride_t, scale_stride_c, recv_scale_stride_t, recv_scale_stride_c, cap_rows;
     int32_t num_tokens, x_bytes, num_scales, num_topk, has_topk, has_weights, experts_per_rank, row_stride;
-    int32_t num_out_rows, num_sms, num_send_blocks, mode, op, use_tma;
-    int32_t local_by_receiver, pad0;  // the fused kernel's (mode 0): see DispatchArgs
+    int32_t num_out_rows, num_sms, num_send_blocks, mode, op;
+    int32_t local_by_receiver;  // the fused kernel's (mode 0): see DispatchArgs
 };
 
 struct CombineCall {
     CallContext context;
     uint64_t x, weights, in_rank, slot, layout, bias0, bias1, out, out_weights;
     int64_t cap_rows;
-    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks, use_tma, pad0;
+    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks;
 };
 
 namespace epcomm {  // where the template fields_of lives
@@ -101,8 +78,8 @@ constexpr auto fields_of<DispatchCall>() {
                       EPCOMM_FIELD(x_bytes), EPCOMM_FIELD(num_scales), EPCOMM_FIELD(num_topk),
                       EPCOMM_FIELD(has_topk), EPCOMM_FIELD(has_weights), EPCOMM_FIELD(experts_per_rank),
                       EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_out_rows), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op), EPCOMM_FIELD(use_tma),
-                      EPCOMM_FIELD(local_by_receiver), EPCOMM_FIELD(pad0)};
+                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op),
+                      EPCOMM_FIELD(local_by_receiver)};
 }
 template <>
 constexpr auto fields_of<CombineCall>() {
@@ -111,7 +88,7 @@ constexpr auto fields_of<CombineCall>() {
                       EPCOMM_FIELD(slot), EPCOMM_FIELD(layout), EPCOMM_FIELD(bias0), EPCOMM_FIELD(bias1),
                       EPCOMM_FIELD(out), EPCOMM_FIELD(out_weights), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
                       EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(use_tma), EPCOMM_FIELD(pad0)};
+                      EPCOMM_FIELD(num_send_blocks)};
 }
 }  // namespace epcomm
 
@@ -294,24 +271,17 @@ int epcomm_dispatch(const DispatchCall* call, cudaStream_t stream) {
     a.num_out_rows = c.num_out_rows;
     a.op = c.op;
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
-    int64_t smem = 0;
-    a.tma_warps = send_tma_warps(c.use_tma != 0 && c.mode != 2, c.x_bytes, smem);
-    cudaError_t err = cudaSuccess;
     if (c.mode == 0) {
-        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = c.local_by_receiver != 0;
-        err = allow_smem(dispatch_kernel<true, true>, smem, allowed);
-        if (err == cudaSuccess) dispatch_kernel<true, true><<<blocks, 512, smem, stream>>>(a);
+        dispatch_kernel<true, true><<<blocks, 512, 0, stream>>>(a);
     } else if (c.mode == 1) {
-        static int64_t allowed = 48 * 1024;
         a.local_by_receiver = true;
-        err = allow_smem(dispatch_kernel<true, false>, smem, allowed);
-        if (err == cudaSuccess) dispatch_kernel<true, false><<<a.num_send_blocks, 512, smem, stream>>>(a);
+        dispatch_kernel<true, false><<<a.num_send_blocks, 512, 0, stream>>>(a);
     } else {
         a.local_by_receiver = true;
         dispatch_kernel<false, true><<<blocks - a.num_send_blocks, 512, 0, stream>>>(a);
     }
-    return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+    return static_cast<int>(cudaGetLastError());
 }
 
 int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
@@ -327,12 +297,7 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     set_ptr(a.out, c.out);
     set_ptr(a.out_weights, c.out_weights);
     const int blocks = split_blocks(c.num_sms, c.num_send_blocks, a.num_send_blocks);
-    int64_t smem = 0;
-    a.tma_warps = send_tma_warps(c.use_tma != 0, c.hidden * 2, smem);
-    static int64_t allowed = 48 * 1024;
-    const cudaError_t err = allow_smem(combine_kernel, smem, allowed);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    combine_kernel<<<blocks, 512, smem, stream>>>(a);
+    combine_kernel<<<blocks, 512, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
 }
 

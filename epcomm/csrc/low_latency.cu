@@ -261,11 +261,6 @@ int epcomm_ll_combine_partials_fit(int num_sms) {
     return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
 }
 
-// A combine without a hook as one cooperative kernel (combine_fused) rather than two; the same for
-// a combine by partial sums (combine_partials_fused).
-constexpr bool kFusedCombine = true;
-constexpr bool kFusedPartials = true;
-
 // phases as in launch_dispatch
 static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
     const ll::LLCombineCall& c = *call;
@@ -285,7 +280,7 @@ static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t
         // Its blocks wait for each other through the peers: all resident at once, or not launched
         // (the host then raises; fewer SMs than the device has, under MPS or green contexts).
         const int num_sms = c.context.num_sms;
-        if (kFusedPartials && phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+        if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
             fits_at_once<ll::combine_partials_fused>(num_sms, 0, num_sms))
             return static_cast<int>(launch_cooperative(ll::combine_partials_fused, num_sms, 0, stream, a));
         if (phase != 2) {
@@ -301,7 +296,7 @@ static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t
     const int num_sms = c.context.num_sms;
     bool any_remote = false;
     for (int r = 0; r < a.num_ranks; ++r) any_remote |= a.peers.bufs[r] == nullptr;
-    if (kFusedCombine && phase == 0 && !any_remote && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
+    if (phase == 0 && !any_remote && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
         fits_at_once<ll::combine_fused>(num_sms, 0, num_sms)) {
         const cudaError_t launched = launch_cooperative(ll::combine_fused, num_sms, 0, stream, a);
         if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);

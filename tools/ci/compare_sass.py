@@ -117,7 +117,8 @@ def kernels(tree: Path, workdir: Path) -> dict[tuple[str, str], list[tuple[str, 
         for block in re.split(r"\n\s*Function : ", sass)[1:]:
             name, _, body = block.partition("\n")
             body = re.sub(r"/\*[0-9a-f]{4,}\*/", "", body)  # instruction addresses
-            lines = [line.strip() for line in body.splitlines() if line.strip() and "..." not in line]
+            # Whitespace aside: the encodings' column moves with the longest instruction of the object.
+            lines = [" ".join(line.split()) for line in body.splitlines() if line.strip() and "..." not in line]
             found.setdefault((library, name.strip()), []).append((per_function.get(name.strip(), ""), "\n".join(lines)))
     return {key: sorted(set(copies)) for key, copies in found.items()}
 

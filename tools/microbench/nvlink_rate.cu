@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "../../epcomm/include/epcomm/common/ptx.cuh"
-#include "../../epcomm/include/epcomm/common/tma.cuh"
+#include "tma.cuh"
 #include "microbench.cuh"
 
 using namespace epcomm;

@@ -100,14 +100,14 @@ class DispatchCall(ctypes.Structure):
                                         "cap_rows"),
                 *fields(ctypes.c_int32, "num_tokens x_bytes num_scales num_topk has_topk has_weights experts_per_rank "
                                         "row_stride"),
-                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op use_tma local_by_receiver pad0")]
+                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op local_by_receiver")]
 
 
 class CombineCall(ctypes.Structure):
     _fields_ = [("context", CallContext),
                 *fields(ctypes.c_uint64, "x weights in_rank slot layout bias0 bias1 out out_weights"),
                 *fields(ctypes.c_int64, "cap_rows"),
-                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks use_tma pad0")]
+                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks")]
 
 
 def bind_calls(lib: ctypes.CDLL) -> None:
@@ -184,15 +184,12 @@ class CudaIntranode:
         # Percent of a call's SMs that send, per op, as set (None: auto, see send_share).
         self.send_pct = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") for op in ("dispatch", "combine")}
         self._send_blocks_memo: dict[tuple[int, str], int] = {}
-        # Senders move rows by register copies, or by bulk copies through shared memory (slower as
-        # measured: bench/results/2026-11-23_cuda-intranode-v2-tma_nvidia-h200-x2.txt).
-        self.send_tma = int(_env.send_tma())
         # One record per entry point, reused: a call sets only the fields that vary between calls.
         context = CallContext(peer_bufs=ctypes.addressof(self.ptrs), info=self.info.data_ptr(),
                               timeout_ns=self.timeout_ns, rank=self.rank, num_ranks=self.num_ranks)
         self._notify_call = NotifyCall(context=context, op=self.c["op_dispatch"])
-        self._dispatch_call = DispatchCall(context=context, use_tma=self.send_tma)
-        self._combine_call = CombineCall(context=context, use_tma=self.send_tma)
+        self._dispatch_call = DispatchCall(context=context)
+        self._combine_call = CombineCall(context=context)
         self._barrier_calls = {op: NotifyCall(context=context, op=op, expert_alignment=1)
                                for op in (self.c["op_cached_dispatch"], self.c["op_combine"], self.c["op_barrier"])}
         dist.barrier(group=group)

@@ -23,7 +23,6 @@ struct CombineArgs {
     __nv_bfloat16* out;         // [T, H]
     float* out_weights;         // [T, K] or nullptr
     int num_send_blocks;
-    int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
     int* info;
     uint64_t timeout_ns;
 };
@@ -128,27 +127,6 @@ __device__ void combine_send(const CombineArgs& a, const int* s_layout, int64_t 
         if (pending.full()) pending.publish(flag_value, flag_of);
     }
     pending.publish(flag_value, flag_of);
-}
-
-// The same with bulk copies through the warp's row ring (see dispatch_send_tma).
-__device__ void combine_send_tma(const CombineArgs& a, const int* s_layout, int64_t flag_value, int warp,
-                                 int num_warps, const SendRing& ring) {
-    const int lane = threadIdx.x % kWarpSize, K = a.num_topk;
-    const int row_bytes = a.hidden * 2;
-    auto source = [&](int j) -> const void* {
-        int i;
-        combine_return_row(a, s_layout, j, i);
-        return a.x + static_cast<int64_t>(i) * a.hidden;
-    };
-    auto send = [&](int j, const uint8_t* stage, int64_t** flags) {
-        int i;
-        uint8_t* r = combine_return_row(a, s_layout, j, i);
-        if (lane == 0) bulk_store(r, stage, row_bytes);
-        if (lane < K) reinterpret_cast<float*>(r + row_bytes)[lane] = a.weights[static_cast<int64_t>(i) * K + lane];
-        if (lane < kMaxRanks)
-            flags[lane] = lane == 0 ? reinterpret_cast<int64_t*>(r + a.row_stride - kRowTrailerBytes) : nullptr;
-    };
-    warp_row_pipeline(ring, combine_num_returned(a, s_layout), warp, num_warps, row_bytes, flag_value, source, send);
 }
 
 // Reducer: token t sums, in fp32 and ascending rank order, the rows its destinations returned
@@ -256,12 +234,7 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int64_t flag_value = seq ^ kFlagMagic;
     const int block = blockIdx.x;
     if (block < a.num_send_blocks) {
-        send_role(
-            a.tma_warps, a.hidden * 2, block, a.num_send_blocks,
-            [&](int warp, int num_warps) { combine_send(a, s_layout, flag_value, warp, num_warps); },
-            [&](int warp, int num_warps, const SendRing& ring) {
-                combine_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
-            });
+        combine_send(a, s_layout, flag_value, block * warps_per_block + w, a.num_send_blocks * warps_per_block);
         return;
     }
     combine_reduce(a, s_layout, seq, flag_value, (block - a.num_send_blocks) * warps_per_block + w,

@@ -2,7 +2,6 @@
 // destination's buffer; receiver warps copy each row out as its flag shows it landed.
 #pragma once
 
-#include "../common/tma.cuh"
 #include "intranode_notify.cuh"
 
 namespace epcomm {
@@ -37,7 +36,6 @@ struct DispatchArgs {
     // fused kernel above 2 ranks), else written by the senders beside their stores to the peers (the
     // host's choice: CudaIntranode._launch_dispatch says why).
     bool local_by_receiver;
-    int tma_warps;              // > 0: each sending block's first tma_warps warps move rows by bulk copies
     int op;
     int* info;
     uint64_t timeout_ns;
@@ -246,48 +244,6 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
     }
 }
 
-// A sending warp's row ring: two rows loading while one is stored, and the stores of the last
-// kSendInFlight rows in flight (a remote store takes microseconds to complete).
-constexpr int kSendStages = 3;
-constexpr int kSendInFlight = 8;
-using SendRing = RowRing<kSendStages, kSendInFlight>;
-
-// The sender with bulk copies: the same rows, metadata and flags as dispatch_send, but x's row is
-// loaded once into the warp's ring and stored from there to every destination by the TMA unit, so
-// several rows per warp are in flight instead of a few KB of registers.
-__device__ void dispatch_send_tma(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int warp,
-                                  int num_warps, const SendRing& ring) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int me = a.rank;
-    auto source = [&](int t) -> const void* {
-        return __ballot_sync(kFullMask, token_hit(a, t, lane)) != 0 ? a.x + static_cast<int64_t>(t) * a.x_bytes
-                                                                      : nullptr;
-    };
-    auto send = [&](int t, const uint8_t* stage, int64_t** flags) {
-        const TokenRoute route = load_route(a, t, lane);
-        const unsigned mask = route_mask(route);
-        const int pos_lane = route_row_pos(route, s_layout, lane);
-        int64_t* my_flag = nullptr;  // lane d: the flag of destination d's row
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-            if (!(mask >> d & 1u)) continue;
-            const int pos = __shfl_sync(kFullMask, pos_lane, d);
-            if (d == me) {  // this rank's own output row: no flag
-                if (pos >= a.num_out_rows) continue;
-                if (lane == 0) bulk_store(a.recv_x + static_cast<int64_t>(pos) * a.x_bytes, stage, a.x_bytes);
-                write_own_meta(a, t, pos, route.meta, lane);
-                continue;
-            }
-            uint8_t* dst = a.peers.bufs[d] + kRowsOffset + static_cast<int64_t>(pos) * a.row_stride;
-            if (lane == 0) bulk_store(dst, stage, a.x_bytes);
-            write_peer_meta(a, dst, d, t, route.meta, lane);
-            if (lane == d) my_flag = reinterpret_cast<int64_t*>(dst + a.row_stride - kRowTrailerBytes);
-        }
-        if (lane < kMaxRanks) flags[lane] = my_flag;
-    };
-    warp_row_pipeline(ring, a.num_tokens, warp, num_warps, a.x_bytes, flag_value, source, send);
-}
-
 // Receivers keep more loads in flight than senders (they hold fewer registers: no destination table).
 constexpr int kRecvUnroll = 8;
 
@@ -370,36 +326,12 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
     }
 }
 
-// The block's dynamic shared memory: the sending warps' row rings (bulk-copy senders only).
-__device__ __forceinline__ uint8_t* dynamic_smem() {
-    extern __shared__ __align__(128) uint8_t smem[];
-    return smem;
-}
-
-// Sending block `block` of `num_blocks` (dispatch or combine): its first tma_warps warps move rows
-// of row_bytes by bulk copies through their rings (by_bulk(warp, num_warps, ring)), or, without
-// them, all of its warps by register copies (by_registers(warp, num_warps)).
-template <class ByRegisters, class ByBulk>
-__device__ __forceinline__ void send_role(int tma_warps, int row_bytes, int block, int num_blocks,
-                                          ByRegisters&& by_registers, ByBulk&& by_bulk) {
-    const int w = threadIdx.x / kWarpSize;
-    if (tma_warps > 0) {
-        if (w >= tma_warps) return;
-        by_bulk(block * tma_warps + w, num_blocks * tma_warps, SendRing::carve(dynamic_smem(), w, tma_warps, row_bytes));
-        return;
-    }
+// Sending block `block` of `num_blocks`: each of its warps takes every (num_blocks * warps)-th token.
+__device__ __forceinline__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value,
+                                                   int block, int num_blocks) {
     const int warps_per_block = blockDim.x / kWarpSize;
-    by_registers(block * warps_per_block + w, num_blocks * warps_per_block);
-}
-
-__device__ void dispatch_send_role(const DispatchArgs& a, const int* s_layout, int64_t flag_value, int block,
-                                   int num_blocks) {
-    send_role(
-        a.tma_warps, a.x_bytes, block, num_blocks,
-        [&](int warp, int num_warps) { dispatch_send(a, s_layout, flag_value, warp, num_warps); },
-        [&](int warp, int num_warps, const SendRing& ring) {
-            dispatch_send_tma(a, s_layout, flag_value, warp, num_warps, ring);
-        });
+    dispatch_send(a, s_layout, flag_value, block * warps_per_block + threadIdx.x / kWarpSize,
+                  num_blocks * warps_per_block);
 }
 
 // kSend and kRecv: the fused kernel (num_worst_tokens and cached dispatch: one launch, no host

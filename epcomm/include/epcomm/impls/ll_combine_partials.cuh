@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs
     receive_partials_role(a, reinterpret_cast<const int64_t*>(a.peers.bufs[a.rank] + kSlotSeqOffset)[a.slot]);
 }
 
-// Both in one cooperative kernel (kFusedPartials): the sums' waits start as a block's partials
+// Both in one cooperative kernel: the sums' waits start as a block's partials
 // are out, not after the send kernel's drain and the receive kernel's start. One H100, one rank,
 // graph combine: 1.2-2.5 us faster than the two kernels at 1-256 tokens (26.8 vs 29.2 us at 128).
 __global__ void __launch_bounds__(kThreads, 1) combine_partials_fused(CombineArgs a) {

@@ -28,11 +28,9 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 
 // Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
 // (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
-// cooperatively (every block resident at once; see the launcher). kBlockReceive: the receive role
-// of receive_dispatch_units_together instead of a warp group per unit.
-// receive_dispatch_balanced in place of receive_dispatch_units_together (EPCOMM_LL_BLOCK_RECEIVE's
-// block receive), where no failed-rank masking is on (measured above).
-constexpr bool kBalancedReceive = true;
+// cooperatively (every block resident at once; see the launcher). kBlockReceive: the block's units
+// together (balanced over blocks, or one block's units at a time under a failed-rank mask) instead
+// of a warp group per unit.
 
 template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
@@ -44,7 +42,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
         // (all of them sending: every block receives after its sends)
         receive_dispatch_arrival(a, m, seq, lay, plan.senders < static_cast<int>(gridDim.x) ? plan.senders : 0);
     } else if constexpr (kBlockReceive) {
-        if (kBalancedReceive && a.mask == nullptr)
+        if (a.mask == nullptr)
             receive_dispatch_balanced(a, seq, lay);
         else
             receive_dispatch_units_together(a, seq, lay);

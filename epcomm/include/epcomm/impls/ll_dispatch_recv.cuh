@@ -173,7 +173,7 @@ __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t s
     }
 }
 
-// The block receive of the fused dispatch (kBalancedReceive in dispatch_fused): the rows spread
+// The block receive of the fused dispatch (dispatch_fused without a mask): the rows spread
 // evenly over the whole grid instead of by (expert, source) unit. Every block waits for all units'
 // counts (the signals arrive within ~1 us of each other at EP4, 128 tokens), numbers their
 // messages' pieces in unit order, and takes an equal contiguous share of them. At EP4, 128 tokens

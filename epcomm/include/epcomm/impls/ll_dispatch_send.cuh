@@ -371,20 +371,6 @@ __device__ __forceinline__ SendPlan send_plan(const DispatchArgs& a, const Arriv
     return p;
 }
 
-// Whether senders by stride, and senders of a contiguous range of at most 32 pairs, plan their
-// pairs a warp per token group (send_dispatch_messages) instead of a thread per pair scanning the
-// token's earlier pairs in shared memory, once for the rows and once for the plan, a barrier after
-// each (by arrival only). Those two passes held every sender 0.8 and
-// 2.0 us (phase timeline, EP4, 128 tokens, 4 x H100; a sender's pair-rows 3.1 us, rows 5.1, first
-// x load 5.2), where the receive-only blocks passed the same points at 2.3 and 2.5. Measured, not
-// the cause: x not in L2 (prefetched at the start: same), the argument bank's lines (read at the
-// start: same), the receivers' polls (receivers asleep: same), the instruction cache (the plan's
-// code run once before: as slow again), a moment of the call (senders held 3 us at the start: the
-// same 2 us in the plan pass, later); a 32-ns %globaltimer. With one warp pass and one barrier
-// (same call): rows 3.4, first x load 3.6, kernel 20.5-21.3 us against 21.9-22.3 in a replayed
-// graph; bench 27.8 / 27.2 us eager / graph against 28.3 / 27.7 (bench/results/2026-11-27_ep4-ll-warp-plan-*).
-constexpr bool kWarpPlan = true;
-
 // The send role of a dispatch, run by every block of the kernel (block b owns tokens by the plan);
 // returns the call counter.
 __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMode& m, const SendPlan& plan) {
@@ -480,7 +466,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // With the call counters read by warp 0 (above), at 66 senders (EP4, 128 tokens, 4 x H100):
     // graph dispatch 28.2 / 27.6 us against 28.7 / 29.1 (cb953a7 vs 6818d0b), its `ready` 1.9 us
     // against 2.7. (A sender's data then started ~3 us after its counts: its rows and plan passes
-    // below, not these stores; see kWarpPlan.)
+    // below, not these stores.)
     const int grid = static_cast<int>(gridDim.x);
     const int signal_blocks = plan.senders < grid ? grid - plan.senders : grid;
     const int signal_block = plan.senders < grid ? b - plan.senders : b;  // < 0: none here
@@ -502,7 +488,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // rank), where the loops below scan the token's earlier pairs from shared memory pair by pair.
     // A contiguous range (one segment: a pair's row counts the range's earlier pairs of its expert,
     // whatever their token) of at most 32 pairs goes to one warp, its pairs in one group.
-    const bool warp_plan = kWarpPlan && m.on && K >= 1 && K <= kWarpSize && (stride > 1 || num_pairs <= kWarpSize);
+    const bool warp_plan = m.on && K >= 1 && K <= kWarpSize && (stride > 1 || num_pairs <= kWarpSize);
     if (warp_plan) {
         const int per_warp = stride > 1 ? kWarpSize / K : num_own, within = lane / K, k = lane % K;
         const unsigned earlier = (1u << lane) - 1;

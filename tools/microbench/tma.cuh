@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "ptx.cuh"
+#include "../../epcomm/include/epcomm/common/ptx.cuh"
 
 namespace epcomm {
 
