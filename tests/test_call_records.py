@@ -1,8 +1,9 @@
-"""The intranode and low-latency entry points take call records (structs in csrc/intranode.cu
-and csrc/low_latency.cu) that Python fills through ctypes mirrors; a mirror that drifts from its struct
-passes garbage to the kernels. Checked without a GPU: a library is built from one source alone
-(intranode.cu; low_latency.cu, the IPC library's low-latency kernels), as host code and PTX (nothing
-is launched), and loaded lazily (the CUDA driver it links against may be absent)."""
+"""The intranode and low-latency entry points take call records (declared once, in csrc/intranode.cu
+and csrc/low_latency.cu) that Python fills through ctypes structures built from the library's field
+tables; a structure that drifted from its struct would pass garbage to the kernels. Checked without
+a GPU: a library is built from one source alone (intranode.cu; low_latency.cu, the IPC library's
+low-latency kernels), as host code and PTX (nothing is launched), and loaded lazily (the CUDA driver
+it links against may be absent)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from epcomm import tuning
 from epcomm.backends.cuda import build, intranode, low_latency
-from epcomm.backends.cuda.capi import check_struct_layout
+from epcomm.backends.cuda.capi import check_struct_layout, load_records
 
 
 def build_alone(tmp_path_factory, name: str) -> ctypes.CDLL:
@@ -39,40 +40,53 @@ def ll_library(tmp_path_factory) -> ctypes.CDLL:
     return build_alone(tmp_path_factory, "low_latency")
 
 
-def test_call_records_match_the_library(library):
-    intranode.bind_calls(library)
+def test_call_records_are_built_from_the_library(library):
+    records = intranode.bind_calls(library)
+    names = [name for name, _ in records.DispatchCall._fields_]
+    assert names[:3] == ["context", "x", "scales"] and names[-1] == "local_by_receiver", names
+    assert dict(records.DispatchCall._fields_)["context"] is records.CallContext
+    assert dict(records.DispatchCall._fields_)["cap_rows"] is ctypes.c_int64
     with pytest.raises(ctypes.ArgumentError):  # each entry point takes its own kind of record
-        library.epcomm_dispatch(intranode.CombineCall(), None)
+        library.epcomm_dispatch(records.CombineCall(), None)
 
 
-def test_a_mirror_with_two_fields_swapped_is_refused(library):
-    names = [name for name, _ in intranode.DispatchCall._fields_]
+def test_a_record_with_two_fields_swapped_is_refused(library):
+    records = intranode.bind_calls(library)
+    names = [name for name, _ in records.DispatchCall._fields_]
     i, j = names.index("x"), names.index("scales")  # same type, adjacent: the layout alone agrees
-    swapped = list(intranode.DispatchCall._fields_)
+    swapped = list(records.DispatchCall._fields_)
     swapped[i], swapped[j] = swapped[j], swapped[i]
     mirror = type("DispatchCall", (ctypes.Structure,), {"_fields_": swapped})
     with pytest.raises(RuntimeError, match=r"field 1 is x at offset 32 \(8 bytes\) in the library, scales"):
         check_struct_layout(library, mirror)
 
 
-def test_a_mirror_missing_a_field_is_refused(library):
-    mirror = type("CombineCall", (ctypes.Structure,), {"_fields_": intranode.CombineCall._fields_[:-1]})
+def test_a_record_missing_a_field_is_refused(library):
+    records = intranode.bind_calls(library)
+    mirror = type("CombineCall", (ctypes.Structure,), {"_fields_": records.CombineCall._fields_[:-1]})
     with pytest.raises(RuntimeError, match="num_send_blocks at offset 132 .* nothing in the mirror"):
         check_struct_layout(library, mirror)
 
 
-def test_ll_call_records_match_the_library(ll_library):
-    low_latency.bind_calls(ll_library)
+def test_an_unknown_record_is_refused(library):
+    with pytest.raises(RuntimeError, match="no call record LLDispatchCall"):
+        load_records(library, "LLDispatchCall")
+
+
+def test_ll_call_records_are_built_from_the_library(ll_library):
+    records = low_latency.bind_calls(ll_library)
+    assert [name for name, _ in records.LLCombineCall._fields_][-2:] == ["partials", "request_bytes"]
     with pytest.raises(ctypes.ArgumentError):
-        ll_library.epcomm_ll_dispatch(low_latency.LLCombineCall(), 1, None, None)
+        ll_library.epcomm_ll_dispatch(records.LLCombineCall(), 1, None, None)
 
 
-def test_ll_records_are_checked_through_their_own_exports(ll_library):
+def test_ll_records_are_read_through_their_own_exports(ll_library):
     # The IPC library holds the intranode records too: the low-latency ones answer to other names.
     assert ll_library.epcomm_ll_struct_layout(b"DispatchCall", None, 0) == -1
-    names = [name for name, _ in low_latency.LLCombineCall._fields_]
+    records = low_latency.bind_calls(ll_library)
+    names = [name for name, _ in records.LLCombineCall._fields_]
     i, j = names.index("topk_weights"), names.index("slot_map")  # same type, adjacent
-    swapped = list(low_latency.LLCombineCall._fields_)
+    swapped = list(records.LLCombineCall._fields_)
     swapped[i], swapped[j] = swapped[j], swapped[i]
     mirror = type("LLCombineCall", (ctypes.Structure,), {"_fields_": swapped})
     with pytest.raises(RuntimeError, match=r"field 8 is topk_weights at offset 104 \(8 bytes\) in the library"):
@@ -107,3 +121,15 @@ def test_dispatch_messages_fill_128_byte_lines_where_the_area_has_room():
     assert low_latency.message_layout(16, 512, 4, 16, True, True) == (640, 128)
     assert low_latency.message_layout(1, 512, 2, 2, False, False) == (1024, 16)
     assert low_latency.message_layout(4, 1000, 2, 2, False, False) == (2000, 16)
+
+
+def test_error_tables_name_the_protocol_codes():
+    """Every error and op the host's tables name is defined once, in common/protocol.cuh, with a value of its own."""
+    from epcomm.backends.cuda.errors import HIERARCHICAL, INTRANODE, LOW_LATENCY, device_codes
+
+    codes = device_codes()
+    errors = {name: value for name, value in codes.items() if name.startswith("kErr")}
+    assert len(errors) >= 11 and len(set(errors.values())) == len(errors), errors
+    for family in (INTRANODE, LOW_LATENCY, HIERARCHICAL):
+        for name in [e.name for e in family.errors] + list(family.ops):
+            assert name in codes, (family.name, name)

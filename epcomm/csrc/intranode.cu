@@ -13,83 +13,45 @@
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
 using namespace epcomm;
 
-// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/intranode.py,
-// checked through epcomm_struct_layout and epcomm_struct_field_name). A field means what the kernel
-// argument of the same name means (NotifyArgs, DispatchArgs, CombineArgs).
+// The records Python fills for a call (common/records.cuh). A field means what the kernel argument
+// of the same name means (NotifyArgs, DispatchArgs, CombineArgs); fields are grouped by width, so
+// no record has implicit padding.
+namespace epcomm {
 
 // What every call of one rank's Buffer shares.
-struct CallContext {
-    uint64_t peer_bufs;  // const uint64_t [num_ranks]: every rank's buffer in this process's address space
-    uint64_t info, timeout_ns;
-    int32_t rank, num_ranks;
-};
+#define EPCOMM_CALL_CONTEXT(X)                                                                     \
+    X(uint64_t, peer_bufs) /* const uint64_t [num_ranks]: every rank's buffer as mapped here */ \
+    X(uint64_t, info) X(uint64_t, timeout_ns) X(int32_t, rank) X(int32_t, num_ranks)
+EPCOMM_RECORD(CallContext, EPCOMM_CALL_CONTEXT)
 
-struct NotifyCall {
-    CallContext context;
-    uint64_t in_rank, send_counts, expert_counts, topk_idx, slot, own_tokens, layout;
-    int32_t op, num_tokens, experts_per_rank, num_topk, expert_alignment, num_worst_tokens, row_bytes;
-    int32_t num_sms;  // the call's SM budget: the count exchange's blocks stay within it
-    int32_t shape_key, pad0;
-};
+#define EPCOMM_NOTIFY_CALL(X)                                                                                  \
+    X(CallContext, context) X(uint64_t, in_rank) X(uint64_t, send_counts) X(uint64_t, expert_counts)          \
+    X(uint64_t, topk_idx) X(uint64_t, slot) X(uint64_t, own_tokens) X(uint64_t, layout) X(int32_t, op)        \
+    X(int32_t, num_tokens) X(int32_t, experts_per_rank) X(int32_t, num_topk) X(int32_t, expert_alignment)     \
+    X(int32_t, num_worst_tokens) X(int32_t, row_bytes)                                                        \
+    X(int32_t, num_sms) /* the call's SM budget: the count exchange's blocks stay within it */                \
+    X(int32_t, shape_key) X(int32_t, pad0)
+EPCOMM_RECORD(NotifyCall, EPCOMM_NOTIFY_CALL)
 
-struct DispatchCall {
-    CallContext context;
-    uint64_t x, scales, topk_idx, topk_weights, in_rank, slot, own_tokens, layout;
-    uint64_t recv_x, recv_scales, recv_topk_idx, recv_topk_weights;
-    int64_t scale_stride_t, scale_stride_c, recv_scale_stride_t, recv_scale_stride_c, cap_rows;
-    int32_t num_tokens, x_bytes, num_scales, num_topk, has_topk, has_weights, experts_per_rank, row_stride;
-    int32_t num_out_rows, num_sms, num_send_blocks, mode, op;
-    int32_t local_by_receiver;  // the fused kernel's (mode 0): see DispatchArgs
-};
+#define EPCOMM_DISPATCH_CALL(X)                                                                                \
+    X(CallContext, context) X(uint64_t, x) X(uint64_t, scales) X(uint64_t, topk_idx) X(uint64_t, topk_weights) \
+    X(uint64_t, in_rank) X(uint64_t, slot) X(uint64_t, own_tokens) X(uint64_t, layout) X(uint64_t, recv_x)     \
+    X(uint64_t, recv_scales) X(uint64_t, recv_topk_idx) X(uint64_t, recv_topk_weights)                        \
+    X(int64_t, scale_stride_t) X(int64_t, scale_stride_c) X(int64_t, recv_scale_stride_t)                     \
+    X(int64_t, recv_scale_stride_c) X(int64_t, cap_rows) X(int32_t, num_tokens) X(int32_t, x_bytes)           \
+    X(int32_t, num_scales) X(int32_t, num_topk) X(int32_t, has_topk) X(int32_t, has_weights)                  \
+    X(int32_t, experts_per_rank) X(int32_t, row_stride) X(int32_t, num_out_rows) X(int32_t, num_sms)          \
+    X(int32_t, num_send_blocks) X(int32_t, mode) X(int32_t, op)                                               \
+    X(int32_t, local_by_receiver) /* the fused kernel's (mode 0): see DispatchArgs */
+EPCOMM_RECORD(DispatchCall, EPCOMM_DISPATCH_CALL)
 
-struct CombineCall {
-    CallContext context;
-    uint64_t x, weights, in_rank, slot, layout, bias0, bias1, out, out_weights;
-    int64_t cap_rows;
-    int32_t num_tokens, hidden, num_topk, row_stride, num_sms, num_send_blocks;
-};
+#define EPCOMM_COMBINE_CALL(X)                                                                                 \
+    X(CallContext, context) X(uint64_t, x) X(uint64_t, weights) X(uint64_t, in_rank) X(uint64_t, slot)        \
+    X(uint64_t, layout) X(uint64_t, bias0) X(uint64_t, bias1) X(uint64_t, out) X(uint64_t, out_weights)       \
+    X(int64_t, cap_rows) X(int32_t, num_tokens) X(int32_t, hidden) X(int32_t, num_topk) X(int32_t, row_stride) \
+    X(int32_t, num_sms) X(int32_t, num_send_blocks)
+EPCOMM_RECORD(CombineCall, EPCOMM_COMBINE_CALL)
 
-namespace epcomm {  // where the template fields_of lives
-template <>
-constexpr auto fields_of<CallContext>() {
-    using S = CallContext;
-    return std::array{EPCOMM_FIELD(peer_bufs), EPCOMM_FIELD(info), EPCOMM_FIELD(timeout_ns), EPCOMM_FIELD(rank),
-                      EPCOMM_FIELD(num_ranks)};
-}
-template <>
-constexpr auto fields_of<NotifyCall>() {
-    using S = NotifyCall;
-    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(in_rank), EPCOMM_FIELD(send_counts),
-                      EPCOMM_FIELD(expert_counts), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(slot),
-                      EPCOMM_FIELD(own_tokens), EPCOMM_FIELD(layout), EPCOMM_FIELD(op), EPCOMM_FIELD(num_tokens),
-                      EPCOMM_FIELD(experts_per_rank), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(expert_alignment),
-                      EPCOMM_FIELD(num_worst_tokens), EPCOMM_FIELD(row_bytes), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(shape_key), EPCOMM_FIELD(pad0)};
-}
-template <>
-constexpr auto fields_of<DispatchCall>() {
-    using S = DispatchCall;
-    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(scales), EPCOMM_FIELD(topk_idx),
-                      EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(in_rank), EPCOMM_FIELD(slot), EPCOMM_FIELD(own_tokens),
-                      EPCOMM_FIELD(layout), EPCOMM_FIELD(recv_x), EPCOMM_FIELD(recv_scales),
-                      EPCOMM_FIELD(recv_topk_idx), EPCOMM_FIELD(recv_topk_weights), EPCOMM_FIELD(scale_stride_t),
-                      EPCOMM_FIELD(scale_stride_c), EPCOMM_FIELD(recv_scale_stride_t),
-                      EPCOMM_FIELD(recv_scale_stride_c), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
-                      EPCOMM_FIELD(x_bytes), EPCOMM_FIELD(num_scales), EPCOMM_FIELD(num_topk),
-                      EPCOMM_FIELD(has_topk), EPCOMM_FIELD(has_weights), EPCOMM_FIELD(experts_per_rank),
-                      EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_out_rows), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks), EPCOMM_FIELD(mode), EPCOMM_FIELD(op),
-                      EPCOMM_FIELD(local_by_receiver)};
-}
-template <>
-constexpr auto fields_of<CombineCall>() {
-    using S = CombineCall;
-    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(weights), EPCOMM_FIELD(in_rank),
-                      EPCOMM_FIELD(slot), EPCOMM_FIELD(layout), EPCOMM_FIELD(bias0), EPCOMM_FIELD(bias1),
-                      EPCOMM_FIELD(out), EPCOMM_FIELD(out_weights), EPCOMM_FIELD(cap_rows), EPCOMM_FIELD(num_tokens),
-                      EPCOMM_FIELD(hidden), EPCOMM_FIELD(num_topk), EPCOMM_FIELD(row_stride), EPCOMM_FIELD(num_sms),
-                      EPCOMM_FIELD(num_send_blocks)};
-}
 }  // namespace epcomm
 
 constexpr RecordLayout kCallRecords[] = {
@@ -301,14 +263,19 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     return static_cast<int>(cudaGetLastError());
 }
 
-// The layout and field names of call record `name` (CallContext, NotifyCall, DispatchCall,
-// CombineCall): write_record_layout and record_field_name (call_record.cuh) say what they return.
+// The layout, field names and field types of call record `name` (CallContext, NotifyCall,
+// DispatchCall, CombineCall): write_record_layout, record_field_name and record_field_type
+// (common/records.cuh) say what they return.
 int epcomm_struct_layout(const char* name, int64_t* out, int max) {
     return write_record_layout(kCallRecords, name, out, max);
 }
 
 const char* epcomm_struct_field_name(const char* name, int index) {
     return record_field_name(kCallRecords, name, index);
+}
+
+const char* epcomm_struct_field_type(const char* name, int index) {
+    return record_field_type(kCallRecords, name, index);
 }
 
 }  // extern "C"

@@ -10,88 +10,47 @@
 #include "../include/epcomm/impls/ll_combine_partials.cuh"
 
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
+// The records Python fills for a call (common/records.cuh): this file is built into both the IPC
+// library, beside the intranode records, and the NVSHMEM library. A field means what the kernel
+// argument of the same name means (DispatchArgs, CombineArgs); the phase to launch and the stream
+// are arguments of their own, so the hook launches the record of its call unchanged.
 namespace epcomm {
-namespace ll {
-
-// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/low_latency.py,
-// checked through epcomm_ll_struct_layout and epcomm_ll_struct_field_name: this file is built into
-// both the IPC library, beside the intranode kernels and their epcomm_struct_layout, and the NVSHMEM
-// library). A field means what the kernel argument of the same name means (DispatchArgs,
-// CombineArgs); the phase to launch and the stream are arguments of their own, so the hook launches
-// the record of its call unchanged.
 
 // What every call of one rank's buffer in one slot shares.
-struct LLCallContext {
-    uint64_t peer_bufs;  // const uint64_t [num_ranks]: each rank's buffer as mapped here, 0 where remote
-    uint64_t info;       // the slot's pinned host words
-    uint64_t timeout_ns;
-    int64_t slot_bytes;
-    int32_t rank, num_ranks, slot, num_sms;
-};
+#define EPCOMM_LL_CALL_CONTEXT(X)                                                                       \
+    X(uint64_t, peer_bufs) /* const uint64_t [num_ranks]: each rank's buffer as mapped here, 0 where remote */ \
+    X(uint64_t, info) /* the slot's pinned host words */                                             \
+    X(uint64_t, timeout_ns) X(int64_t, slot_bytes) X(int32_t, rank) X(int32_t, num_ranks) X(int32_t, slot) \
+    X(int32_t, num_sms)
+EPCOMM_RECORD(LLCallContext, EPCOMM_LL_CALL_CONTEXT)
 
 // The fields both records share come first, in the same order (set_call).
-struct LLDispatchCall {
-    LLCallContext context;
-    uint64_t x, topk_idx, mask, wait_stats, trace;
-    uint64_t sent_pairs, slot_map, topk_copy, recv_data, recv_scales, src_info, recv_count, layout_range;
-    uint64_t cumulative_stats;
-    int64_t scale_stride_e, scale_stride_row, scale_stride_col;
-    int64_t arrival_key;  // dispatch_mode: the shape's arrival key (0: its format has no arrival area)
-    int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
-    int32_t use_fp8, round_scale, use_ue8m0, data_bytes, msg_bytes, num_scale_cols;
-    int32_t block_receive, message_align;
-    int32_t arrival, arrival_msg_bytes;  // whether the call may go by arrival (the host's half), its messages' bytes
-    int32_t send_blocks;  // by arrival, the blocks that send (EPCOMM_LL_DISPATCH_SENDERS; 0: send_plan's choice)
-    int32_t unused;       // (records have no implicit padding)
-};
+#define EPCOMM_LL_DISPATCH_CALL(X)                                                                              \
+    X(LLCallContext, context) X(uint64_t, x) X(uint64_t, topk_idx) X(uint64_t, mask) X(uint64_t, wait_stats)    \
+    X(uint64_t, trace) X(uint64_t, sent_pairs) X(uint64_t, slot_map) X(uint64_t, topk_copy)                    \
+    X(uint64_t, recv_data) X(uint64_t, recv_scales) X(uint64_t, src_info) X(uint64_t, recv_count)              \
+    X(uint64_t, layout_range) X(uint64_t, cumulative_stats) X(int64_t, scale_stride_e)                         \
+    X(int64_t, scale_stride_row) X(int64_t, scale_stride_col)                                                  \
+    X(int64_t, arrival_key) /* dispatch_mode: the shape's arrival key (0: its format has no arrival area) */   \
+    X(int32_t, num_tokens) X(int32_t, hidden) X(int32_t, num_topk) X(int32_t, num_experts)                     \
+    X(int32_t, num_max_tokens) X(int32_t, shape_tag) X(int32_t, use_fp8) X(int32_t, round_scale)               \
+    X(int32_t, use_ue8m0) X(int32_t, data_bytes) X(int32_t, msg_bytes) X(int32_t, num_scale_cols)              \
+    X(int32_t, block_receive) X(int32_t, message_align)                                                        \
+    X(int32_t, arrival) /* whether the call may go by arrival (the host's half) */                            \
+    X(int32_t, arrival_msg_bytes)                                                                              \
+    X(int32_t, send_blocks) /* by arrival, the blocks that send (0: send_plan's choice) */                     \
+    X(int32_t, unused)
+EPCOMM_RECORD(LLDispatchCall, EPCOMM_LL_DISPATCH_CALL)
 
-struct LLCombineCall {
-    LLCallContext context;
-    uint64_t x, topk_idx, mask, wait_stats, trace;
-    uint64_t layout_range, caller_topk_idx, topk_weights, slot_map, out, counters;
-    int64_t area_tag;  // the shape tag of the slot layout's dispatch area (ArrivalKeyUpdate)
-    int32_t num_tokens, hidden, num_topk, num_experts, num_max_tokens, shape_tag;
-    int32_t partials, request_bytes;  // by partial sums (combine_partials_send), and its record bytes
-};
-
-}  // namespace ll
-
-template <>
-constexpr auto fields_of<ll::LLCallContext>() {
-    using S = ll::LLCallContext;
-    return std::array{EPCOMM_FIELD(peer_bufs), EPCOMM_FIELD(info), EPCOMM_FIELD(timeout_ns),
-                      EPCOMM_FIELD(slot_bytes), EPCOMM_FIELD(rank), EPCOMM_FIELD(num_ranks), EPCOMM_FIELD(slot),
-                      EPCOMM_FIELD(num_sms)};
-}
-template <>
-constexpr auto fields_of<ll::LLDispatchCall>() {
-    using S = ll::LLDispatchCall;
-    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
-                      EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(sent_pairs),
-                      EPCOMM_FIELD(slot_map), EPCOMM_FIELD(topk_copy), EPCOMM_FIELD(recv_data),
-                      EPCOMM_FIELD(recv_scales),
-                      EPCOMM_FIELD(src_info), EPCOMM_FIELD(recv_count), EPCOMM_FIELD(layout_range),
-                      EPCOMM_FIELD(cumulative_stats), EPCOMM_FIELD(scale_stride_e), EPCOMM_FIELD(scale_stride_row),
-                      EPCOMM_FIELD(scale_stride_col), EPCOMM_FIELD(arrival_key), EPCOMM_FIELD(num_tokens),
-                      EPCOMM_FIELD(hidden),
-                      EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
-                      EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(use_fp8), EPCOMM_FIELD(round_scale),
-                      EPCOMM_FIELD(use_ue8m0), EPCOMM_FIELD(data_bytes), EPCOMM_FIELD(msg_bytes),
-                      EPCOMM_FIELD(num_scale_cols), EPCOMM_FIELD(block_receive),
-                      EPCOMM_FIELD(message_align), EPCOMM_FIELD(arrival), EPCOMM_FIELD(arrival_msg_bytes),
-                      EPCOMM_FIELD(send_blocks), EPCOMM_FIELD(unused)};
-}
-template <>
-constexpr auto fields_of<ll::LLCombineCall>() {
-    using S = ll::LLCombineCall;
-    return std::array{EPCOMM_FIELD(context), EPCOMM_FIELD(x), EPCOMM_FIELD(topk_idx), EPCOMM_FIELD(mask),
-                      EPCOMM_FIELD(wait_stats), EPCOMM_FIELD(trace), EPCOMM_FIELD(layout_range),
-                      EPCOMM_FIELD(caller_topk_idx), EPCOMM_FIELD(topk_weights), EPCOMM_FIELD(slot_map),
-                      EPCOMM_FIELD(out), EPCOMM_FIELD(counters), EPCOMM_FIELD(area_tag), EPCOMM_FIELD(num_tokens),
-                      EPCOMM_FIELD(hidden),
-                      EPCOMM_FIELD(num_topk), EPCOMM_FIELD(num_experts), EPCOMM_FIELD(num_max_tokens),
-                      EPCOMM_FIELD(shape_tag), EPCOMM_FIELD(partials), EPCOMM_FIELD(request_bytes)};
-}
+#define EPCOMM_LL_COMBINE_CALL(X)                                                                               \
+    X(LLCallContext, context) X(uint64_t, x) X(uint64_t, topk_idx) X(uint64_t, mask) X(uint64_t, wait_stats)    \
+    X(uint64_t, trace) X(uint64_t, layout_range) X(uint64_t, caller_topk_idx) X(uint64_t, topk_weights)        \
+    X(uint64_t, slot_map) X(uint64_t, out) X(uint64_t, counters)                                               \
+    X(int64_t, area_tag) /* the shape tag of the slot layout's dispatch area (ArrivalKeyUpdate) */             \
+    X(int32_t, num_tokens) X(int32_t, hidden) X(int32_t, num_topk) X(int32_t, num_experts)                     \
+    X(int32_t, num_max_tokens) X(int32_t, shape_tag)                                                           \
+    X(int32_t, partials) /* by partial sums (combine_partials_send) */ X(int32_t, request_bytes)
+EPCOMM_RECORD(LLCombineCall, EPCOMM_LL_COMBINE_CALL)
 
 }  // namespace epcomm
 
@@ -99,9 +58,9 @@ using namespace epcomm;
 
 namespace {
 
-constexpr RecordLayout kLLCallRecords[] = {record_layout<ll::LLCallContext>("LLCallContext"),
-                                           record_layout<ll::LLDispatchCall>("LLDispatchCall"),
-                                           record_layout<ll::LLCombineCall>("LLCombineCall")};
+constexpr RecordLayout kLLCallRecords[] = {record_layout<LLCallContext>("LLCallContext"),
+                                           record_layout<LLDispatchCall>("LLDispatchCall"),
+                                           record_layout<LLCombineCall>("LLCombineCall")};
 
 // Tokens per block of a kernel that owns token ranges: enough blocks to cover the SMs, and a block's
 // (token, slot) pairs fit its shared arrays.
@@ -144,7 +103,7 @@ cudaError_t launch_cooperative(void (*kernel)(Args), int blocks, size_t shared, 
 // shared pointers; and the token range of a block (from num_sms).
 template <class Args, class Call>
 void set_call(Args& a, const Call& c) {
-    const ll::LLCallContext& ctx = c.context;
+    const LLCallContext& ctx = c.context;
     const auto* bufs = reinterpret_cast<const uint64_t*>(static_cast<uintptr_t>(ctx.peer_bufs));
     for (int r = 0; r < ctx.num_ranks; ++r) set_ptr(a.peers.bufs[r], bufs[r]);
     a.rank = ctx.rank;
@@ -183,8 +142,8 @@ void epcomm_ll_trace_shape(int* blocks, int* points) {
 
 // phase 1: send (and return); phase 2: receive (the hook), with the same record; phase 0: both
 // in one kernel (no hook), or one after the other where its blocks cannot all be resident.
-static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream) {
-    const ll::LLDispatchCall& c = *call;
+static int launch_dispatch(const LLDispatchCall* call, int phase, cudaStream_t stream) {
+    const LLDispatchCall& c = *call;
     if (c.num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
     ll::DispatchArgs a{};
     set_call(a, c);
@@ -262,8 +221,8 @@ int epcomm_ll_combine_partials_fit(int num_sms) {
 }
 
 // phases as in launch_dispatch
-static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream) {
-    const ll::LLCombineCall& c = *call;
+static int launch_combine(const LLCombineCall* call, int phase, cudaStream_t stream) {
+    const LLCombineCall& c = *call;
     ll::CombineArgs a{};
     set_call(a, c);
     set_ptr(a.layout_range, c.layout_range);
@@ -311,13 +270,13 @@ static int launch_combine(const ll::LLCombineCall* call, int phase, cudaStream_t
 // event the host waits on before it reads the slot's error record (after a receive), or the one a
 // receive hook on another stream waits on (after a send). Recorded here, the host needs no stream
 // object per call (an eager call's host time is what an eager decode step waits on).
-int epcomm_ll_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
+int epcomm_ll_dispatch(const LLDispatchCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
     const int launched = launch_dispatch(call, phase, stream);
     if (launched != 0 || done == nullptr) return launched;
     return static_cast<int>(cudaEventRecord(done, stream));
 }
 
-int epcomm_ll_combine(const ll::LLCombineCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
+int epcomm_ll_combine(const LLCombineCall* call, int phase, cudaStream_t stream, cudaEvent_t done) {
     const int launched = launch_combine(call, phase, stream);
     if (launched != 0 || done == nullptr) return launched;
     return static_cast<int>(cudaEventRecord(done, stream));
@@ -336,14 +295,18 @@ int epcomm_ll_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
 
 int epcomm_ll_event_destroy(cudaEvent_t event) { return static_cast<int>(cudaEventDestroy(event)); }
 
-// The layout and field names of call record `name` (LLCallContext, LLDispatchCall, LLCombineCall):
-// write_record_layout and record_field_name (call_record.cuh) say what they return.
+// The layout, field names and field types of call record `name` (LLCallContext, LLDispatchCall,
+// LLCombineCall): write_record_layout, record_field_name and record_field_type (common/records.cuh).
 int epcomm_ll_struct_layout(const char* name, int64_t* out, int max) {
     return write_record_layout(kLLCallRecords, name, out, max);
 }
 
 const char* epcomm_ll_struct_field_name(const char* name, int index) {
     return record_field_name(kLLCallRecords, name, index);
+}
+
+const char* epcomm_ll_struct_field_type(const char* name, int index) {
+    return record_field_type(kLLCallRecords, name, index);
 }
 
 }  // extern "C"

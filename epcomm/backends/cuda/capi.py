@@ -5,6 +5,8 @@ and the alignment every kernel relies on. One place for both CUDA backends."""
 from __future__ import annotations
 
 import ctypes
+import itertools
+import types
 
 import torch
 
@@ -42,9 +44,34 @@ def check_aligned(name: str, t: torch.Tensor) -> None:
                          "with an odd storage offset is not aligned); pass a fresh or .clone()d tensor")
 
 
-def fields(ctype: type, names: str) -> list[tuple[str, type]]:
-    """``_fields_`` entries of one C type, for a run of fields the C struct declares in one line."""
-    return [(name, ctype) for name in names.split()]
+_SCALARS = {"uint64_t": ctypes.c_uint64, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
+            "uint32_t": ctypes.c_uint32, "float": ctypes.c_float}
+
+
+def load_records(lib: ctypes.CDLL, names: str, exports: str = "epcomm_struct") -> types.SimpleNamespace:
+    """The library's call records ``names`` as ctypes structures, built from the field tables it exports
+    (``<exports>_layout``, ``_field_name``, ``_field_type``: each record is declared once, in C), then
+    checked field by field against the library (ctypes and nvcc must lay them out alike)."""
+    field_name, field_type = getattr(lib, exports + "_field_name"), getattr(lib, exports + "_field_type")
+    field_name.restype = field_type.restype = ctypes.c_char_p
+    built: dict[str, type[ctypes.Structure]] = {}
+
+    def build(name: str) -> type[ctypes.Structure]:
+        if name not in built:
+            fields = []
+            for i in itertools.count():
+                field = field_name(name.encode(), i)
+                if field is None:
+                    break
+                ctype = field_type(name.encode(), i).decode()
+                fields.append((field.decode(), _SCALARS.get(ctype) or build(ctype)))
+            if not fields:
+                raise RuntimeError(f"epcomm: the kernel library has no call record {name}; rebuild it")
+            built[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+            check_struct_layout(lib, built[name], exports)
+        return built[name]
+
+    return types.SimpleNamespace(**{name: build(name) for name in names.split()})
 
 
 def check_struct_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure], exports: str = "epcomm_struct") -> None:

@@ -1,17 +1,18 @@
 """The errors the CUDA kernels report, and what the host raises for each: one table for every mode.
 
 The kernels write an error record into pinned host memory (an error code, the failed call's op
-code where the record has one, and a word per rank involved); the host reads it at its sync points
-and raises through ``raise_reported``. Each code appears once here with its exception type, its
-message and whether it leaves the Buffer unusable (fatal). ``codes`` is the one place that gives
-a code's value by name: it asks the library where the library exports the name, so the table
-follows the device headers instead of copying them.
+code, and a word per rank involved: include/epcomm/common/protocol.cuh); the host reads it at its
+sync points and raises. Each code appears here by name with its exception type, its message and
+whether it leaves the Buffer unusable (fatal). Their values are read from protocol.cuh, the one
+place that defines them (``device_codes``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import functools
+import re
+from pathlib import Path
 
 import numpy as np
 
@@ -21,8 +22,7 @@ class DeviceError:
     """One error code of a kernel family. ``message`` may name {ranks} (the ranks the record flags)
     and, for the intranode family, {mismatch} (each flagged rank's op) or {refusals} (why each rank
     refused); a ``whole`` message is raised as it is, without the call's name and rank before it."""
-    name: str            # the device's name for the code (the C constant, or a name for a bare number)
-    value: int           # its value in the device headers (used where the library does not export it)
+    name: str            # the code's name in common/protocol.cuh (ErrorCode)
     exception: type[Exception]
     message: str
     fatal: bool          # the Buffer cannot be used after it (its waits give up, or its peers left)
@@ -45,11 +45,10 @@ class Family:
     """The errors of one kernel family and how its messages read."""
     name: str
     errors: tuple[DeviceError, ...]
-    ops: dict[str, tuple[int, str]]   # op code name -> (value in the device headers, name in messages)
+    ops: dict[str, str]               # op code name in common/protocol.cuh (Op) -> its name in messages
     head: str                         # the message's start: {failed} (the failed call), {op} (the caller)
     unknown_op: str                   # {failed} where the record names no known op
     fatal_tail: str                   # appended to a RuntimeError's message
-    exported_by: str | None = None    # the library function that gives a constant's value by name
 
 
 _TIMED_OUT = "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)"
@@ -57,23 +56,22 @@ _TIMED_OUT = "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)"
 INTRANODE = Family(
     name="intranode",
     errors=(
-        DeviceError("kErrTimeout", 1, RuntimeError, _TIMED_OUT, True),
-        DeviceError("kErrMismatch", 2, RuntimeError, "ranks called different operations: {mismatch}", True),
-        DeviceError("kErrCapacity", 3, RuntimeError, "the communication buffer is too small for the rows of this "
+        DeviceError("kErrTimeout", RuntimeError, _TIMED_OUT, True),
+        DeviceError("kErrMismatch", RuntimeError, "ranks called different operations: {mismatch}", True),
+        DeviceError("kErrCapacity", RuntimeError, "the communication buffer is too small for the rows of this "
                     "call", True),
-        DeviceError("kErrWorstTokens", 4, RuntimeError, "received more tokens than num_worst_tokens", True),
+        DeviceError("kErrWorstTokens", RuntimeError, "received more tokens than num_worst_tokens", True),
         # Refused inputs: every rank refuses alike, nothing moved, so the Buffer stays usable.
-        DeviceError("kErrRefused", 5, ValueError, "epcomm dispatch refused its inputs, nothing was sent: {refusals}",
+        DeviceError("kErrRefused", ValueError, "epcomm dispatch refused its inputs, nothing was sent: {refusals}",
                     False, whole=True),
-        DeviceError("kErrShapes", 6, RuntimeError, "rank(s) {ranks} passed rows of another shape to this call than "
+        DeviceError("kErrShapes", RuntimeError, "rank(s) {ranks} passed rows of another shape to this call than "
                     "this rank (hidden size, dtype, FP8 scale count or dtype, top-k width); nothing was moved", True),
     ),
-    ops={"op_dispatch": (1, "dispatch"), "op_cached_dispatch": (2, "cached dispatch"), "op_combine": (3, "combine"),
-         "op_barrier": (4, "destroy")},  # the barrier runs in destroy only
+    ops={"kOpDispatch": "dispatch", "kOpCachedDispatch": "cached dispatch", "kOpCombine": "combine",
+         "kOpBarrier": "destroy"},  # the barrier runs in destroy only
     head="{failed} (reported by {op})",
     unknown_op="call",
     fatal_tail=". Destroy the Buffer and the process group.",
-    exported_by="epcomm_constant",
 )
 
 # Why a rank refused a dispatch (the refusal word's bits, kRefuse* in the intranode kernels).
@@ -88,20 +86,20 @@ INTRANODE_REFUSALS = {
 LOW_LATENCY = Family(
     name="low_latency",
     errors=(
-        DeviceError("kErrTimeout", 1, RuntimeError, _TIMED_OUT, True),
+        DeviceError("kErrTimeout", RuntimeError, _TIMED_OUT, True),
         # The caller's mistakes, found on the GPU without a host sync: the Buffer stays usable.
-        DeviceError("kErrInvalidDispatch", 7, ValueError, "rank(s) {ranks} passed an invalid topk_idx: values outside "
+        DeviceError("kErrInvalidDispatch", ValueError, "rank(s) {ranks} passed an invalid topk_idx: values outside "
                     "[-1, num_experts), or one expert named more often than num_max_dispatch_tokens_per_rank (a token "
                     "naming an expert twice); those entries were not sent", False),
-        DeviceError("kErrIdsDiffer", 8, ValueError, "rank(s) {ranks} passed low_latency_combine a topk_idx that "
+        DeviceError("kErrIdsDiffer", ValueError, "rank(s) {ranks} passed low_latency_combine a topk_idx that "
                     "differs from the one of its dispatch (the dispatch's was used)", False),
-        DeviceError("kErrShapeMismatch", 9, RuntimeError, "rank(s) {ranks} made this call with another shape (hidden, "
+        DeviceError("kErrShapes", RuntimeError, "rank(s) {ranks} made this call with another shape (hidden, "
                     "num_experts, num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were "
                     "not read", True),
-        DeviceError("kErrAbandoned", 10, RuntimeError, "an earlier low-latency call of this rank failed (a timeout or "
+        DeviceError("kErrAbandoned", RuntimeError, "an earlier low-latency call of this rank failed (a timeout or "
                     "a call of another shape), so this one did not wait for its peers and is incomplete", True),
     ),
-    ops={"kOpDispatch": (5, "low_latency_dispatch"), "kOpCombine": (6, "low_latency_combine")},
+    ops={"kOpLowLatencyDispatch": "low_latency_dispatch", "kOpLowLatencyCombine": "low_latency_combine"},
     head="{failed} (reported by {op})",
     unknown_op="a low-latency call",
     fatal_tail=". Destroy the Buffer and the process group (or enable failed-rank masking).",
@@ -109,20 +107,20 @@ LOW_LATENCY = Family(
 
 HIERARCHICAL = Family(
     name="hierarchical",
-    errors=(  # the kernels report these by number (report(code, rank)): the names are the host's
-        DeviceError("timeout", 1, RuntimeError, _TIMED_OUT, True),
-        DeviceError("mismatch", 2, RuntimeError, "rank(s) {ranks} called another operation or shape (hidden size, "
+    errors=(
+        DeviceError("kErrTimeout", RuntimeError, _TIMED_OUT, True),
+        DeviceError("kErrMismatch", RuntimeError, "rank(s) {ranks} called another operation or shape (hidden size, "
                     "dtype, top-k, scales)", True),
-        DeviceError("capacity", 3, RuntimeError, "the receive area of rank(s) {ranks} is too small for this call "
+        DeviceError("kErrCapacity", RuntimeError, "the receive area of rank(s) {ranks} is too small for this call "
                     "(num_nvl_bytes)", True),
-        DeviceError("worst_tokens", 4, RuntimeError, "rank(s) {ranks} received more rows than num_worst_tokens", True),
-        DeviceError("refused", 5, RuntimeError, "rank(s) {ranks} refused the inputs (top-k ids outside [-1, "
+        DeviceError("kErrWorstTokens", RuntimeError, "rank(s) {ranks} received more rows than num_worst_tokens", True),
+        DeviceError("kErrRefused", RuntimeError, "rank(s) {ranks} refused the inputs (top-k ids outside [-1, "
                     "num_experts), or num_tokens_per_rank not is_token_in_rank.sum(0): pass both from "
                     "get_dispatch_layout)", True),
-        DeviceError("earlier_error", 6, RuntimeError, "rank(s) {ranks} had an error in an earlier call (raised "
+        DeviceError("kErrEarlierError", RuntimeError, "rank(s) {ranks} had an error in an earlier call (raised "
                     "there)", True),
-        DeviceError("gave_up", 7, RuntimeError, "rank(s) {ranks} gave this call up (another operation or shape seen "
-                    "there or at a rank it waits for, or an error of its own: see its message)", True),
+        DeviceError("kErrPeerGaveUp", RuntimeError, "rank(s) {ranks} gave this call up (another operation or "
+                    "shape seen there or at a rank it waits for, or an error of its own: see its message)", True),
     ),
     ops={},
     head="{op} (hierarchical)",
@@ -131,25 +129,24 @@ HIERARCHICAL = Family(
 )
 
 
-def codes(family: Family, lib: ctypes.CDLL | None = None) -> dict[str, int]:
-    """Every error and op code of ``family`` by name: from ``lib`` where its family's library exports
-    the name (-1 means it does not), else the device headers' value written in the table."""
-    exported = getattr(lib, family.exported_by) if lib is not None and family.exported_by else None
-    values = {}
-    for name, value in [(e.name, e.value) for e in family.errors] + [(n, v) for n, (v, _) in family.ops.items()]:
-        found = exported(name.encode()) if exported is not None else -1
-        values[name] = found if found != -1 else value
-    return values
+_PROTOCOL = Path(__file__).resolve().parents[2] / "include" / "epcomm" / "common" / "protocol.cuh"
+
+
+@functools.cache
+def device_codes() -> dict[str, int]:
+    """Every ErrorCode and Op of common/protocol.cuh by name (the library is built from the same file)."""
+    found = dict(re.findall(r"^\s*(k(?:Err|Op)\w+) = (\d+),", _PROTOCOL.read_text(), re.MULTILINE))
+    return {name: int(value) for name, value in found.items()}
 
 
 class ErrorTable:
     """The codes of one family as one library numbers them, and the raising of its error records."""
 
-    def __init__(self, family: Family, layout: RecordLayout, lib: ctypes.CDLL | None = None) -> None:
+    def __init__(self, family: Family, layout: RecordLayout) -> None:
         self.family, self.layout = family, layout
-        values = codes(family, lib)
+        values = device_codes()
         self.by_code = {values[e.name]: e for e in family.errors}
-        self.op_names = {values[name]: shown for name, (_, shown) in family.ops.items()}
+        self.op_names = {values[name]: shown for name, shown in family.ops.items()}
         self.fatal = frozenset(code for code, e in self.by_code.items() if e.fatal)
 
     def code(self, name: str) -> int:

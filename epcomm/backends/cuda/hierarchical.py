@@ -65,7 +65,7 @@ _ALIGN = 256
 _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = 1, 2, 3
 # The error record: the code, then a word per rank (only the words read are cleared: a kernel may
 # still be writing the others).
-_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout(code=0, op=None, ranks=1, clear="flagged"))
+_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout(code=0, op=None, ranks=2, clear="flagged"))
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 _DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes

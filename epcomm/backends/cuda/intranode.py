@@ -22,6 +22,7 @@ earlier calls' errors; ``CudaIntranode.check_errors`` (``Buffer.destroy`` calls 
 from __future__ import annotations
 
 import ctypes
+import types
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,9 @@ from .capi import (
     addr,
     check,
     check_aligned,
-    check_struct_layout,
     current_stream,
-    fields,
     library_constants,
+    load_records,
     ptr,
     stream_ptr,
 )
@@ -79,46 +79,16 @@ def buffer_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ran
 
 
 
-class CallContext(ctypes.Structure):
-    """What every call of one rank's Buffer shares. This and the call records below mirror the
-    structs of the same names in csrc/intranode.cu (checked when the library loads)."""
-    _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), *fields(ctypes.c_int32, "rank num_ranks")]
-
-
-class NotifyCall(ctypes.Structure):
-    _fields_ = [("context", CallContext),
-                *fields(ctypes.c_uint64, "in_rank send_counts expert_counts topk_idx slot own_tokens layout"),
-                *fields(ctypes.c_int32, "op num_tokens experts_per_rank num_topk expert_alignment num_worst_tokens "
-                                        "row_bytes num_sms shape_key pad0")]
-
-
-class DispatchCall(ctypes.Structure):
-    _fields_ = [("context", CallContext),
-                *fields(ctypes.c_uint64, "x scales topk_idx topk_weights in_rank slot own_tokens layout"),
-                *fields(ctypes.c_uint64, "recv_x recv_scales recv_topk_idx recv_topk_weights"),
-                *fields(ctypes.c_int64, "scale_stride_t scale_stride_c recv_scale_stride_t recv_scale_stride_c "
-                                        "cap_rows"),
-                *fields(ctypes.c_int32, "num_tokens x_bytes num_scales num_topk has_topk has_weights experts_per_rank "
-                                        "row_stride"),
-                *fields(ctypes.c_int32, "num_out_rows num_sms num_send_blocks mode op local_by_receiver")]
-
-
-class CombineCall(ctypes.Structure):
-    _fields_ = [("context", CallContext),
-                *fields(ctypes.c_uint64, "x weights in_rank slot layout bias0 bias1 out out_weights"),
-                *fields(ctypes.c_int64, "cap_rows"),
-                *fields(ctypes.c_int32, "num_tokens hidden num_topk row_stride num_sms num_send_blocks")]
-
-
-def bind_calls(lib: ctypes.CDLL) -> None:
-    """Check the call records against the library and declare the entry points that take them (so a
-    record of the wrong kind is refused)."""
-    for record in (CallContext, NotifyCall, DispatchCall, CombineCall):
-        check_struct_layout(lib, record)
-    for function, record in ((lib.epcomm_notify, NotifyCall), (lib.epcomm_dispatch, DispatchCall),
-                             (lib.epcomm_combine, CombineCall)):
+def bind_calls(lib: ctypes.CDLL) -> types.SimpleNamespace:
+    """The call records (CallContext, NotifyCall, DispatchCall, CombineCall: built from the library's
+    declarations in csrc/intranode.cu), with the entry points that take them declared (so a record of
+    the wrong kind is refused)."""
+    records = load_records(lib, "CallContext NotifyCall DispatchCall CombineCall")
+    for function, record in ((lib.epcomm_notify, records.NotifyCall), (lib.epcomm_dispatch, records.DispatchCall),
+                             (lib.epcomm_combine, records.CombineCall)):
         function.argtypes = [ctypes.POINTER(record), ctypes.c_void_p]
         function.restype = ctypes.c_int
+    return records
 
 
 def dispatch_layout(lib: ctypes.CDLL, device: torch.device, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
@@ -148,7 +118,7 @@ class CudaIntranode:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
-        bind_calls(self.lib)
+        self.record_types = bind_calls(self.lib)
         self.group = group
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
@@ -161,7 +131,7 @@ class CudaIntranode:
                 (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
         self.errors = ErrorTable(INTRANODE, RecordLayout(code=self.c["info_error"], op=self.c["info_error_op"],
-                                                         ranks=self.c["info_error_ranks"], clear="ranks"), self.lib)
+                                                         ranks=self.c["info_error_ranks"], clear="ranks"))
         if self.num_ranks > self.c["max_ranks"]:
             raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
                                f"has {self.num_ranks}")
@@ -185,12 +155,12 @@ class CudaIntranode:
         self.send_pct = {op: _env.send_sms_pct(f"EPCOMM_{op.upper()}_SEND_SMS_PCT") for op in ("dispatch", "combine")}
         self._send_blocks_memo: dict[tuple[int, str], int] = {}
         # One record per entry point, reused: a call sets only the fields that vary between calls.
-        context = CallContext(peer_bufs=ctypes.addressof(self.ptrs), info=self.info.data_ptr(),
+        context = self.record_types.CallContext(peer_bufs=ctypes.addressof(self.ptrs), info=self.info.data_ptr(),
                               timeout_ns=self.timeout_ns, rank=self.rank, num_ranks=self.num_ranks)
-        self._notify_call = NotifyCall(context=context, op=self.c["op_dispatch"])
-        self._dispatch_call = DispatchCall(context=context)
-        self._combine_call = CombineCall(context=context)
-        self._barrier_calls = {op: NotifyCall(context=context, op=op, expert_alignment=1)
+        self._notify_call = self.record_types.NotifyCall(context=context, op=self.c["op_dispatch"])
+        self._dispatch_call = self.record_types.DispatchCall(context=context)
+        self._combine_call = self.record_types.CombineCall(context=context)
+        self._barrier_calls = {op: self.record_types.NotifyCall(context=context, op=op, expert_alignment=1)
                                for op in (self.c["op_cached_dispatch"], self.c["op_combine"], self.c["op_barrier"])}
         dist.barrier(group=group)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import socket
+import types
 from collections.abc import Callable
 
 import torch
@@ -44,7 +45,7 @@ from ...handle import LowLatencyHandle
 from ...tuning import partials_asked, receive_together
 from ..rows import low_latency_scales_layout, round_up, shape_digest
 from .build import load_library, load_nvshmem_library
-from .capi import addr, check, check_aligned, check_struct_layout, fields, raw_stream
+from .capi import addr, check, check_aligned, load_records, raw_stream
 from .errors import LOW_LATENCY, ErrorTable, RecordLayout
 from .ipc import SharedBuffer
 
@@ -116,40 +117,13 @@ def partials_fit(num_ranks: int, num_experts: int, hidden: int, num_topk: int) -
             num_ranks * (2 * hidden + request_bytes(num_topk)) <= num_experts * 2 * hidden)
 
 
-class LLCallContext(ctypes.Structure):
-    """What every call of one rank's buffer in one slot shares. This and the call records below
-    mirror the structs of the same names in csrc/low_latency.cu (checked when the library
-    loads)."""
-    _fields_ = [*fields(ctypes.c_uint64, "peer_bufs info timeout_ns"), ("slot_bytes", ctypes.c_int64),
-                *fields(ctypes.c_int32, "rank num_ranks slot num_sms")]
-
-
-class LLDispatchCall(ctypes.Structure):
-    _fields_ = [("context", LLCallContext),
-                *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
-                *fields(ctypes.c_uint64, "sent_pairs slot_map topk_copy recv_data recv_scales src_info recv_count "
-                                         "layout_range cumulative_stats"),
-                *fields(ctypes.c_int64, "scale_stride_e scale_stride_row scale_stride_col arrival_key"),
-                *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
-                *fields(ctypes.c_int32, "use_fp8 round_scale use_ue8m0 data_bytes msg_bytes num_scale_cols "
-                                        "block_receive message_align arrival arrival_msg_bytes send_blocks unused")]
-
-
-class LLCombineCall(ctypes.Structure):
-    _fields_ = [("context", LLCallContext),
-                *fields(ctypes.c_uint64, "x topk_idx mask wait_stats trace"),
-                *fields(ctypes.c_uint64, "layout_range caller_topk_idx topk_weights slot_map out counters"),
-                ("area_tag", ctypes.c_int64),
-                *fields(ctypes.c_int32, "num_tokens hidden num_topk num_experts num_max_tokens shape_tag"),
-                *fields(ctypes.c_int32, "partials request_bytes")]
-
-
-def bind_calls(lib: ctypes.CDLL) -> None:
-    """Check the call records against the library (the IPC or the NVSHMEM one: both hold these
-    kernels) and declare the entry points that take them, with the phase and the stream."""
-    for record in (LLCallContext, LLDispatchCall, LLCombineCall):
-        check_struct_layout(lib, record, "epcomm_ll_struct")
-    for function, record in ((lib.epcomm_ll_dispatch, LLDispatchCall), (lib.epcomm_ll_combine, LLCombineCall)):
+def bind_calls(lib: ctypes.CDLL) -> types.SimpleNamespace:
+    """The call records (LLCallContext, LLDispatchCall, LLCombineCall: built from the declarations in
+    csrc/low_latency.cu, which the IPC and the NVSHMEM library both hold), with the entry points that
+    take them declared, with the phase and the stream."""
+    records = load_records(lib, "LLCallContext LLDispatchCall LLCombineCall", "epcomm_ll_struct")
+    for function, record in ((lib.epcomm_ll_dispatch, records.LLDispatchCall),
+                             (lib.epcomm_ll_combine, records.LLCombineCall)):
         function.argtypes = [ctypes.POINTER(record), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         function.restype = ctypes.c_int
     lib.epcomm_ll_event_create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
@@ -162,6 +136,7 @@ def bind_calls(lib: ctypes.CDLL) -> None:
     for function in (lib.epcomm_ll_combine_partials_fit, lib.epcomm_ll_dispatch_fused_fit):
         function.argtypes = [ctypes.c_int]
         function.restype = ctypes.c_int
+    return records
 
 
 def _choose_transport(group: dist.ProcessGroup, num_ranks: int) -> str:
@@ -194,7 +169,7 @@ class CudaLowLatency:
         self.transport = _choose_transport(group, self.num_ranks)
         self.block_receive = _env.ll_block_receive()  # auto, 0 or 1; the receive side only: ranks may differ
         self.lib = load_nvshmem_library() if self.transport == "nvshmem" else load_library()
-        bind_calls(self.lib)
+        self.record_types = bind_calls(self.lib)
         self.header = self.lib.epcomm_ll_header_bytes()
         if num_rdma_bytes <= self.header + 64:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes} is too small for the low-latency kernels; use "
@@ -239,15 +214,16 @@ class CudaLowLatency:
         self.traces: dict[str, torch.Tensor] | None = None
         # Per slot, a record of each kind with the fields every call in the slot shares; a call
         # copies its slot's and sets the rest (_launch says why a copy, not the record itself).
-        contexts = [LLCallContext(peer_bufs=ctypes.addressof(self.shared.ptrs), info=self.info[s].data_ptr(),
-                                  timeout_ns=self.timeout_ns, slot_bytes=self.slot_bytes, rank=self.rank,
-                                  num_ranks=self.num_ranks, slot=s, num_sms=self.num_sms) for s in range(2)]
+        types_ = self.record_types
+        contexts = [types_.LLCallContext(peer_bufs=ctypes.addressof(self.shared.ptrs), info=self.info[s].data_ptr(),
+                                         timeout_ns=self.timeout_ns, slot_bytes=self.slot_bytes, rank=self.rank,
+                                         num_ranks=self.num_ranks, slot=s, num_sms=self.num_sms) for s in range(2)]
         # The blocks of a dispatch by arrival that send (0: the kernel's choice; send_plan). Each
         # rank plans its own sends, so ranks need not agree.
         senders = _env.ll_dispatch_senders()
-        self._dispatch_calls = [LLDispatchCall(context=c, sent_pairs=addr(self._sent_pairs[s]), send_blocks=senders)
-                                for s, c in enumerate(contexts)]
-        self._combine_calls = [LLCombineCall(context=c, counters=addr(self._sent_pairs[s]))
+        self._dispatch_calls = [types_.LLDispatchCall(context=c, sent_pairs=addr(self._sent_pairs[s]),
+                                                      send_blocks=senders) for s, c in enumerate(contexts)]
+        self._combine_calls = [types_.LLCombineCall(context=c, counters=addr(self._sent_pairs[s]))
                                for s, c in enumerate(contexts)]
         dist.barrier(group=group)
 
@@ -410,7 +386,7 @@ class CudaLowLatency:
         base = small.data_ptr()  # the handle keeps offsets in small, not addresses
         trace = self._trace("dispatch")
 
-        call = LLDispatchCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
+        call = self.record_types.LLDispatchCall.from_buffer_copy(shape.records[slot])  # its own: _launch says why
         call.num_tokens = num_tokens
         call.block_receive = receive_together(self.block_receive, num_tokens, num_topk, num_experts)
         call.arrival = int(shape.arrival and not hook and mask is None)
@@ -465,7 +441,7 @@ class CudaLowLatency:
         trace = self._trace("combine")
         self.last_combine_partials = shape.partials
 
-        call = LLCombineCall.from_buffer_copy(shape.records[slot])  # this call's own (_launch says why)
+        call = self.record_types.LLCombineCall.from_buffer_copy(shape.records[slot])  # its own: _launch says why
         call.num_tokens = num_tokens
         call.x, call.topk_idx, call.mask = x.data_ptr(), small + state["topk_copy_at"], addr(mask)
         call.wait_stats = addr(wait_stats)
@@ -549,7 +525,7 @@ class _DispatchShape:
         self.arrival = bool(amsg) and backend.transport == "ipc" and backend.arrival
         self.records = []
         for record in backend._dispatch_calls:
-            call = LLDispatchCall.from_buffer_copy(record)
+            call = backend.record_types.LLDispatchCall.from_buffer_copy(record)
             call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
             call.num_max_tokens = num_max_tokens
             call.shape_tag = shape_digest(1, hidden, num_experts, num_max_tokens, int(use_fp8), int(use_ue8m0),
@@ -579,7 +555,7 @@ class _CombineShape:
         self.partials = partials = backend.combine_by_partials(num_experts, hidden, num_max_tokens, num_topk, hook)
         self.records = []
         for record in backend._combine_calls:
-            call = LLCombineCall.from_buffer_copy(record)
+            call = backend.record_types.LLCombineCall.from_buffer_copy(record)
             call.hidden, call.num_topk, call.num_experts = hidden, num_topk, num_experts
             call.num_max_tokens = num_max_tokens
             call.shape_tag = shape_digest(2, hidden, num_experts, num_max_tokens, int(partials),

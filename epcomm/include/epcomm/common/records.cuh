@@ -1,8 +1,8 @@
 // Call records: the fixed-width structs a library entry point takes instead of dozens of positional
-// arguments, filled by Python through ctypes mirrors. A mirror that drifts from its struct would
-// make every call pass garbage, so each library exports the layout and field names of its records
-// (write_record_layout, record_field_name below) and the loader compares them with the mirrors
-// (backends/cuda/capi.py, check_struct_layout). Host code only; never includes torch.
+// arguments, filled by Python through ctypes. Each is declared once, as a field list (EPCOMM_RECORD),
+// which gives the struct and its field table; each library exports the tables (write_record_layout,
+// record_field_name, record_field_type below) and the loader builds its ctypes structures from them
+// (backends/cuda/capi.py, load_records). Host code only; never includes torch.
 //
 // A record's fields are fixed-width (device addresses as uint64, flags as int32: no bool), grouped
 // by width with the padding spelled out, so the layout reads the same on both sides.
@@ -18,15 +18,29 @@ namespace epcomm {
 struct FieldLayout {
     int64_t offset, size;
     const char* name;
+    const char* type;  // the C type as written: a fixed-width integer, or another record's name
 };
 
-// Every field of call record S, in declaration order: specialised next to each record, listing
-// EPCOMM_FIELD(f) for each field f in a scope where S names the record.
+// Every field of call record S, in declaration order (EPCOMM_RECORD specialises it).
 template <class S>
 constexpr auto fields_of();
 
-#define EPCOMM_FIELD(f) \
-    ::epcomm::FieldLayout{static_cast<int64_t>(offsetof(S, f)), static_cast<int64_t>(sizeof(S::f)), #f}
+#define EPCOMM_RECORD_MEMBER(type, name) type name;
+#define EPCOMM_RECORD_FIELD(type, name)                                                                \
+    ::epcomm::FieldLayout{static_cast<int64_t>(offsetof(S, name)), static_cast<int64_t>(sizeof(S::name)), \
+                          #name, #type},
+
+// Declares record `Name` (in namespace epcomm) from FIELDS(X), a list of X(type, name): the struct
+// and its field table, so a field is added in one place.
+#define EPCOMM_RECORD(Name, FIELDS)                           \
+    struct Name {                                             \
+        FIELDS(EPCOMM_RECORD_MEMBER)                          \
+    };                                                        \
+    template <>                                               \
+    constexpr auto fields_of<Name>() {                        \
+        using S = Name;                                       \
+        return std::array{FIELDS(EPCOMM_RECORD_FIELD)};       \
+    }
 
 // Each field starts where the one before it ends and the last ends at sizeof(S): no implicit
 // padding, and fields_of<S> misses no field and keeps their order (what the ctypes check relies on).
@@ -90,6 +104,13 @@ template <std::size_t N>
 static const char* record_field_name(const RecordLayout (&records)[N], const char* name, int index) {
     const RecordLayout* r = find_record(records, name);
     return r != nullptr && index >= 0 && index < r->num_fields ? r->fields[index].name : nullptr;
+}
+
+// The C type of field `index` of record `name` (nullptr past the last). What *_struct_field_type returns.
+template <std::size_t N>
+static const char* record_field_type(const RecordLayout (&records)[N], const char* name, int index) {
+    const RecordLayout* r = find_record(records, name);
+    return r != nullptr && index >= 0 && index < r->num_fields ? r->fields[index].type : nullptr;
 }
 
 // A record's device address as the pointer type of the kernel argument it fills.

@@ -56,7 +56,7 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
             if (slot >= 0) {
                 pos_lane = static_cast<int64_t>(a.start[s * R + c.domain_rank(lane)]) + slot;
                 if (pos_lane >= a.in_rows) {
-                    c.report(3, c.domain_rank(lane));
+                    c.report(kErrCapacity, c.domain_rank(lane));
                     pos_lane = -1;
                 }
             }

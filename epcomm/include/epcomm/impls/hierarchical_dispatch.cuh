@@ -49,12 +49,12 @@ __device__ void pad_rows(const DispatchArgs& a, int b) {
     const Call& c = a.c;
     const int64_t total = *a.recv_total;
     if (total > a.out_rows) {  // this rank's receive area cannot hold its rows (the forwarders skip them)
-        if (b == 0 && threadIdx.x == 0) c.report(3, c.domain_rank(c.local));
+        if (b == 0 && threadIdx.x == 0) c.report(kErrCapacity, c.domain_rank(c.local));
         return;
     }
     if (a.num_out < 0) return;
     if (total > a.num_out) {
-        if (b == 0 && threadIdx.x == 0) c.report(4, c.domain_rank(c.local));
+        if (b == 0 && threadIdx.x == 0) c.report(kErrWorstTokens, c.domain_rank(c.local));
         return;
     }
     uint8_t* out = c.peers[c.local] + kDomainHeaderBytes;
@@ -180,12 +180,12 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
             // without giving up the call: the others still arrive, so every rank reaches its host
             // check instead of waiting out the timeout.
             if (slot >= a.matrix[s * R + r]) {  // more rows than the source's counts promised
-                if (lane == 0) c.report(5, s);
+                if (lane == 0) c.report(kErrRefused, s);
                 continue;
             }
             const int64_t pos = static_cast<int64_t>(a.start[s * R + r]) + slot;
             if (pos >= a.out_rows) {
-                if (lane == 0) c.report(3, r);
+                if (lane == 0) c.report(kErrCapacity, r);
                 continue;
             }
             uint8_t* out = c.peers[i] + kDomainHeaderBytes;

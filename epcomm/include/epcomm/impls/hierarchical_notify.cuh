@@ -35,14 +35,14 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
         const int mine = ld_volatile_int(outgoing + 1);
         if (ok && mine == kPendingError) {  // this rank's own earlier error: give up this call too
-            if (ld_volatile_int(c.info + kInfoError) == 0) c.report(6, me);  // the host raised it already
+            if (ld_volatile_int(c.info + kInfoError) == 0) c.report(kErrEarlierError, me);  // the host raised it already
             c.give_up();
             ok = false;
         } else if (ok && (digest == kRefused || digest == kPendingError)) {  // every rank names rank r
-            c.abort(digest == kRefused ? 5 : 6, r);
+            c.abort(digest == kRefused ? kErrRefused : kErrEarlierError, r);
             ok = false;
         } else if (ok && digest != mine) {
-            c.abort(mine == kRefused ? 5 : 2, mine == kRefused ? me : r);
+            c.abort(mine == kRefused ? kErrRefused : kErrMismatch, mine == kRefused ? me : r);
             ok = false;
         }
     }

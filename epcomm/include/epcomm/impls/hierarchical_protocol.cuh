@@ -45,21 +45,15 @@ struct Call {
 // or when another wait gave up first.
 template <typename Ok>
 __device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int rank, int64_t* seen) {
-    const uint64_t start = global_timer_ns();
-    for (int spin = 0;; ++spin) {
-        const int64_t v = ld_acquire_sys(word);
-        if (ok(v)) {
-            *seen = v;
-            return true;
-        }
-        if ((spin & 63) == 63) {
-            if (c.aborted()) return false;
-            if (global_timer_ns() - start > c.timeout_ns) {
-                c.abort(1, rank);
-                return false;
-            }
-        }
-    }
+    const WaitEnd end = bounded_wait<64>(
+        global_timer_ns(), c.timeout_ns,
+        [&] {
+            *seen = ld_acquire_sys(word);
+            return ok(*seen);
+        },
+        [&] { return c.aborted(); });
+    if (end == WaitEnd::kTimedOut) c.abort(kErrTimeout, rank);
+    return end == WaitEnd::kReady;
 }
 
 // A ready word written by `rank` for this call: false (aborted) when it shows another shape, or a
@@ -71,11 +65,11 @@ __device__ inline bool wait_entered(const Call& c, const int64_t* word, int rank
     if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call() << kTagBits); }, rank, &seen)) return false;
     if (c.aborted()) return false;  // given up here already: its report stands (a mate gone on is its echo)
     if ((seen >> kTagBits) != c.call()) {
-        c.abort(7, rank);
+        c.abort(kErrPeerGaveUp, rank);
         return false;
     }
     if ((seen & ((1 << kTagBits) - 1)) != c.shape_tag) {
-        c.abort(2, rank);
+        c.abort(kErrMismatch, rank);
         return false;
     }
     return true;
@@ -91,7 +85,7 @@ __device__ inline int wait_chunk(const Call& c, int d, int j) {
     if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call(); }, c.mate(d), &seen))
         return -1;
     if ((seen & 0xffffffff) == kGaveUpCount) {
-        if (!c.aborted()) c.abort(7, c.mate(d));
+        if (!c.aborted()) c.abort(kErrPeerGaveUp, c.mate(d));
         return -1;
     }
     return static_cast<int>(seen & 0xffffffff);
@@ -162,7 +156,7 @@ __device__ inline bool mate_to_send(const Call& c, int d, int j, bool entered, u
     if (entered && !c.aborted()) return true;
     if (!c.aborted()) return false;  // not entered and not given up: cannot be (wait_entered aborts)
     const bool look_once =
-        ld_volatile_int(c.info + kInfoError) == 1 || ld_volatile(sym_notify_gave_up(c.sym)) == c.call();
+        ld_volatile_int(c.info + kInfoError) == kErrTimeout || ld_volatile(sym_notify_gave_up(c.sym)) == c.call();
     const int64_t* word = sym_ready(c.sym, d);
     for (int spin = 0;; ++spin) {
         const int64_t v = ld_acquire_sys(word);
@@ -211,7 +205,7 @@ __device__ inline void leave_domain(const Call& c, int b) {
         if (wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v >= 2 * c.call(); },
                      rank, &seen) &&
             seen == 2 * c.call() + 1 && !c.aborted())
-            c.abort(7, rank);
+            c.abort(kErrPeerGaveUp, rank);
     }
 }
 

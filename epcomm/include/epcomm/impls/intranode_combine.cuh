@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(512, 1) combine_kernel(CombineArgs a) {
     const int64_t seq = ld_volatile(seq_word(mine));
     if (ld_volatile(abort_word(mine)) == seq) return;
     if (s_layout[kLayMaxSend] > a.cap_rows) {
-        if (threadIdx.x == 0 && blockIdx.x == 0) report_error(a.info, kErrCapacity, kOpCombine, -1);
+        if (threadIdx.x == 0 && blockIdx.x == 0) record_error(a.info, kErrCapacity, kOpCombine, -1);
         return;
     }
     const int64_t flag_value = seq ^ kFlagMagic;

@@ -350,11 +350,11 @@ __global__ void __launch_bounds__(512, 1) dispatch_kernel(DispatchArgs a) {
     if (ld_volatile(abort_word(mine)) == seq) return;  // this call's barrier failed (reported)
     const bool reporter = kRecv && threadIdx.x == 0 && blockIdx.x == gridDim.x - 1;
     if (s_layout[kLayMaxRecv] > a.cap_rows) {  // every rank sees the same matrix, so all skip alike
-        if (reporter) report_error(a.info, kErrCapacity, a.op, -1);
+        if (reporter) record_error(a.info, kErrCapacity, a.op, -1);
         return;
     }
     if (reporter && s_layout[kLayRecvOff + a.num_ranks] > a.num_out_rows)
-        report_error(a.info, kErrWorstTokens, a.op, a.rank);
+        record_error(a.info, kErrWorstTokens, a.op, a.rank);
     const int64_t flag_value = seq ^ kFlagMagic;
     const int warp_in_block = threadIdx.x / kWarpSize;
     if (kSend && kRecv) {

@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         int64_t v;
         while ((v = ld_acquire_sys(signal)) < seq * 16) {
             if (global_timer_ns() - start > a.timeout_ns) {
-                report_error(a.info, kErrTimeout, a.op, tid);
+                record_error(a.info, kErrTimeout, a.op, tid);
                 *abort_word(mine) = seq;
                 break;
             }
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         // A timed-out or mismatched barrier leaves stale counts: nothing may move on them.
         const bool broken = ld_volatile(abort_word(mine)) == seq;
         a.layout[kLayAbort] = refused | (broken ? 1 << 30 : 0);
-        if (refused && !broken) report_error(a.info, kErrRefused, a.op, -1);
+        if (refused && !broken) record_error(a.info, kErrRefused, a.op, -1);
     }
     // Received tokens per local expert, summed over sources and rounded up to the alignment.
     const int* experts = reinterpret_cast<const int*>(mine + kExpertCountOffset) + parity * kMaxRanks * kMaxExpertsPerRank;

@@ -70,10 +70,10 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     // was a memory round trip of its own).
     const int64_t word = a.layout_range[static_cast<int64_t>(local_e) * R + src];
     if (tid == 0) {
-        skip = !may_write_slot(mine, lay.acks, me, src, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        skip = !may_write_slot(mine, lay.acks, me, src, prev, a.mask, a.timeout_ns, a.info, kOpLowLatencyCombine);
         // Rows for a remote source are staged in this rank's own dispatch area: its own receive of
         // the slot's previous call must be done reading it.
-        if (remote && !skip) skip = !wait_ack(mine, lay.acks, me, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        if (remote && !skip) skip = !wait_ack(mine, lay.acks, me, prev, a.mask, a.timeout_ns, a.info, kOpLowLatencyCombine);
     }
     // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
     // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
@@ -191,7 +191,7 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
             uint64_t waited = 0;
             const bool timed = blockIdx.x == 0 && a.wait_stats != nullptr && e % experts_per_rank == 0;
             count = wait_signal(signals + e, seq, a.shape_tag, src, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
-                                kOpCombine, timed ? &waited : nullptr);
+                                kOpLowLatencyCombine, timed ? &waited : nullptr);
             if (timed && count >= 0)
                 atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), static_cast<unsigned long long>(waited));
         }
@@ -287,7 +287,7 @@ __device__ void send_combine_units_together(const CombineArgs& a, int64_t seq, i
         if (tid < units) {  // thread m: unit m's rows, and its source's acknowledgement
             const int unit = batch + tid * grid;
             rows[tid] = unit_rows(a.layout_range[unit], N, R);  // [local expert][source] = unit
-            skip[tid] = !may_write_slot(mine, lay.acks, me, unit % R, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+            skip[tid] = !may_write_slot(mine, lay.acks, me, unit % R, prev, a.mask, a.timeout_ns, a.info, kOpLowLatencyCombine);
         }
         __syncthreads();
         if (tid == 0) {

@@ -65,25 +65,27 @@ __device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulo
                              const int64_t* shape_probe, int tag, int* mask, uint64_t start, uint64_t timeout_ns,
                              int* info, int* gave_up, volatile bool* gone) {
     const uint64_t* at = index == 0 ? record : index < 0 ? record + 1 : record + 2 * index;
-    for (int spin = 0;; ++spin) {
-        if (index <= 0) {
-            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(out.x) : "l"(at) : "memory");
-            out.y = out.x;
-        } else {
-            out = ld_relaxed_sys_v2(at);
-        }
-        if (tag_of_call(out.x, seq) && tag_of_call(out.y, seq)) return true;
-        if ((spin & 63) == 63) {
-            if (*gone || masked(mask, src) || abandoned(info, gave_up, kOpCombine)) return false;
-            const int64_t probe = ld_acquire_sys(shape_probe);
-            if (signal_of_call(probe, seq) && ((probe >> kTagShift) & 0xff) != tag) {
-                record_error(info, kErrShapeMismatch, kOpCombine, src);
-                give_up(gave_up);
-                return false;
+    const WaitEnd end = bounded_wait<64>(
+        start, timeout_ns,
+        [&] {
+            if (index <= 0) {
+                asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(out.x) : "l"(at) : "memory");
+                out.y = out.x;
+            } else {
+                out = ld_relaxed_sys_v2(at);
             }
-            if (past_deadline(info, gave_up, kOpCombine, src, mask, start, timeout_ns)) return false;
-        }
-    }
+            return tag_of_call(out.x, seq) && tag_of_call(out.y, seq);
+        },
+        [&] {
+            if (*gone || masked(mask, src) || abandoned(info, gave_up, kOpLowLatencyCombine)) return true;
+            const int64_t probe = ld_acquire_sys(shape_probe);
+            if (!signal_of_call(probe, seq) || ((probe >> kTagShift) & 0xff) == tag) return false;
+            record_error(info, kErrShapes, kOpLowLatencyCombine, src);
+            give_up(gave_up);
+            return true;
+        });
+    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, kOpLowLatencyCombine, src, mask);
+    return end == WaitEnd::kReady;
 }
 
 __device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, int num_ranks, int n, int hidden) {
@@ -112,7 +114,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
 
     __shared__ bool src_gone[kMaxRanks];  // a warp of the block gave up on the source's records
     if (tid < R) {  // a peer still reading the previous call of this slot must acknowledge it first
-        skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpCombine);
+        skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpLowLatencyCombine);
         src_gone[tid] = false;
     }
     for (int i = tid; i < E; i += kThreads) {
@@ -192,7 +194,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         if (!skip_dst[src]) {
             const uint64_t left = a.timeout_ns - min(a.timeout_ns, global_timer_ns() - waits_start);
             count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, left, a.info, gave_up_word(mine),
-                                kOpCombine, nullptr);
+                                kOpLowLatencyCombine, nullptr);
             count = count < 0 ? -1 : min(count, N);
         }
         src_tokens[src] = count;
@@ -335,7 +337,7 @@ __device__ __forceinline__ void receive_partials_role(const CombineArgs& a, int6
         if (!masked(a.mask, me) && !masked(a.mask, tid)) {
             uint64_t waited = 0;
             ok = wait_signal(signals + tid, seq, a.shape_tag, tid, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
-                             kOpCombine, &waited) >= 0;
+                             kOpLowLatencyCombine, &waited) >= 0;
             if (ok && blockIdx.x == 0 && a.wait_stats != nullptr)
                 atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + tid), static_cast<unsigned long long>(waited));
         }

@@ -70,7 +70,7 @@ __device__ __forceinline__ int wait_source_count(const DispatchArgs& a, int64_t 
     if (!masked(a.mask, me) && !masked(a.mask, j)) {
         const auto* signal = reinterpret_cast<const int64_t*>(mine + lay.dispatch_signals) + local_e * R + j;
         count = wait_signal(signal, seq, tag < 0 ? a.shape_tag : tag, j, a.mask, a.timeout_ns, a.info, gave_up_word(mine),
-                            kOpDispatch, &waited, tag < 0);
+                            kOpLowLatencyDispatch, &waited, tag < 0);
         count = count < 0 ? 0 : min(count, N);
     }
     if (a.wait_stats != nullptr && local_e == 0 && j == src) atomicAdd(
@@ -274,8 +274,10 @@ __device__ bool keep_waiting(ArrivalWait& w, const DispatchArgs& a, int src, uin
     w.sleep_ns = min(2 * w.sleep_ns, 256u);
     if ((++w.polls & 15) != 0) return true;
     int* gave_up = gave_up_word(mine);
-    return !abandoned(a.info, gave_up, kOpDispatch) &&
-           !past_deadline(a.info, gave_up, kOpDispatch, src, nullptr, w.start, a.timeout_ns);
+    if (abandoned(a.info, gave_up, kOpLowLatencyDispatch)) return false;
+    if (global_timer_ns() - w.start <= a.timeout_ns) return true;
+    timed_out(a.info, gave_up, kOpLowLatencyDispatch, src, nullptr);
+    return false;
 }
 
 // The receive role by arrival (ArrivalMode): every block waits for every (local expert, source)

@@ -113,26 +113,21 @@ __device__ __forceinline__ void pay_owed_acks(const Peers& peers, int num_ranks,
     if (lane == 0) *owed = 0;
 }
 
-// The checks every bounded wait makes now and then, beside its own. Whether an earlier wait of this
-// rank gave up (then so does this call: reported as abandoned).
+// Whether an earlier wait of this rank gave up (then so does this call: reported as abandoned).
 __device__ __forceinline__ bool abandoned(int* info, int* gave_up, int op) {
     if (ld_volatile_int(gave_up) == 0) return false;
     record_error(info, kErrAbandoned, op, -1);
     return true;
 }
-// Whether `timeout_ns` have passed since `start` waiting for rank `src`: with failed-rank masking
-// src is masked from then on (not waited for again), else the timeout is reported and this rank
-// gives up (its other waits stop).
-__device__ __forceinline__ bool past_deadline(int* info, int* gave_up, int op, int src, int* mask, uint64_t start,
-                                              uint64_t timeout_ns) {
-    if (global_timer_ns() - start <= timeout_ns) return false;
+// A wait for rank `src` timed out: with failed-rank masking src is masked from then on (not waited
+// for again), else the timeout is reported and this rank gives up (its other waits stop).
+__device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int src, int* mask) {
     if (mask != nullptr) {
         atomicExch(mask + src, 1);
     } else {
         record_error(info, kErrTimeout, op, src);
         give_up(gave_up);
     }
-    return true;
 }
 
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
@@ -144,25 +139,28 @@ __device__ __forceinline__ bool past_deadline(int* info, int* gave_up, int op, i
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
                            int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
     const uint64_t start = global_timer_ns();
-    for (int spin = 0;; ++spin) {
-        const int64_t v = acquire ? ld_acquire_sys(signal) : ld_volatile(signal);
-        if (signal_of_call(v, seq)) {
-            if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
-            if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
-                record_error(info, kErrShapeMismatch, op, src);
-                give_up(gave_up);  // signals it laid out elsewhere may never come: stop every wait
-                return -2;
-            }
-            if (v & kInvalidInputBit)  // the source's inputs were refused (its signals say so)
-                record_error(info, op == kOpDispatch ? kErrInvalidDispatch : kErrIdsDiffer, op, src);
-            return static_cast<int>((v & kCountMask) - 1);
-        }
-        if ((spin & 63) == 63) {
-            if (masked(mask, src)) return -1;
-            if (abandoned(info, gave_up, op)) return -2;
-            if (past_deadline(info, gave_up, op, src, mask, start, timeout_ns)) return mask != nullptr ? -1 : -2;
-        }
+    int64_t v = 0;
+    const WaitEnd end = bounded_wait<64>(
+        start, timeout_ns,
+        [&] {
+            v = acquire ? ld_acquire_sys(signal) : ld_volatile(signal);
+            return signal_of_call(v, seq);
+        },
+        [&] { return masked(mask, src) || abandoned(info, gave_up, op); });
+    if (end == WaitEnd::kStopped) return masked(mask, src) ? -1 : -2;
+    if (end == WaitEnd::kTimedOut) {
+        timed_out(info, gave_up, op, src, mask);
+        return mask != nullptr ? -1 : -2;
     }
+    if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
+    if (((v >> kTagShift) & 0xff) != tag) {  // the source made a call of another shape
+        record_error(info, kErrShapes, op, src);
+        give_up(gave_up);  // signals it laid out elsewhere may never come: stop every wait
+        return -2;
+    }
+    if (v & kInvalidInputBit)  // the source's inputs were refused (its signals say so)
+        record_error(info, op == kOpLowLatencyDispatch ? kErrInvalidDispatch : kErrIdsDiffer, op, src);
+    return static_cast<int>((v & kCountMask) - 1);
 }
 
 // Before writing into `dst`'s slot: wait until `dst` has acknowledged the previous call that used
@@ -172,14 +170,11 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
     int* gave_up = gave_up_word(const_cast<uint8_t*>(mine));
     if (prev <= 0) return true;
     const auto* ack = reinterpret_cast<const int64_t*>(mine + acks) + dst;
-    const uint64_t start = global_timer_ns();
-    for (int spin = 0;; ++spin) {
-        if (ld_acquire_sys(ack) >= prev) return true;
-        if ((spin & 63) == 63 &&
-            (masked(mask, dst) || abandoned(info, gave_up, op) ||
-             past_deadline(info, gave_up, op, dst, mask, start, timeout_ns)))
-            return false;
-    }
+    const WaitEnd end = bounded_wait<64>(
+        global_timer_ns(), timeout_ns, [&] { return ld_acquire_sys(ack) >= prev; },
+        [&] { return masked(mask, dst) || abandoned(info, gave_up, op); });
+    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, op, dst, mask);
+    return end == WaitEnd::kReady;
 }
 
 // Whether this call may write into rank r's slot: neither rank masked, and r acknowledged the

@@ -10,7 +10,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "../common/ptx.cuh"
+#include "../common/protocol.cuh"
 #include "../common/row_sum.cuh"
 
 namespace epcomm {
@@ -42,14 +42,10 @@ static_assert(8 * (kMaxDomains + kMaxDomains * kMaxChunks + 1 + kMaxGroupRanks +
 constexpr int64_t kDomainHeaderBytes = 16384;
 static_assert(8 * (kMaxLocal + kMaxLocal * kMaxForwarders) <= kDomainHeaderBytes, "fast-tier header");
 
-// info words (host-mapped) written on an error; the Python side reads them after a sync.
-constexpr int kInfoError = 0;  // 1: timeout, 2: another operation or shape, 3: receive area too small,
-                               // 4: more rows received than num_worst_tokens, 5: refused inputs,
-                               // 6: an earlier call's error on that rank, 7: that rank gave this call up
+// The info words (host-mapped) hold the error record of common/protocol.cuh alone.
 constexpr int kRefused = -1;   // the shape digest of a rank whose inputs are invalid (notify_kernel)
 constexpr int kPendingError = -2;  // ... of a rank with an earlier call's error not yet raised
-constexpr int kInfoRanks = 1;  // [num_ranks]: 1 for each rank involved
-constexpr int kInfoInts = 1 + kMaxGroupRanks;
+constexpr int kInfoInts = kInfoErrorRanks + kMaxGroupRanks;
 
 __device__ __forceinline__ int64_t* sym_ready(uint8_t* sym, int d) { return reinterpret_cast<int64_t*>(sym) + d; }
 __device__ __forceinline__ int64_t* sym_done(uint8_t* sym, int d, int j) {
@@ -75,8 +71,7 @@ __device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
 }
 
 __device__ inline void report(int* info, int code, int rank) {
-    if (rank >= 0) info[kInfoRanks + rank] = 1;
-    info[kInfoError] = code;  // racing reporters each write a valid code
+    record_error(info, code, kOpNone, rank);  // the host names the call itself
     __threadfence_system();
 }
 

@@ -2,7 +2,7 @@
 // ints, and the bounded wait for a row's flag. Protocol and layout: docs/DESIGN.md.
 #pragma once
 
-#include "../common/ptx.cuh"
+#include "../common/protocol.cuh"
 
 namespace epcomm {
 
@@ -25,13 +25,9 @@ static_assert(kMaxNotifyBlocks * kNotifyScratchStride * 4 <= 1024, "the notify s
 constexpr int kRowTrailerBytes = 16;  // flag (int64) + padding, at the end of every row slot
 constexpr int64_t kFlagMagic = 0x5e9c0a11f1a90000LL;
 
-// Op codes carried by the barrier signals: ranks that disagree on the call are told so.
-constexpr int kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpBarrier = 4;
-
 // Pinned host words written by the kernels and read by the CPU at its sync points.
-constexpr int kInfoError = 0;        // 0, or an ErrorCode
-constexpr int kInfoErrorOp = 1;      // op code of the call that failed
-constexpr int kInfoErrorRanks = 2;   // [kMaxRanks]: ranks involved (waited for; mismatched op code)
+// kInfoError, kInfoErrorOp, kInfoErrorRanks [kMaxRanks]: the error record (common/protocol.cuh; a
+// mismatched op writes the peer's op code into its rank word).
 constexpr int kInfoNumRecv = 16;
 constexpr int kInfoRecvCounts = 17;  // [kMaxRanks]
 constexpr int kInfoMaxRecv = 25;     // most rows any rank receives (the host's one-pass check)
@@ -40,9 +36,6 @@ constexpr int kInfoMatrix = 32;      // [kMaxRanks * kMaxRanks]
 constexpr int kInfoRefusal = 96;     // [kMaxRanks]
 constexpr int kInfoExperts = 128;    // [kMaxExpertsPerRank]
 constexpr int kInfoInts = kInfoExperts + kMaxExpertsPerRank;
-enum ErrorCode {
-    kErrTimeout = 1, kErrMismatch = 2, kErrCapacity = 3, kErrWorstTokens = 4, kErrRefused = 5, kErrShapes = 6
-};
 // Refusal bits (input validation on the device, so no host sync is needed for it).
 constexpr int kRefuseTopkRange = 1, kRefuseRankCounts = 2, kRefuseShapes = 4, kRefuseWorstTokens = 8;
 
@@ -65,29 +58,19 @@ __device__ __forceinline__ int64_t* abort_word(uint8_t* buf) {
     return reinterpret_cast<int64_t*>(buf + kAbortOffset);
 }
 
-__device__ void report_error(int* info, int code, int op, int rank_involved) {
-    info[kInfoError] = code;
-    info[kInfoErrorOp] = op;
-    if (rank_involved >= 0) info[kInfoErrorRanks + rank_involved] = 1;
-}
-
 // Wait until a row's flag shows `want`. Bounded: gives up when the abort word shows this call
 // (another warp timed out) or after `timeout_ns`, then records who was waited for and aborts.
 __device__ __forceinline__ bool wait_row_flag(const int64_t* flag, int64_t want, uint8_t* my_buf, int64_t seq,
                                               uint64_t timeout_ns, int* info, int op, int src) {
     if (ld_acquire_sys(flag) == want) return true;
-    const uint64_t start = global_timer_ns();
-    for (int spin = 0;; ++spin) {
-        if (ld_acquire_sys(flag) == want) return true;
-        if ((spin & 255) == 255) {
-            if (ld_volatile(abort_word(my_buf)) == seq) return false;
-            if (global_timer_ns() - start > timeout_ns) {
-                *abort_word(my_buf) = seq;
-                report_error(info, kErrTimeout, op, src);
-                return false;
-            }
-        }
+    const WaitEnd end = bounded_wait<256>(
+        global_timer_ns(), timeout_ns, [&] { return ld_acquire_sys(flag) == want; },
+        [&] { return ld_volatile(abort_word(my_buf)) == seq; });
+    if (end == WaitEnd::kTimedOut) {
+        *abort_word(my_buf) = seq;
+        record_error(info, kErrTimeout, op, src);
     }
+    return end == WaitEnd::kReady;
 }
 
 }  // namespace epcomm

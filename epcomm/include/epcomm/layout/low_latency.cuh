@@ -5,7 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "../common/ptx.cuh"
+#include "../common/protocol.cuh"
 
 namespace epcomm {
 namespace ll {
@@ -58,36 +58,11 @@ constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block 
 constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
 constexpr int kPieceInt4 = 256;                // one warp copies a message or row in pieces of 4 KB (8 x 16 B a lane)
 
-// Pinned host words, as in the normal-mode kernels (the Python side reads them).
-constexpr int kInfoError = 0, kInfoErrorOp = 1, kInfoErrorRanks = 2;
-constexpr int kErrTimeout = 1, kErrInvalidDispatch = 7, kErrIdsDiffer = 8, kErrShapeMismatch = 9, kErrAbandoned = 10;
-
-// Record an error of this call (pinned host memory, read by the host after the call). The most
-// severe one wins: a peer's timeout or shape mismatch (names the cause) over "abandoned" (this
-// call stopped because another wait gave up) over the caller's input errors, which leave the
-// Buffer usable (the host must not take a fatal call for a refused one). A wait that gives up
-// records its error before it raises gave_up (with a fence between), so the waits that abandon
-// because of it see the cause already recorded and do not cover it.
-__device__ __forceinline__ int error_severity(int code) {
-    if (code == 0) return 0;
-    if (code == kErrInvalidDispatch || code == kErrIdsDiffer) return 1;
-    return code == kErrAbandoned ? 2 : 3;
-}
-
-__device__ __forceinline__ void record_error(int* info, int code, int op, int rank) {
-    if (rank >= 0) info[kInfoErrorRanks + rank] = 1;
-    if (error_severity(code) > error_severity(ld_volatile_int(info + kInfoError))) {
-        info[kInfoErrorOp] = op;
-        info[kInfoError] = code;
-    }
-}
-
 // A wait of this rank gave up (timeout or shape mismatch, recorded): every other wait stops too.
 __device__ __forceinline__ void give_up(int* gave_up) {
     __threadfence_system();  // the recorded cause is visible before the mark
     atomicExch(gave_up, 1);
 }
-constexpr int kOpDispatch = 5, kOpCombine = 6;
 
 // Phase timeline of a call (scripts/ll_profile.py): with a trace array, thread 0 of every block
 // stores the global timer at each point it passes, after the barrier that ends the phase (and,
