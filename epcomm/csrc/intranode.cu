@@ -13,7 +13,7 @@
 // ---------------------------------------------------------------- host entry points (C ABI, no torch)
 using namespace epcomm;
 
-// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/intranode.py,
+// The records Python fills for a call (common/records.cuh; ctypes mirrors in backends/cuda/intranode.py,
 // checked through epcomm_struct_layout and epcomm_struct_field_name). A field means what the kernel
 // argument of the same name means (NotifyArgs, DispatchArgs, CombineArgs).
 
@@ -302,7 +302,7 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
 }
 
 // The layout and field names of call record `name` (CallContext, NotifyCall, DispatchCall,
-// CombineCall): write_record_layout and record_field_name (call_record.cuh) say what they return.
+// CombineCall): write_record_layout and record_field_name (common/records.cuh) say what they return.
 int epcomm_struct_layout(const char* name, int64_t* out, int max) {
     return write_record_layout(kCallRecords, name, out, max);
 }

@@ -13,7 +13,7 @@
 namespace epcomm {
 namespace ll {
 
-// The records Python fills for a call (call_record.cuh; ctypes mirrors in backends/cuda/low_latency.py,
+// The records Python fills for a call (common/records.cuh; ctypes mirrors in backends/cuda/low_latency.py,
 // checked through epcomm_ll_struct_layout and epcomm_ll_struct_field_name: this file is built into
 // both the IPC library, beside the intranode kernels and their epcomm_struct_layout, and the NVSHMEM
 // library). A field means what the kernel argument of the same name means (DispatchArgs,
@@ -246,7 +246,7 @@ static int launch_dispatch(const ll::LLDispatchCall* call, int phase, cudaStream
 
 // Whether a dispatch without a hook can run as one cooperative kernel here (dispatch_fused, either
 // receive, one block per SM with the most shared memory a call uses); else every such call takes
-// the two kernels (measured: 36.0 against ~30 us at EP4, 128 tokens), which the tests must see.
+// the two kernels (slower: docs/TUNING.md, fused dispatch), which the tests must see.
 int epcomm_ll_dispatch_fused_fit(int num_sms) {
     return fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms) &&
                    fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms)
@@ -337,7 +337,7 @@ int epcomm_ll_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
 int epcomm_ll_event_destroy(cudaEvent_t event) { return static_cast<int>(cudaEventDestroy(event)); }
 
 // The layout and field names of call record `name` (LLCallContext, LLDispatchCall, LLCombineCall):
-// write_record_layout and record_field_name (call_record.cuh) say what they return.
+// write_record_layout and record_field_name (common/records.cuh) say what they return.
 int epcomm_ll_struct_layout(const char* name, int64_t* out, int max) {
     return write_record_layout(kLLCallRecords, name, out, max);
 }
