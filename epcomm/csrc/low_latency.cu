@@ -205,7 +205,7 @@ static int launch_dispatch(const LLDispatchCall* call, int phase, cudaStream_t s
 
 // Whether a dispatch without a hook can run as one cooperative kernel here (dispatch_fused, either
 // receive, one block per SM with the most shared memory a call uses); else every such call takes
-// the two kernels (measured: 36.0 against ~30 us at EP4, 128 tokens), which the tests must see.
+// the two kernels (slower: docs/TUNING.md, fused dispatch), which the tests must see.
 int epcomm_ll_dispatch_fused_fit(int num_sms) {
     return fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms) &&
                    fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms)

@@ -10,11 +10,9 @@ namespace epcomm {
 // The j-th row of num_blocks blocks of rows taken round-robin: the first row of every block, then
 // the second, ..., a block that has run out passed over. Returns the block; idx: the row in it.
 // size(k): block k's rows (0: passed over); j must be below their sum. The dispatch receivers and
-// the combine senders walk their rows in this order, not block after block: the combine senders
-// returned rows in receive order, so every rank stored into rank 0 first, then rank 1, ... (all
-// peers' stores into one GPU, the other links idle: EP4, 4 x H100, the last rank's combine kernel
-// took 1288 us, the first's 601), and the receivers copied source 0's rows, arriving at a third
-// of the links' rate, while the other sources' had landed (cached dispatch 794 us).
+// the combine senders walk their rows in this order, not block after block: block after block,
+// every rank stores into rank 0 first (one link busy, the others idle) and the receivers copy one
+// source's rows while the others' have already landed (docs/TUNING.md, row order across peers).
 template <class Size>
 __host__ __device__ inline int round_robin_row(int j, int num_blocks, Size size, int& idx) {
     int level = 0;      // rows every block still active has given before this span

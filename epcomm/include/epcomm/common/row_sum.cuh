@@ -1,6 +1,7 @@
 // Summing BF16 token rows in fp32, a lane's 16-byte words at a time: the inner loop of the
-// normal-mode combine's reducers (intranode.cu), shared with scripts/reduce_rate.cu, which measures
-// it alone. Never includes torch: compiles alone with nvcc (sm_90).
+// normal-mode combine's reducers (impls/intranode_combine.cuh), shared with
+// tools/microbench/reduce_rate.cu, which measures it alone. Never includes torch: compiles alone
+// with nvcc (sm_90).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,7 +12,7 @@ namespace epcomm {
 
 // v by value: a reference bound straight to global memory (add_bf16x8(acc, row[k])) let nvcc read
 // it as four 4-byte loads through the bf16x2 view below, a quarter of the bytes per load
-// instruction (the hierarchical combine's domain sum: combine 529 -> 729 us at 2x1, 2 x H200).
+// instruction (docs/TUNING.md).
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4 v) {
     const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -35,9 +36,8 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
 // kUnroll, those below num_int4), which load(d, c0, v) loads into v; finish(u, acc) then takes word
 // u's sums (8 floats), right after its last add. The next source's loads are issued before the
 // current source's adds, so two sources' loads are in flight (a loop that added each source before
-// loading the next kept one). One H100, 4096 tokens of 5 rows, 8 SMs: 60 GB/s of reads per SM;
-// the same loop with every sum finished only after the last word's add reached 53, and at 2 rows
-// 45 against 57 (scripts/reduce_rate.cu).
+// loading the next kept one); each word's sums are finished right after its last add (figures:
+// docs/TUNING.md, reducer loads; tools/microbench/reduce_rate.cu).
 template <int kUnroll, class Load, class Finish>
 __device__ __forceinline__ void sum_sources(unsigned mask, int c0, int num_int4, Load&& load, Finish&& finish) {
     float acc[kUnroll][8] = {};

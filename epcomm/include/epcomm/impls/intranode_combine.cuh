@@ -46,20 +46,16 @@ __device__ __forceinline__ int combine_num_returned(const CombineArgs& a, const 
 }
 
 // A combine sender's words per lane in flight. 4 here, but what is in flight is ptxas's choice too:
-// up to 9d043c2 it overlapped the next 4 loads with the stores (~8 in flight), from 3417412 on it
-// does not, and the EP2 combine at 8 sending SMs went from 279-285 to 309-311 us (2 x H200,
-// bench/results/2026-11-24_ep2-combine-bisect_nvidia-h200-x2.txt). 8 (as the dispatch senders) is
-// measured by scripts/multi_gpu_plan.sh STEP=split (variant send8).
+// it once overlapped the next loads with the stores and stopped after a refactor of the reducer.
+// 8 (as the dispatch senders) gained nothing beyond the noise (docs/TUNING.md, combine sender words
+// per lane).
 constexpr int kCombineSendUnroll = 4;
 
-// Rows a combine sender publishes with one fence (PendingFlags). A release per row (st.release.sys) holds the warp
-// until its row's stores are acknowledged across NVLink before it may go on: 4 GPUs storing to each
-// other at 8 SMs a GPU moved 309 GB/s without flags and 260 with one per row (scripts/nvlink_rate.cu).
-// Batched, the warp stalls once per batch, but a receiver sees a row only after the warp's next
-// batch - 1 rows, and a sending warp moves only ~1.5 GB/s (~190 warps share the links). Measured at
-// EP4 (4 x H100, 24 SMs, BF16, 3120115; batch 1 / 2 / 4 / 8): combine 690 / 615 / 617 / 650 us;
-// cached dispatch 581 / 589 / 609 / 658 us (its receivers wait for the rows): its senders keep a
-// release per row.
+// Rows a combine sender publishes with one fence (PendingFlags). A release per row (st.release.sys)
+// holds the warp until its row's stores are acknowledged across NVLink before it may go on. Batched,
+// the warp stalls once per batch, but a receiver sees a row only after the warp's next batch - 1
+// rows, and one warp's share of the links is small. 2 suits the combine; the dispatch, whose
+// receivers wait for the rows, keeps a release per row (docs/TUNING.md, combine rows per flag fence).
 constexpr int kCombineFlagBatch = 2;
 
 struct PendingFlags {

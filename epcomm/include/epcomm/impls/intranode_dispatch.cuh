@@ -72,8 +72,7 @@ struct TokenMeta {
 };
 
 // hold_scales = false for a warp that copies a row between this load and the stores: registers
-// kept through the copy cost it its words in flight (a receiver's copy of its own rows from x ran
-// 1.8x slower, one H100).
+// kept through the copy cost it its words in flight (docs/TUNING.md, FP8 scales in registers).
 __device__ __forceinline__ TokenMeta load_token_meta(const DispatchArgs& a, int t, int lane, bool hold_scales = true) {
     TokenMeta m{-1, 0.f, hold_scales, {}};
     if (a.has_topk && lane < a.num_topk) {
@@ -141,8 +140,7 @@ __device__ __forceinline__ void write_peer_meta(const DispatchArgs& a, uint8_t* 
 // slot there; lane k < K its k-th expert and weight. The loads do not depend on each other, so
 // they are in flight together, and a warp loads its next token's route before copying this one's
 // row: a warp that waited for the destinations, then the slots, then the experts spent about a
-// third of its time on those latencies (one rank, 24 SMs: ~31 GB/s per sending SM against 44 for
-// a bare copy, scripts/copy_rate.cu).
+// third of its time on those latencies (docs/TUNING.md, sender route loads).
 struct TokenRoute {
     bool hit;
     int slot;
@@ -205,9 +203,8 @@ __device__ void dispatch_send(const DispatchArgs& a, const int* s_layout, int64_
             }
         }
         const int4* src = reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.x_bytes);
-        // 8 words per lane in flight, not 4: one H100, one rank, 23 sending SMs: cached BF16
-        // dispatch 94.4 -> 86.2 us (at many SMs the loads wait longer; scripts/copy_rate.cu shows
-        // the same, 37 -> 44 GB/s per SM at 24 SMs). 126 registers, no spills.
+        // 8 words per lane in flight, not 4: at many SMs the loads wait longer, so more bytes in
+        // flight pay, still without spills (docs/TUNING.md; tools/microbench/copy_rate.cu).
         constexpr int kUnroll = 8;
         for (int i = lane; i < x_int4; i += kUnroll * kWarpSize) {
             int4 v[kUnroll];

@@ -68,9 +68,8 @@ __device__ __forceinline__ unsigned step_hits(unsigned bits, int i, int r) {
 // the hits. A pass counts; the block totals meet in `scratch` across a grid barrier, the warp
 // totals in shared memory, which gives each warp its start; a second pass writes the slots. Block 0
 // gets this rank's row of the count matrix (`totals`) and the refusal bits (`refuse`).
-// One block alone (a thread per contiguous chunk of tokens, one token after another) took 16 us at
-// 4096 tokens and 47 at 16384 (one H100): a block streams only some 45 GB/s, and the top-k ids are
-// 64 bytes a token.
+// Spread, because one block alone streams the top-k ids (64 bytes a token) too slowly for large
+// calls (docs/TUNING.md, count scan).
 __device__ void scan_slots(const NotifyArgs& a, int* scratch, int (&s_warp_sums)[kNotifyWarps][kMaxRanks],
                            int* totals, int* refuse) {
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;

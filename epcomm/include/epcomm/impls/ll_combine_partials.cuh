@@ -8,34 +8,17 @@ namespace epcomm {
 namespace ll {
 
 // ------------------------------------------------------------------ combine by partial sums
-// EPCOMM_LL_COMBINE_PARTIALS (1, or auto from 64 tokens a rank), with every peer mapped (the IPC
-// transport), without a receive hook. The expert side sums,
-// per (source, token), weight * row over its own experts of the token and returns one bf16 row
-// per (token, rank), not one per (token, expert): at EP8 with top-8 of 288 experts 5.3 rows a
-// token cross NVLink instead of 8 (-34%), at one rank one instead of 8. The weights are the
-// combine's, so each source first stores, per (token, peer), the list of its pairs there (local
-// expert * N + row, weight; in top-k slot order) into that peer's slot and signals every rank once
-// (itself too: the signal carries the verdict on its inputs; its own pairs it reads from its arrays).
-// The expert side sums in fp32 in that order and rounds to bf16; the source adds its ranks'
-// partials in rank order in fp32. One rank: bitwise the reference's sum; more: within the bf16
-// rounding of each partial (the issue's tolerance for combine).
-// In a slot's combine area (Layout::combine_data, [E][N] rows): partials [R][N] rows (rank r's
-// for token t at [r][t]), then requests [R][N] records of request_bytes (source s's for token t
-// at [s][t], for t below the source's token count, which record [s][0] holds too). A record is
-// tagged, so that the expert side serves each token as its record lands rather than after the
-// source's signal (which a fence and the source's slowest block hold back: at EP4, 128 tokens it
-// came 4.3 us after the median block's records, with NVLink idle meanwhile): a uint64 {pair count,
-// call counter}, 8 bytes unused, then per pair two uint64 {local expert * N + row, counter} and
-// {weight bits, counter}, stored as one 16-byte vector; record [s][0]'s unused 8 bytes: {the
-// source's token count, counter}, stored first (a token past it has no record). Every 64-bit
-// element is single-copy atomic (relaxed, system scope) and carries the call counter's low 32 bits,
-// so an element that shows this call's counter holds this call's value, whatever order the elements
-// land in; nothing else is read through them (the rows summed are this rank's own), so no acquire
-// is needed.
-// Signals: combine_signals[s] (source s's requests, count = its tokens; it carries the verdict on
-// the source's inputs, and is waited for before the partials' signal, long after it came),
-// combine_signals[R + r] (rank r's partials). The host uses the mode only where these fit
-// (partials_fit in backends/cuda/low_latency.py: E >= 2R and R * (2H + request_bytes) <= E * 2H).
+// EPCOMM_LL_COMBINE_PARTIALS (1, or auto from 64 tokens a rank), every peer mapped (the IPC
+// transport), no receive hook. Why: one bf16 row per (token, rank) crosses NVLink, not one per
+// (token, expert): at EP8 with top-8 of 288 experts ~5.3 rows a token instead of 8. The weights are
+// the combine's, so each source first sends each peer request records (its pairs there and their
+// weights, in top-k slot order); the expert side sums in fp32 in that order and rounds to bf16; the
+// source adds the partials in rank order (one rank: bitwise the reference's sum; more: within each
+// partial's bf16 rounding). Each 64-bit element of a record is single-copy atomic (relaxed, system
+// scope) and carries the call counter, so a token is served as its record lands, not after the
+// source's signal (held back by a fence and the slowest block), and needs no acquire (nothing else
+// is read through it). Areas, record format, signals, when the host picks it: docs/DESIGN.md.
+
 // counters (the slot's sent_pairs, 0 between calls): [0] blocks done with their requests, [1] a
 // block saw the caller's topk_idx differ from the dispatch's, [2] blocks done with their partials,
 // [3] bit r set by a block that gave up on source r's requests (timed out, or masked it): blocks
@@ -172,10 +155,8 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     trace_point(a.trace, 0, kTraceWritten);
 
     // A warp's task: kPartialsColumns 16-byte words a lane of one token's partial, whose rows it loads
-    // kPartialsBatch at a time (a token has ~2-3 pairs on a rank at top-8 of 288: few batches). EP4
-    // (4 x H100, b80a093, events / kernel us) at 64, 128, 256 tokens: 2 and 4 rows 34.2/29.6,
-    // 43.7/38.8, 63.1/58.4; 2 and 8 (as the per-expert sums; 16 bytes of spills) 36.9/31.2,
-    // 47.6/40.2, 64.9/59.4; 4 words and 2 rows 39.1/33.6, 45.8/40.5, 63.9/58.5.
+    // kPartialsBatch at a time (a token has ~2-3 pairs on a rank at top-8 of 288: few batches); 2
+    // words and 4 rows beat 2 and 8 (which spills) and 4 and 2 (docs/TUNING.md).
     constexpr int kPartialsColumns = 2, kPartialsBatch = 4, kPartialsSpan = kPartialsColumns * kWarpSize;
     // Partials in rounds: round k serves source (me + k) % R, so in each round every rank writes into
     // another rank's slot (one sender per NVLink ingress; in source-major order all ranks wrote into
@@ -402,9 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs
     receive_partials_role(a, reinterpret_cast<const int64_t*>(a.peers.bufs[a.rank] + kSlotSeqOffset)[a.slot]);
 }
 
-// Both in one cooperative kernel: the sums' waits start as a block's partials
-// are out, not after the send kernel's drain and the receive kernel's start. One H100, one rank,
-// graph combine: 1.2-2.5 us faster than the two kernels at 1-256 tokens (26.8 vs 29.2 us at 128).
+// Both in one cooperative kernel: the sums' waits start as a block's partials are out, not after
+// the send kernel's drain and the receive kernel's start (docs/TUNING.md, fused partials combine).
 __global__ void __launch_bounds__(kThreads, 1) combine_partials_fused(CombineArgs a) {
     receive_partials_role(a, send_partials_role(a));
 }

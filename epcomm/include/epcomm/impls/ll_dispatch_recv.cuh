@@ -127,7 +127,7 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
 // pieces, instead of each unit's group of warps copying its own rows, where the unit with the
 // most rows sets the kernel's end (random top-8 of 288 at 128 tokens: ~11 rows against 3.6 on
 // average, copied by 4 warps while the block's other warps idle). With few rows the wait for
-// every unit's count first costs more than it saves (one H100, one rank: +1.3 us at 1 token).
+// every unit's count first costs more than it saves (docs/TUNING.md, block receive auto).
 __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t seq, const Layout& lay) {
     __shared__ int counts[kMaxFusedGroups][kMaxRanks];
     __shared__ int begins[kMaxFusedGroups];     // the unit's first row in its expert's packed rows
@@ -173,16 +173,13 @@ __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t s
     }
 }
 
-// The block receive of the fused dispatch (dispatch_fused without a mask): the rows spread
-// evenly over the whole grid instead of by (expert, source) unit. Every block waits for all units'
-// counts (the signals arrive within ~1 us of each other at EP4, 128 tokens), numbers their
-// messages' pieces in unit order, and takes an equal contiguous share of them. At EP4, 128 tokens
-// (4 x H100, b28c2ea) the per-unit batches left the last block copying 2.8 us after the median one
-// (phase timeline: received 21.9 median, 24.7 last); spread evenly (d1787213, same run): dispatch
-// 35.5 -> 33.4 us at 128 tokens (kernel 31.0 -> 29.1), 49.4 -> 47.3 at 256, unchanged at 1-64
-// (those take the unit path: EPCOMM_LL_BLOCK_RECEIVE=auto). Blocks must agree on every count,
-// so only without failed-rank masking (a rank masked mid-call reads as 0 to the blocks that look
-// later); a timeout or a shape mismatch gives the call up, whose outputs are invalid anyway.
+// The block receive of the fused dispatch (dispatch_fused without a mask): the rows spread evenly
+// over the whole grid instead of by (expert, source) unit, whose batches left the last block
+// copying well after the median one (docs/TUNING.md, balanced fused receive). Every block waits for
+// all units' counts (they arrive close together), numbers their messages' pieces in unit order and
+// takes an equal contiguous share. Blocks must agree on every count, so only without failed-rank
+// masking (a rank masked mid-call reads as 0 to the blocks that look later); a timeout or a shape
+// mismatch gives the call up, whose outputs are invalid anyway.
 __device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, const Layout& lay) {
     // The send role's per-expert counts (2 E ints of dynamic shared memory) are free now: they
     // hold each unit's count, then, in place, the exclusive prefix of the units' pieces (E + 1).
@@ -261,8 +258,8 @@ __device__ __forceinline__ bool payload_pending(const int4& v, int q, int data_i
     return pending;
 }
 
-// Between two polls of a word not there yet: a short sleep (the words land over ~10 us; polling
-// them all back to back would load L2 with several TB/s while NVLink writes into it), and the
+// Between two polls of a word not there yet: a short sleep (the words land over several
+// microseconds; polling them all back to back would flood L2 while NVLink writes into it), and the
 // checks of wait_signal every 16th time. False: give up (reported; the call is incomplete).
 struct ArrivalWait {
     uint64_t start;
@@ -330,20 +327,11 @@ __device__ void receive_dispatch_arrival(const DispatchArgs& a, const ArrivalMod
         const int part = static_cast<int>(item % parts), src = static_cast<int>(item / parts % R);
         const int t = static_cast<int>(item / parts / R);
         uint8_t* msg = arrival_message(a, m, mine, src, t);
-        // The part's payload words are loaded once the header is here, not before it. They were
-        // loaded first, with the header's first poll, to save a round trip where both were there
-        // at once; but a warp mostly waits for its message (it reaches its item ~2 us into the
-        // kernel, the data lands over the next ~10), so that load found poison and was thrown
-        // away, and once the header came the warp first slept (its backoff, grown to up to 256 ns
-        // while it waited for the header) and then loaded the payload again. Where the senders go
-        // by stride (T above 2/3 of the SMs; at EP4 from 89 tokens) a token's headers follow its
-        // data, so the payload is (nearly all) there with its header. In one call against the
-        // order before (EP4, 128 tokens, 4 x H100; this code as f63236a against 17bc684): eager
-        // dispatch 27.4 / 27.0 us against 27.7 / 28.0, graph 26.6 / 26.3 against 27.5 / 27.2,
-        // replayed-graph kernel 20.2 against 20.6; 256 tokens 36.9 / 36.7 against 37.9 / 37.6
-        // (bench/results/2026-11-27_ep4-ll-poll-ab-*; 1-64 tokens, where the headers go first, were
-        // not in that A/B). A longer backoff (up to 1 us, for header and payload alike: 1f64492)
-        // was slower: 28.1 / 28.3 us.
+        // The part's payload words are loaded once the header is here, not with its first poll: a
+        // warp mostly reaches its item before its message lands, so that early load found poison
+        // and was thrown away, and the warp slept (its grown backoff) before loading again. Where
+        // the senders go by stride a token's headers follow its data, so the payload is (nearly
+        // all) there with its header (docs/TUNING.md, arrival payload loaded after its header).
         const int q_begin = part * per_part, q_end = min(payload_int4, q_begin + per_part);
         auto* payload = reinterpret_cast<int4*>(msg + kArrivalHeaderBytes);
         int4 v[kArrivalPerLane];

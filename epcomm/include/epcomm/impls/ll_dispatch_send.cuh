@@ -46,29 +46,14 @@ struct DispatchArgs {
 };
 
 // ------------------------------------------------------------------ dispatch by arrival
-// A fused dispatch whose signals wait for its data waits for every NVLink store of the GPU: a
-// fence_sys issued while stores are in flight completes only when all of them have landed (EP4,
-// 128 tokens, 4 x H100: every block's signal left at 15.6 us, its own stores issued by 7.6 us
-// median), so the receivers could only start copying then (17.1 us) and ended ~4 us later. By
-// arrival, the receivers tell data from what was there before by its bits instead, and copy each
-// piece as it lands, while the rest is in flight:
-// * messages go to an area of their own (arrival_base: in the dispatch area, after the messages
-//   and index of the counted path), [R][N] of arrival_msg_bytes: a header of K tagged words (per
-//   top-k slot: its local expert and row at this rank, or none; every token t < N gets one at every
-//   rank, so the receiver knows which messages come), then the FP8 data and the fp32 scales;
-// * a payload word not yet written holds the poison 0xffffffff: no FP8 data word is four 0xff
-//   bytes (0xff is e4m3's negative NaN, which the satfinite cast never makes; send_unit replaces it
-//   all the same) and no fp32 scale is a negative NaN (the scale is a positive max);
-// * the counts need no data before them: every block knows every expert's count once it has
-//   counted the pairs, so they leave at once, with one relaxed store each;
-// * each payload word has one reader (a warp per part of a message copies it into every row its
-//   header names), which stores the poison back once it has copied it, before the acknowledgement
-//   that lets the slot's next call write there.
-// The area holds the poison from the first call of its shape on: the slot's arrival key says
-// whether it does (arrival_key_word); a call that finds it unset runs the counted path and poisons
-// the area at the end of its receive. Its signals flip the shape tag's top bit, so a rank that
-// went the other way (a cooperative launch refused on one rank only) is reported as a call of
-// another shape, not waited for.
+// Why: a signal after the data needs a fence_sys, which completes only once every NVLink store of
+// the GPU has landed, so the receivers would start copying late. By arrival, they tell data from
+// what was there before by its bits (the poison 0xffffffff, which no FP8 data word or positive fp32
+// scale is; send_unit replaces a data word that would be one) and copy each piece as it lands; the
+// counts leave at once. Each payload word has one reader, which stores the poison back before the
+// acknowledgement. A call that finds its area unpoisoned (arrival_key_word) goes counted and
+// poisons it; its signals flip the shape tag's top bit, so a rank that went the other way (a
+// cooperative launch refused on one rank only) is reported, not waited for. Layout: docs/DESIGN.md.
 constexpr int kArrivalHeaderBytes = 128;  // K <= 16 tagged words, then the payload on a 128-byte line
 constexpr uint32_t kPoison = 0xffffffffu;
 constexpr uint32_t kNoDestination = 0xffffffffu;  // a header word's entry for a slot not at this rank
@@ -174,8 +159,7 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
         if (offset16 < 0) continue;
         uint8_t* msg = bufs[ranks[k]] + static_cast<int64_t>(offset16) * 16;
         if (a.mode.fp8) {
-            // (16 bytes a lane, two lanes' words each, measured no faster: 33.8 / 44.2 us at EP4,
-            // 128 tokens, against 33.7 / 45.1; bench/results/*-ll-paired-fp8-stores-35de328*)
+            // (16 bytes a lane, two lanes' words each, measured no faster: docs/TUNING.md, FP8 stores)
             if (v0) reinterpret_cast<uint2*>(msg)[i0] = q0;
             if (v1) reinterpret_cast<uint2*>(msg)[i1] = q1;
             if (whole_unit) {
@@ -199,17 +183,15 @@ __device__ __forceinline__ void send_unit(const DispatchArgs& a, uint8_t* const*
 }
 
 // Messages are token-major: a token's data crosses to a rank once, whatever number of that rank's
-// experts it picked, into the rank's message [me][t] (dispatch area: [R][N] messages of msg_bytes),
-// and each of its pairs names it by the token in the rank's index [E_local][R][N] (int32, after the
-// messages: index_entry), at the pair's row. The receiver copies row i of (local expert, source)
-// from message [source][index[local expert][source][i]]. Dense, the messages of one source fill
-// ~N x 7 KB of a peer's buffer, where a message per (expert, row) spread them over E_local blocks of
-// N rows each (a 2 MB page for every expert or two: one address translation each on both sides).
-// Where the messages [R][N] start: the dispatch area's start, rounded up to message_align. At 128 (with
-// messages of a multiple of 128 bytes), every 512-byte unit of FP8 data a warp stores fills whole
-// 128-byte lines over NVLink, where 16-byte alignment split each into three partial ones
-// (scripts/nvlink_rate.cu, 4 x H100: 128-byte strides pushed 4% faster; the normal mode's
-// dispatch went 588 -> 567 us with its rows aligned so, b28c2ea). Buffers are 256-byte aligned.
+// experts it picked, into message [me][t] of the rank's dispatch area ([R][N] of msg_bytes); each of
+// its pairs names it in the rank's index [E_local][R][N] (int32, after the messages: index_entry) at
+// the pair's row; the receiver copies row i of (local expert, source) from message
+// [source][index[local expert][source][i]]. Dense, one source's messages span far fewer 2 MB pages
+// of a peer's buffer (address translations on both sides) than a message per (expert, row) would.
+// Where the messages [R][N] start: the dispatch area's start, rounded up to message_align. At 128
+// (messages of a multiple of 128 bytes), a warp's 512-byte unit of FP8 data fills whole 128-byte
+// lines over NVLink, not three partial ones (docs/TUNING.md, message alignment). Buffers are
+// 256-byte aligned.
 __device__ __forceinline__ int64_t messages_base(const DispatchArgs& a, const Layout& lay) {
     return (lay.data + a.message_align - 1) / a.message_align * a.message_align;
 }
@@ -320,23 +302,13 @@ __device__ __forceinline__ int send_units_per_token(const DispatchArgs& a) {
 }
 
 // Which blocks send which tokens. A block that has stored its messages cannot receive until they
-// have left: its loads wait behind its stores in flight over NVLink (EP4, 128 tokens, 4 x H100,
-// 85601d4: blocks with tokens read the counts at 15.2 us, ~5 us after their last store, the
-// blocks without at 5.0). So by arrival, where 2/3 of the grid hold every token (or part of one),
-// the blocks from `senders` on send nothing and receive while the data lands (4 x H100, 3018f36,
-// against the counted path: 22.3 -> 20.8 us at 1 token, 25.4 -> 22.1 at 32, 27.6 -> 25.6 at 64);
-// with more tokens every block sends a token and then receives (128 tokens: 32.7 -> 31.3 us, 256:
-// 45.8 -> 43.9, 85601d4). Counted, every block sends. Each rank plans its own (T differs).
-// With more tokens, a.send_blocks (the host's: a third of the SMs, or EPCOMM_LL_DISPATCH_SENDERS)
-// send and sender b owns tokens b, b + senders, b + 2 senders, ... (`stride`), so that every rank's
-// tokens land in about token order (each SM's stores drain in the order it issued them) and the
-// receivers, which take messages in token order, copy each one while later ones are in flight.
-// (Contiguous ranges of two or three tokens a sender, read in source order, had cost more than the
-// early copies gained: 256 tokens, 45.5 -> 51.5 us.) Senders swept in one call (EP4, 4 x H100,
-// 6818d0b, eager / graph us; every block sending: 128 tokens 31.1 / 30.4, 256 44.4 / 44.8): 88
-// senders 33.2 / 32.4 and 46.8 / 46.1 (44 receivers are too few), 66 30.3 / 29.7 and 40.4 / 40.3,
-// 44 30.8 / 29.2 and 40.5 / 40.1, 33 31.5 / 31.0 and 39.8 / 39.7
-// (bench/results/2026-11-27_ep4-ll-senders-sweep-*).
+// have left: its loads wait behind its stores in flight over NVLink. So by arrival, where 2/3 of the
+// grid hold every token (or part of one), the blocks from `senders` on send nothing and receive
+// while the data lands. With more tokens, a.send_blocks (the host's: a third of the SMs, or
+// EPCOMM_LL_DISPATCH_SENDERS) send, sender b owning tokens b, b + senders, ... (`stride`): every
+// rank's tokens land in about token order (an SM's stores drain in issue order), so the receivers,
+// taking messages in token order, copy each while later ones are in flight. Counted, every block
+// sends. Each rank plans its own (T differs). Figures: docs/TUNING.md, arrival senders.
 // Unasked (EPCOMM_LL_DISPATCH_SENDERS auto), the senders of a dispatch by arrival on `grid` blocks:
 // 2/3 of them up to that many tokens (a token or part of one each), beyond it the other third (each
 // every n-th token). One rule for send_plan and for the host, which sizes the senders' shared counts.
@@ -462,11 +434,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // Experts no pair chose get their (empty) signal now, from one block each: no data to wait for,
     // so it travels while the messages are written. By arrival, every expert's count does. Where
     // some blocks only receive, they store these (and the missing tokens' headers below), so that a
-    // sender's first NVLink stores are its data (a block's loads wait behind its stores in flight).
-    // With the call counters read by warp 0 (above), at 66 senders (EP4, 128 tokens, 4 x H100):
-    // graph dispatch 28.2 / 27.6 us against 28.7 / 29.1 (cb953a7 vs 6818d0b), its `ready` 1.9 us
-    // against 2.7. (A sender's data then started ~3 us after its counts: its rows and plan passes
-    // below, not these stores.)
+    // sender's first NVLink stores are its data (a block's loads wait behind its stores in flight;
+    // docs/TUNING.md, empty experts' signals).
     const int grid = static_cast<int>(gridDim.x);
     const int signal_blocks = plan.senders < grid ? grid - plan.senders : grid;
     const int signal_block = plan.senders < grid ? b - plan.senders : b;  // < 0: none here
@@ -545,10 +514,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     // Each of the block's tokens' header at each rank (part 0 of the token). Where send_plan does not
     // split (T above 2/3 of the grid: no receive-only blocks read the messages as they land, only
     // the few blocks without a token when T < grid), after the data: a block that sent reads no
-    // header before its own stores have landed, and the data is what the kernel waits for.
-    // (The header stores before the data held the median block 3.0 us between its rows and its
-    // first data store; after it: EP4, 128 tokens, 4 x H100, graph dispatch 29.8 / 29.9 us against
-    // 30.8 / 30.8, kernel 23.5 us against 25.1, bench/results/2026-11-27_ep4-ll-headers-last-*.)
+    // header before its own stores have landed, and the data is what the kernel waits for
+    // (docs/TUNING.md, headers after the data).
     // A sender of tokens by stride (receivers copy the first while the later are in flight) stores
     // each token's headers after that token's data instead: the warp that sent its last unit.
     const bool headers_last = plan.senders >= grid && stride == 1;
@@ -620,8 +587,8 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
         if (e < 0) continue;
         // The count releases this block's stores of the message (before the barrier) at GPU scope
         // and acquires the earlier writers'; the last writer's fence_sys below then releases all of
-        // them to the peer (causality is transitive across the two scopes). A fence_sys per pair
-        // instead cost 1 us a dispatch at T=128 (one H100). Each part of a token counts its pairs.
+        // them to the peer (causality is transitive across the two scopes), one fence_sys for all
+        // (one per pair costs more: docs/TUNING.md). Each part of a token counts its pairs.
         if (atomic_add_acq_rel_gpu(a.sent_pairs + e, 1) != total[e] * parts - 1) continue;
         a.sent_pairs[e] = 0;
         const int dst = e / experts_per_rank;

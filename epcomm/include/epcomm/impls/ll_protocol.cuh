@@ -35,24 +35,13 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, Arrival
 
 // The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
 // call to every rank, so their next sends into this slot may start: the receive of a call with a
-// hook. A call without one (`deferred`: the fused kernels, or send and receive kernels launched
-// together) acknowledges nothing here: its next call does (pay_owed_acks), so what follows is about
-// hook receives alone; the by-arrival paths (fused only) always defer.
-// A GPU-scope fence, on purpose: an ack publishes no data that a peer reads (every path was
-// checked: the receives only read their own slot; the self-ack is read on this GPU; Net::signal
-// acks carry nothing), it tells a peer that this rank's loads of the slot are done, so that the
-// peer may overwrite it. (A dispatch by arrival stores the poison back into its own arrival area,
-// and a peer's next payload must land after it: with a GPU-scope fence that held on the hardware,
-// not by the PTX model; it is deferred now, where the kernel's end orders it.) The loads are done
-// because every one of them fed a store, an address or a branch issued before the
-// block's barrier, so it has returned its value; the count orders every block's barrier
-// before the acks. This relies on that hardware behaviour, not on the PTX model (a gpu-scope fence
-// does not synchronize with a peer's ld.acquire.sys): a slot load added later whose value is not
-// consumed before the barrier (a prefetch, an unawaited bulk copy) would need the fence_sys back.
-// The fence_sys also waited for the receive's output stores to reach system scope, which no peer
-// reads: at EP4, 128 tokens (4 x H100, 7459464) the last block ended 1.3 us (dispatch) and 2.4 us
-// (combine) earlier without it, a graph step 67.4 -> 64.6 us (timings of the fused kernels,
-// before they deferred their acknowledgements).
+// hook. A call without one (`deferred`: the fused kernels, send and receive kernels launched
+// together, every by-arrival path) acknowledges at its next call instead (pay_owed_acks).
+// A GPU-scope fence, on purpose: an ack publishes no data a peer reads, it only says that this
+// rank's loads of the slot are done. They are: each fed a store, an address or a branch issued
+// before the block's barrier, and the count orders every barrier before the acks. That relies on
+// the hardware, not the PTX model: a slot load not consumed before the barrier (a prefetch, an
+// unawaited bulk copy) would need fence_sys back (docs/DESIGN.md, flow control).
 __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, int slot, int64_t acks, int64_t seq,
                                    const int* mask, bool deferred) {
     if (deferred) return;
@@ -69,31 +58,13 @@ __device__ void finish_recv_kernel(const Peers& peers, int num_ranks, int me, in
     }
 }
 
-// Deferred acknowledgements. A call without a hook (phase 0: the fused kernel, or its send and
-// receive kernels one after the other) does not acknowledge its slot at its end: the first kernel
-// of the buffer's next call does (every call's first kernel calls this). That kernel starts after
-// this call's kernels have ended (calls of a buffer are ordered on the GPU: the call counters
-// already rely on it), so every load of the slot has returned and every store of the call (the
-// arrival area's poison among them) has been performed: a stronger order than the fences of
-// finish_recv_kernel, for none of their cost.
-// Who waits longer: a peer's call that reuses the slot now waits for this rank's next call to
-// start, not for this one to end. With alternating slots that next call starts before the slot's
-// next user, so nobody waits; a captured graph of one call replayed (one slot, every replay) makes
-// a peer's next replay wait for this rank's next replay to start, where it also waits for its data.
-// Nor can it deadlock, where the payer pays before it waits for anything: a call waits for the acks
-// of the slot's previous call, two calls before it (paid by the peers' previous calls), or one
-// before it in that graph (paid by the peers' payers of this call, which wait for nothing first).
-// Block 0's first warp pays: where a kernel's blocks are not all resident at once (a non-cooperative
-// combine_send with more units than fit), this assumes block 0 is among the first to run, as the
-// hardware schedules blocks in index order (the CUDA model does not promise it; a kernel of more
-// blocks than fit whose first blocks wait for a peer's payer could otherwise stall until the
-// timeout). The payer loads the words beside the counters its kernel reads first (a line of the
-// buffer's header) and the mask; every other block goes on at once. The end of the call
-// saves a barrier, a fence and an atomic per block, and the last block's stores to every peer,
-// which the kernel's end waits for (EP4, 128 tokens, 4 x H100: a probe without the finish,
-// c755d5f, took the dispatch kernel from 20.6 to 19.3 us; deferring them gave the dispatch
-// 25.0-26.2 us eager against 26.0-27.2 in the same calls). A call with a hook acknowledges at the
-// end of its receive, as before: the hook may run after later calls.
+// Deferred acknowledgements: a call without a hook does not acknowledge its slot at its end; the
+// first kernel of the buffer's next call does (every call's first kernel calls this). That kernel
+// starts after this call's kernels ended (a buffer's calls are ordered on the GPU), so every load
+// of the slot has returned and every store (the arrival area's poison too) has been performed: a
+// stronger order than finish_recv_kernel's fences, at none of their cost. It cannot deadlock, as
+// the payer pays before it waits for anything; block 0's first warp pays, which assumes block 0
+// runs among the first where not all blocks are resident (docs/DESIGN.md, flow control).
 // By lane r < R of the calling warp (the whole warp calls); lane 0 clears the word before its
 // block arrives in finish_send_kernel, whose last block then sets it for this call.
 static_assert(kMaxRanks <= kWarpSize, "pay_owed_acks signals a rank a lane");
@@ -133,9 +104,8 @@ __device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int s
 // Wait for a block's signal of call `seq`; returns its count, or -1 when the source was (or, on
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
 // `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
-// relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land
-// (the counts, sent before the data, read as arriving at 15.3 us of a 20.5 us dispatch, EP4, 128
-// tokens, 4 x H100, cdab994).
+// relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land,
+// so the counts, sent before the data, would be read only after it (docs/TUNING.md).
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
                            int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
     const uint64_t start = global_timer_ns();

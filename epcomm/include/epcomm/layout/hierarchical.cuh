@@ -20,8 +20,8 @@ constexpr int kMaxDomains = 16;
 constexpr int kMaxChunks = 16;      // per region
 constexpr int kMaxLocal = kMaxRanks;  // ranks per domain
 constexpr int kMaxForwarders = 160;
-// Threads per block. The combine's blocks are bound by bytes in flight per SM: 32 warps (combine
-// 642 -> 557 us on 2x1 against 16) take a whole SM's registers. The dispatch kernel keeps 16 warps
+// Threads per block. The combine's blocks are bound by bytes in flight per SM: 32 warps (faster than
+// 16: docs/TUNING.md) take a whole SM's registers. The dispatch kernel keeps 16 warps
 // (no measured gain from 32) so that its blocks can share an SM with the caller's compute kernels.
 constexpr int kDispatchThreads = 512;
 constexpr int kCombineThreads = 1024;

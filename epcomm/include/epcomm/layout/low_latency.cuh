@@ -45,12 +45,10 @@ __device__ __forceinline__ bool signal_of_call(int64_t v, int64_t seq) {
 constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
-// Their blocks resident per SM. They launch one block per (local expert, source): E blocks, 288 in
-// the benchmark's setting. Left free, nvcc gives them 104-126 registers a thread, which fits 2
-// blocks per SM: 264 on 132 SMs, so the last 24 blocks run as a second wave, adding a block's whole
-// latency (wait, copy, fence, signal) to the kernel. The IPC build fits 3 blocks (80 registers, no
-// spills in ptxas -v): 396. The NVSHMEM build's put paths need more registers: at 80 they spill
-// (40 / 24 bytes in combine_send / dispatch_recv), so it keeps 2 until the two are measured.
+// Their blocks resident per SM. They launch one block per (local expert, source): E blocks. Left
+// free, nvcc's register count fits 2 blocks per SM, so a typical E needs a second wave, which adds a
+// block's whole latency (wait, copy, fence, signal). The IPC build fits 3 without spills; the NVSHMEM
+// build's put paths spill at that register count, so it keeps 2 (docs/TUNING.md, unit blocks per SM).
 constexpr int kUnitBlocksPerSm = Net::kRemote ? 2 : 3;
 constexpr int kUnitThreads = kUnitWarps * kWarpSize;
 constexpr int kMaxFusedGroups = 8;             // warp groups of the fused dispatch's receive role (2 warps each)
@@ -64,11 +62,10 @@ __device__ __forceinline__ void give_up(int* gave_up) {
     atomicExch(gave_up, 1);
 }
 
-// Phase timeline of a call (scripts/ll_profile.py): with a trace array, thread 0 of every block
-// stores the global timer at each point it passes, after the barrier that ends the phase (and,
-// at kTraceSm, not a time: its SM). A
-// call's two kernels write planes 0 (send; the whole fused dispatch) and 1 (receive). Off (null)
-// in every normal call: one untaken branch per point.
+// Phase timeline of a call (tools/profile/ll_profile.py): with a trace array, thread 0 of every
+// block stores the global timer at each point it passes, after the barrier that ends the phase (and,
+// at kTraceSm, not a time: its SM). A call's two kernels write planes 0 (send; the whole fused
+// dispatch) and 1 (receive). Off (null) in every normal call: one untaken branch per point.
 constexpr int kTracePoints = 15, kTraceBlocks = 4096;
 enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the dispatch's send phases; 14 no time
     kTraceStart = 0,
@@ -115,7 +112,8 @@ struct Peers {
     uint8_t* bufs[kMaxRanks];  // each rank's buffer as mapped here; null: reached through Net (remote)
 };
 
-// Net (defined by the including file) carries data and signals to remote peers:
+// Net (transport/ipc.cuh or transport/nvshmem.cuh, whichever the library includes) carries data
+// and signals to remote peers:
 //   kRemote                                   whether it can (false: every peer is mapped)
 //   put_warp / put_block(dst, src, bytes, pe) non-blocking copy of local `src` to `pe`'s copy of the
 //                                             symmetric address `dst` (this rank's own), by a warp / block
