@@ -274,8 +274,8 @@ def test_hierarchical_saves_inter_bytes_and_node_limit_saves_more():
     assert limited < uniform
 
 
-def test_8xh200_flat_ceiling_matches_benchmark_md():
-    # BENCHMARK.md: the local 1/R share does not cross NVLink, so the logical ceiling is 394 * R/(R-1).
+def test_8xh200_flat_ceiling_matches_logical_ceiling():
+    # docs/PERFORMANCE.md, Method: the local 1/R share does not cross NVLink, so the logical ceiling is 394 * R/(R-1).
     for name, num_ranks in (("8xh200", 8), ("4xh200", 4)):
         topology = dataclasses.replace(preset(name), intra=Tier(394.0, 0.0))
         flat = estimate("flat", topology, Workload(), slowest_rank=False)
@@ -489,7 +489,7 @@ def test_seed004_allgather_896_mb_6_8_ms():
     # "allgather： 2 * 4096 * 7168 * sizeof(BF16) = 112 MB，112 MB * 8 = 896 MB。"
     # "allgather：SPC 版本，896 MB / 128.6 GB/s = 6.8 ms；DMA 版本：896 MB / 88 GB/s = 9.9 ms。"
     # 128.6 GB/s is an algorithm bandwidth (gathered bytes incl. the own share / time), the same
-    # convention as BENCHMARK.md's logical bandwidth, so the per-link figure is 128.6 * 7/8.
+    # convention as the benchmark's logical bandwidth, so the per-link figure is 128.6 * 7/8.
     workload = Workload(num_tokens=2 * 4096, hidden=7168, dispatch_dtype="bf16")
     for logical, expected_ms in ((128.6, 6.8), (88.0, 9.9)):
         link = link_gbps_from_logical(logical * GIB_PER_S / 1e9, 8)
@@ -616,7 +616,7 @@ def test_cli_module_entry_point_and_torch_free_import(tmp_path):
 
 def test_per_expert_messages_by_hand():
     """The low-latency layout (a message per (token, expert)) against flat's one per (token, rank), EP8
-    decode: 128 tokens, top-8 of 288, FP8 H=7168 (BENCHMARK.md's low-latency setting)."""
+    decode: 128 tokens, top-8 of 288, FP8 H=7168 (the benchmark's low-latency setting)."""
     topology = preset("8xh200")
     work = Workload(num_tokens=128, hidden=7168, num_topk=8, num_experts=288)
     report = plan(topology, work, strategies=["per_expert", "flat"], slowest_rank=False)
@@ -624,7 +624,7 @@ def test_per_expert_messages_by_hand():
     message = 7168 + 56 * 4 + 16
     assert ll.dispatch.link_bytes["intra"] == pytest.approx(128 * 8 * 7 / 8 * message)
     assert ll.combine.link_bytes["intra"] == pytest.approx(128 * 8 * 7 / 8 * 7168 * 2)
-    assert ll.dispatch.logical_bytes == pytest.approx(128 * 8 * message)  # BENCHMARK.md: per (token, expert)
+    assert ll.dispatch.logical_bytes == pytest.approx(128 * 8 * message)  # the benchmark counts per (token, expert)
     # A token reaches 5.29 of 8 ranks: a message per rank moves a third less.
     share = flat.dispatch.link_bytes["intra"] / ll.dispatch.link_bytes["intra"]
     assert share == pytest.approx(5.29 / 8 * (message - 16) / message, abs=0.01)

@@ -1,4 +1,4 @@
-"""``epcomm.bench``: the benchmark of BENCHMARK.md, checked against a single-process reference.
+"""``epcomm.bench``: the benchmark (method in docs/PERFORMANCE.md), checked against a single-process reference.
 
 Run ``python -m epcomm.bench`` (or ``epcomm bench`` / ``epcomm-bench``). Modules by role:
 ``options`` (command line), ``workloads`` (cases, routing and inputs), ``checks`` (the reference),

@@ -15,7 +15,7 @@ Three parts, each computed from the records the run produced:
    compared with the NCCL collective that performs exactly that strategy's movement
    (``all_to_all_single`` for the flat all-to-all, ``all_gather_into_tensor`` and
    ``reduce_scatter_tensor`` for allgather). Two topologies are used for the run's own rank count:
-   the BENCHMARK.md ceilings (one cudaMemcpy peer copy, 394 GB/s, 3 us per hop), and calibrated
+   the H200 ceilings of docs/PERFORMANCE.md (one cudaMemcpy peer copy, 394 GB/s, 3 us per hop), and calibrated
    ones whose rate and fixed cost come from ``runner.probe_ceilings``: two-point fits at blocks
    bracketing the compared sizes (4 and 256 MiB), of the per-peer NCCL send/recv ("link") or of
    the phase's own collective ("coll."), never from the times being compared. The
@@ -111,11 +111,11 @@ COLLECTIVES = {("alltoall", "dispatch"): "all_to_all_single", ("alltoall", "comb
 
 
 def benchmark_topology(num_ranks: int):
-    """One domain of ``num_ranks`` H200 with BENCHMARK.md's ceilings (the 8xh200 preset resized), collectives only."""
+    """One domain of ``num_ranks`` H200 at its measured ceilings (the 8xh200 preset resized), collectives only."""
     from ..planner import preset
 
     base = preset("8xh200")
-    return dataclasses.replace(base, name=f"{num_ranks}xh200 BENCHMARK.md ceilings", gpus_per_domain=num_ranks,
+    return dataclasses.replace(base, name=f"{num_ranks}xh200 ceilings", gpus_per_domain=num_ranks,
                                hbm_gbps=None, description="")
 
 
@@ -149,7 +149,7 @@ CALIBRATIONS = (
     # key, label
     ("link", "link"),  # one link rate for the topology: the measured per-peer NCCL send/recv rate
     ("collective", "coll."),  # the large-message ceiling of the collective that implements the phase
-    ("preset", "preset"),  # BENCHMARK.md ceilings, no measurement of this run
+    ("preset", "preset"),  # the H200 ceilings of the 8xh200 preset, no measurement of this run
 )
 
 
@@ -235,7 +235,7 @@ def format_comparison(rows: list[dict[str, Any]], probe: dict[str, Any], pg_back
         return lines
     if not rows:
         return lines + ["  no normal-mode record to compare"]
-    lines.append("  preset = BENCHMARK.md ceilings (394 GB/s one-way cudaMemcpy peer copy, 3 us per hop)")
+    lines.append("  preset = the H200 ceilings (394 GB/s one-way cudaMemcpy peer copy, 3 us per hop)")
     if probe.get("link_gbps"):
         lines.append(f"  measured here ({probe['method']}):")
         lines.append(f"  link  = per-peer NCCL send/recv: {probe['link_gbps']:.1f} GB/s per direction + "

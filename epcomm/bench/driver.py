@@ -3,7 +3,7 @@
 The ranks are one ``LocalCluster`` (NCCL on all GPUs, or gloo CPU processes) kept alive for the
 whole run, so start-up is paid once. Each case is one ``cluster.run``, which lets the driver print
 a progress line per configuration as it finishes. NVLink multicast is disabled in the ranks
-always: it must stay off on the GPU machines (BENCHMARK.md) and is irrelevant elsewhere.
+always: it must stay off on the H200 hosts (docs/PERFORMANCE.md, Method) and is irrelevant elsewhere.
 """
 
 from __future__ import annotations

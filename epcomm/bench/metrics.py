@@ -1,4 +1,4 @@
-"""Byte counts and the slowest-rank rule of BENCHMARK.md, kept apart so they can be tested by hand.
+"""Byte counts and the slowest-rank rule of the benchmark, kept apart so they can be tested by hand.
 
 The counts are DeepEP's own (tests/test_intranode.py and tests/test_low_latency.py), so numbers
 printed here compare directly with the peers table. They count *logical* bytes: the rows a rank

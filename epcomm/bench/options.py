@@ -1,8 +1,9 @@
 """Command-line options of ``python -m epcomm.bench``.
 
-Defaults depend on the machine: with CUDA GPUs they are the settings of BENCHMARK.md (all GPUs,
-DeepSeek-V3 shapes, 20 warm-ups and 50 timed calls); without, 4 gloo processes on a problem small
-enough to finish in well under a minute on two cores, so the same command is a quick smoke test.
+Defaults depend on the machine: with CUDA GPUs they are the settings of the benchmark's method
+(docs/PERFORMANCE.md: all GPUs, DeepSeek-V3 shapes, 20 warm-ups and 50 timed calls); without, 4
+gloo processes on a problem small enough to finish in well under a minute on two cores, so the
+same command is a quick smoke test.
 Every error names the option at fault.
 """
 
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, help=f"timed calls; the median is reported {d('iters')}")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="epcomm Buffer backend [auto]")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the routing [0]")
-    p.add_argument("--json", metavar="PATH", help="write the records (BENCHMARK.md format) to PATH")
+    p.add_argument("--json", metavar="PATH", help="write the records (JSON, keys in docs/PERFORMANCE.md) to PATH")
     p.add_argument("--commit", metavar="SHA",
                    help="commit id to record [git rev-parse HEAD (+modified when tracked files differ), or "
                         "'unknown' outside a checkout]; for runs made from a copy of the tree without .git")

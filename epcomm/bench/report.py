@@ -1,4 +1,4 @@
-"""Results: per-case records in the format of BENCHMARK.md, the printed table and the JSON file.
+"""Results: per-case records (keys in docs/PERFORMANCE.md, Method), the printed table and the JSON file.
 
 A record's times are the slowest rank's medians; its bandwidths are that rank's bytes over its
 time (see ``metrics.slowest_rank``). Per-rank times are kept as extra keys so a straggler shows.
@@ -17,7 +17,7 @@ from .. import _env
 from . import metrics
 from .workloads import Case
 
-# The keys BENCHMARK.md requires, in its order; records carry extra keys after them.
+# Every record's first keys, in this order; records carry extra keys after them.
 RECORD_KEYS = ("mode", "impl", "num_ranks", "num_domains", "num_tokens", "hidden", "num_topk", "num_experts",
                "num_sms", "dispatch_dtype", "dispatch_us", "dispatch_gbps", "combine_us", "combine_gbps",
                "inter_domain_gbps", "buffer_bytes", "checked", "device", "commit", "date")
@@ -71,7 +71,7 @@ def fmt_gbps(value: float) -> str:
 
 def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit: str, date: str,
                 timer: str) -> dict[str, Any]:
-    """One BENCHMARK.md record from the ranks' results of ``case``."""
+    """One record from the ranks' results of ``case``."""
     num_ranks = len(per_rank)
     failures = [f for r in per_rank for f in r["failures"]]
     d_us, d_gbps, d_rank = metrics.slowest_rank([r["dispatch_s"] for r in per_rank],

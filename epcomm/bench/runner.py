@@ -547,7 +547,7 @@ def _alpha_beta(sizes: tuple[int, int], seconds: tuple[float, float]) -> tuple[f
 
 
 def probe_ceilings(block_bytes: tuple[int, int] = (4 * 2**20, 256 * 2**20), iters: int = 20) -> dict[str, Any]:
-    """Measured link properties the planner is calibrated with (GPU/NCCL only), BENCHMARK.md style.
+    """Measured link properties the planner is calibrated with (GPU/NCCL only), measured as the benchmark measures.
 
     Each primitive is timed (median, CUDA events, as the benchmark times everything) with blocks of
     two sizes that bracket every size the benchmark compares (it moves 7 to 117 MB per rank at

@@ -1,4 +1,4 @@
-"""Per-rank timing of one collective call, the way BENCHMARK.md measures it.
+"""Per-rank timing of one collective call, as the benchmark's method has it (docs/PERFORMANCE.md).
 
 GPU: CUDA events around each call, with L2 flushed before every timed call (a 256 MB write), so a
 call never finds the previous call's data in cache. The GPU then spins for a while before the

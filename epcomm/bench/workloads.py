@@ -3,7 +3,7 @@
 Inputs are a pure function of (seed, rank, shape), so every rank can rebuild every other rank's
 inputs and check its own outputs against a single-process reference without any extra
 communication. This is a bench-local copy of the builder in tests/routing.py (the package must not
-import from tests/), restricted to the routing BENCHMARK.md prescribes: scores ~ U(0, 1), top-k.
+import from tests/), restricted to the benchmark's routing: scores ~ U(0, 1), top-k.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def make_pattern_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: in
 
 def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_topk: int,
                   num_domains: int = 1, num_groups: int | None = None) -> torch.Tensor:
-    """Random routing of BENCHMARK.md: per token, the top-k of U(0, 1) scores over all experts.
+    """The benchmark's random routing: per token, the top-k of U(0, 1) scores over all experts.
 
     Node-limited (DeepSeek-V3's group-limited gating) with ``num_groups``: the experts are split
     into ``num_domains`` groups, one per scale-up domain; each token keeps the ``num_groups`` groups
@@ -154,7 +154,7 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                with_deep_ep: bool = False, ranks_per_domain: int = 0, num_groups: int | None = None) -> list[Case]:
     """Cases in run order: for each shape, the baselines first, then epcomm per SM count, dtype and strategy.
 
-    Low-latency dispatch is FP8 as BENCHMARK.md prescribes, whatever ``dtypes`` says; strategies
+    Low-latency dispatch is FP8, as the benchmark's method has it, whatever ``dtypes`` says; strategies
     apply to normal mode only (the allgather baseline runs when ``allgather`` is among them).
     """
     for strategy in strategies:

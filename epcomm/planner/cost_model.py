@@ -28,7 +28,7 @@ Strategies (rows per rank per tier; the local copy of a token moves over no link
     message per (token, rank) moves (epcomm's dispatch, and its combine by partial sums,
     ``EPCOMM_LL_COMBINE_PARTIALS``: auto from 64 tokens a rank).
     Latency: one hop. Its logical
-    bytes follow BENCHMARK.md's low-latency metric (per pair: ``T K (b + 16)``, ``T K 2H``). Buffer:
+    bytes follow the benchmark's low-latency count (per pair: ``T K (b + 16)``, ``T K 2H``). Buffer:
     ``Config``'s ``low_latency_size_hint`` (a receive area for every expert's worst case, two slots).
     Estimated only when asked for (``strategies=``), not among the defaults.
 
@@ -47,13 +47,13 @@ link bytes with at most ``max_comm_sms`` SMs of ``sm_copy_gbps`` each. These are
 the top-k ids and weights are not counted. Measured kernels land below them (DeepEP V1 on the
 8xH200 machine reaches 324 of the ideal ~450 GB/s).
 
-Slowest rank (BENCHMARK.md reports it): the rows a rank receives on a tier are a sum of
+Slowest rank (the benchmark reports it, docs/PERFORMANCE.md, Method): the rows a rank receives on a tier are a sum of
 independent Bernoulli trials, ``Binomial(n, p)``; the expected maximum over R ranks is about
 ``mean (1 + z_R sqrt((1-p)/(n p)))`` with ``z_R`` the expected maximum of R standard normals
 (Blom's approximation). Matters at decode sizes (T=128 at EP4-8: +2-3%), ~0.5% at T=4096. On
 shared links the per-tier maxima are added, which slightly overstates the slowest rank.
 
-Logical bandwidth follows BENCHMARK.md for every strategy: the bytes of ``recv_x`` on a rank
+Logical bandwidth follows the benchmark's method for every strategy: the bytes of ``recv_x`` on a rank
 (useful rows, ``R T p_r``, local rows included) divided by the time, so numbers compare with the
 measured tables whichever strategy produced them.
 
@@ -94,7 +94,7 @@ STRATEGY_LABELS = {
     "hierarchical": "hierarchical forwarding",
     "per_expert": "per-expert messages (low latency)",
 }
-_LL_METADATA_BYTES = 16  # a low-latency dispatch message's token index and alignment (BENCHMARK.md)
+_LL_METADATA_BYTES = 16  # a low-latency dispatch message's token index and alignment
 SHARED = "intra+inter (shared links)"
 
 
@@ -246,7 +246,7 @@ class PlanReport:
             "",
             (f"recommendation: {best.label} ({best.total_us:.1f} us dispatch + combine, {best.num_sms} SMs, "
              f"{best.buffer_bytes / 1e6:.0f} MB buffer; worst case {best.buffer_bytes_worst / 1e6:.0f} MB)"),
-            ("columns: GB/s = recv_x bytes incl. local rows / time (BENCHMARK.md); intra/inter MB = dispatch bytes "
+            ("columns: GB/s = recv_x bytes incl. local rows / time (the benchmark's); intra/inter MB = dispatch bytes "
              "each rank sends (= receives) per tier, MB = 1e6 bytes; times are ideal, slowest rank"),
         ]
         lines += [f"note: {n}" for n in self.notes]

@@ -1,6 +1,6 @@
 """Two-tier topologies: domains (scale-up groups such as NVLink nodes or virtual nodes) of GPUs.
 
-Units: bandwidth in GB/s with GB = 1e9 bytes (as DeepEP's tests and BENCHMARK.md compute it), per
+Units: bandwidth in GB/s with GB = 1e9 bytes (as DeepEP's tests and the benchmark compute it), per
 direction per GPU; latency in microseconds. ``intra`` is the tier inside a domain, ``inter`` the
 tier between domains (absent when there is one domain).
 
@@ -68,7 +68,7 @@ class Tier:
 
 def link_gbps_from_logical(logical_gbps: float, num_ranks: int) -> float:
     """Per-link bandwidth that makes a one-domain all-to-all reach ``logical_gbps`` with the
-    BENCHMARK.md metric (received bytes *including the local 1/R share* / time): ``x (R-1)/R``."""
+    benchmark's metric (received bytes *including the local 1/R share* / time): ``x (R-1)/R``."""
     _positive("logical_gbps", logical_gbps)
     _positive_int("num_ranks", num_ranks)
     return logical_gbps * (num_ranks - 1) / num_ranks if num_ranks > 1 else logical_gbps

@@ -1,7 +1,8 @@
 """What one MoE layer asks of the communication: tokens per rank, row sizes, top-k, experts.
 
-Row sizes follow BENCHMARK.md, which follows DeepEP's tests: a BF16 row is ``2 H`` bytes; an FP8
-row is ``H`` bytes of e4m3 plus one float32 scale per 128 channels, ``H + ceil(H/128) * 4``.
+Row sizes follow the benchmark's method (docs/PERFORMANCE.md), which follows DeepEP's tests: a BF16
+row is ``2 H`` bytes; an FP8 row is ``H`` bytes of e4m3 plus one float32 scale per 128 channels,
+``H + ceil(H/128) * 4``.
 Combine is always BF16 (the API has no FP8 combine). The top-k ids and weights that travel with
 a dispatched row (12 bytes per k) are left out, as the benchmark metric leaves them out.
 """
@@ -37,7 +38,7 @@ def _int_at_least(name: str, value: Any, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class Workload:
-    """One dispatch + combine per rank. Defaults are BENCHMARK.md's normal-mode DeepSeek-V3 shape.
+    """One dispatch + combine per rank. Defaults are the benchmark's normal-mode DeepSeek-V3 shape.
 
     ``num_groups`` (G) turns on node-limited routing: each token uses experts of at most G domains
     (see :mod:`epcomm.planner.expectations` for the exact sampling model).
