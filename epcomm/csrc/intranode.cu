@@ -1,5 +1,6 @@
 // Intranode host launchers and C ABI: the call records Python fills, the launch configuration of each
 // kernel, and the constants Python checks against its own.
+#include "../include/epcomm/common/launch.cuh"
 #include "../include/epcomm/common/records.cuh"
 #include "../include/epcomm/impls/dispatch_layout.cuh"
 #include "../include/epcomm/impls/intranode_combine.cuh"

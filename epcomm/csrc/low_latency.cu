@@ -5,6 +5,7 @@
 #else
 #include "../include/epcomm/transport/ipc.cuh"
 #endif
+#include "../include/epcomm/common/launch.cuh"
 #include "../include/epcomm/common/records.cuh"
 #include "../include/epcomm/impls/ll_dispatch.cuh"
 #include "../include/epcomm/impls/ll_combine_partials.cuh"

@@ -1,8 +1,9 @@
 // The low-latency slot protocol shared by dispatch and combine: finishing a kernel, acknowledging a
-// slot (now or at the next call), the bounded waits for signals and acknowledgements, the FP8 cast,
-// and the piecewise warp copy.
+// slot (now or at the next call), the bounded waits for signals and acknowledgements, and the
+// piecewise warp copy.
 #pragma once
 
+#include "../common/fp8.cuh"
 #include "../layout/low_latency.cuh"
 
 namespace epcomm {
@@ -152,49 +153,6 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
 __device__ bool may_write_slot(const uint8_t* mine, int64_t acks, int me, int r, int64_t prev, int* mask,
                                uint64_t timeout_ns, int* info, int op) {
     return !masked(mask, me) && !masked(mask, r) && wait_ack(mine, acks, r, prev, mask, timeout_ns, info, op);
-}
-
-// ------------------------------------------------------------------ FP8 cast (the rule of epcomm/fp8.py)
-struct CastMode {
-    bool fp8, round_scale, ue8m0;
-};
-
-// 8 bf16 channels of one lane, cast as members of a 128-channel group spread over 16 lanes
-// (lanes 0-15 or 16-31 of the warp). Returns the group's scale (fp32 bits, or its UE8M0 exponent).
-__device__ __forceinline__ uint2 cast_fp8x8(const int4& raw, bool valid, const CastMode& mode, float& scale_out) {
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    float v[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(h[k]);
-        v[2 * k] = f.x;
-        v[2 * k + 1] = f.y;
-    }
-    float amax = 0.f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
-    if (!valid) amax = 0.f;
-#pragma unroll
-    for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-    amax = fmaxf(amax, 1e-4f);
-    float scale = __fmul_rn(amax, static_cast<float>(1.0 / 448.0));
-    float inv;
-    if (mode.round_scale) {  // smallest power of two >= scale; its inverse is exact
-        const int bits = __float_as_int(scale);
-        const int exponent = ((bits >> 23) & 0xff) + ((bits & 0x7fffff) != 0 ? 1 : 0);
-        scale = __int_as_float(exponent << 23);
-        inv = __fdiv_rn(1.0f, scale);
-    } else {
-        inv = __fdiv_rn(448.0f, amax);
-    }
-    scale_out = scale;
-    uint2 out;
-    auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        q[k] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[2 * k], inv), __fmul_rn(v[2 * k + 1], inv)),
-                                        __NV_SATFINITE, __NV_E4M3);
-    return out;
 }
 
 // One warp copies piece `piece` (kPieceInt4 16-byte words) of a `num_int4`-word message or row.
