@@ -20,6 +20,22 @@ struct CombineArgs {
     int64_t in_rows;    // rows each domain rank's IPC area holds (a position past it is an error)
 };
 
+// The source's sum after the combine kernel: token t adds, in fp32 and ascending domain
+// order, the partial sum each of its domains returned (region d, row pos[t][d] of the receive
+// area), then the biases, and rounds to bf16 once: the reference backend's order.
+struct ReduceArgs {
+    const float* partial;   // the receive area's partial-sum field: [D * region_rows, hidden]
+    const float* partial_weights;  // [D * region_rows, K] or null
+    int64_t region_rows;
+    const bool* flags;
+    const int* pos;
+    const __nv_bfloat16* bias0;
+    const __nv_bfloat16* bias1;
+    __nv_bfloat16* out;
+    float* out_weights;
+    int num_tokens, hidden, num_topk, num_domains;
+};
+
 // Sum, for each row of chunk j of region d, what the domain's ranks return for it, and send the
 // chunk's partial sums to the source's mate area: written there directly when the mate is this rank
 // or mapped, else staged and put.
@@ -129,22 +145,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         for (int k = b; k < num_chunks; k += c.num_forwarders)
             if (k / c.chunks != c.my_domain && !c.aborted()) wait_chunk(c, k / c.chunks, k % c.chunks);
 }
-
-// The source's sum after the combine kernel: token t adds, in fp32 and ascending domain
-// order, the partial sum each of its domains returned (region d, row pos[t][d] of the receive
-// area), then the biases, and rounds to bf16 once: the reference backend's order.
-struct ReduceArgs {
-    const float* partial;   // the receive area's partial-sum field: [D * region_rows, hidden]
-    const float* partial_weights;  // [D * region_rows, K] or null
-    int64_t region_rows;
-    const bool* flags;
-    const int* pos;
-    const __nv_bfloat16* bias0;
-    const __nv_bfloat16* bias1;
-    __nv_bfloat16* out;
-    float* out_weights;
-    int num_tokens, hidden, num_topk, num_domains;
-};
 
 __global__ void __launch_bounds__(256) reduce_kernel(ReduceArgs a) {
     const int lane = threadIdx.x % kWarpSize;

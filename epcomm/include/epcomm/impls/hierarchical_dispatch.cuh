@@ -11,6 +11,7 @@ namespace hierarchical {
 // Slow-tier fields, in each area: token rows, scales, top-k ids (of the destination domain's
 // experts), weights, slots (per domain rank: the row's place in its block of this source there, -1).
 enum { kX, kScales, kTopk, kWeights, kSlots, kNumFields };
+
 // Fast-tier fields, in each rank's IPC area: token rows, scales, top-k ids (the rank's), weights.
 enum { kOutX, kOutScales, kOutTopk, kOutWeights, kNumOutFields };
 
@@ -40,6 +41,48 @@ struct DispatchArgs {
     const float* weights;          // [T, K] (fresh, with_weights)
     const int* token_slots;        // [T, R] (fresh)
     const int* region_tokens;      // [D, region_rows]
+};
+
+// Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
+// domain d in stage_mask (mates reached by puts) it has a destination in (flags[t][d]; the own
+// domain's region and the mapped mates' are read from the caller's tensors); pos is the exclusive
+// prefix count of flags over
+// tokens, so each region holds its tokens in ascending order. Its top-k ids become ids of d's
+// experts (-1 where the expert is elsewhere), and its slots (the token's index among this rank's
+// tokens to each rank, -1 if not sent there) shrink to d's ranks. One warp per token: x is read once
+// for all its domains. Null pointers: fields not staged (a cached dispatch moves x and scales only).
+struct StageArgs {
+    const uint8_t* x;
+    int64_t x_bytes;
+    const uint8_t* scales;  // 4-byte elements at t * scale_stride0 + c * scale_stride1 (elements)
+    int num_scales;
+    int64_t scale_stride0, scale_stride1;
+    const int64_t* topk_idx;
+    const float* weights;
+    int num_topk;
+    const int* slots;       // [T, num_domains * ranks_per_domain]
+    const bool* flags;      // [T, D]
+    const int* pos;         // [T, D]
+    int num_tokens, num_domains, ranks_per_domain, experts_per_domain;
+    unsigned stage_mask;    // bit d: stage region d (a mate reached by puts); the others are read unstaged
+    uint8_t* stage;
+    int64_t region_rows;
+    int64_t off_x, off_scales, off_topk, off_weights, off_slots;
+};
+
+// After the dispatch kernel: this rank's received rows out of its IPC area (the next call reuses
+// it) into the caller's tensors, every field in one launch; a warp per row. Scales are written with
+// the output's strides (in elements), so column-major scales come back column-major.
+struct CopyOutArgs {
+    const uint8_t* area;           // this rank's IPC receive area (after the header)
+    int64_t off[kNumOutFields];    // of each field's array in it
+    int64_t num_rows, x_bytes;
+    int num_scales, num_topk;
+    int64_t scale_stride0, scale_stride1;
+    uint8_t* x;
+    int* scales;                   // or null
+    int64_t* topk_idx;             // or null
+    float* weights;                // or null
 };
 
 // num_worst_tokens padding: this rank's rows [recv_total, num_out) get x = 0, scales = 0, ids = -1,
@@ -240,33 +283,6 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     leave_domain(c, b);
 }
 
-// Staging (before the dispatch kernel): token t goes to staging region d, row pos[t][d], for every
-// domain d in stage_mask (mates reached by puts) it has a destination in (flags[t][d]; the own
-// domain's region and the mapped mates' are read from the caller's tensors); pos is the exclusive
-// prefix count of flags over
-// tokens, so each region holds its tokens in ascending order. Its top-k ids become ids of d's
-// experts (-1 where the expert is elsewhere), and its slots (the token's index among this rank's
-// tokens to each rank, -1 if not sent there) shrink to d's ranks. One warp per token: x is read once
-// for all its domains. Null pointers: fields not staged (a cached dispatch moves x and scales only).
-struct StageArgs {
-    const uint8_t* x;
-    int64_t x_bytes;
-    const uint8_t* scales;  // 4-byte elements at t * scale_stride0 + c * scale_stride1 (elements)
-    int num_scales;
-    int64_t scale_stride0, scale_stride1;
-    const int64_t* topk_idx;
-    const float* weights;
-    int num_topk;
-    const int* slots;       // [T, num_domains * ranks_per_domain]
-    const bool* flags;      // [T, D]
-    const int* pos;         // [T, D]
-    int num_tokens, num_domains, ranks_per_domain, experts_per_domain;
-    unsigned stage_mask;    // bit d: stage region d (a mate reached by puts); the others are read unstaged
-    uint8_t* stage;
-    int64_t region_rows;
-    int64_t off_x, off_scales, off_topk, off_weights, off_slots;
-};
-
 __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
     const int lane = threadIdx.x % kWarpSize;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize;
@@ -300,21 +316,6 @@ __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {
         }
     }
 }
-
-// After the dispatch kernel: this rank's received rows out of its IPC area (the next call reuses
-// it) into the caller's tensors, every field in one launch; a warp per row. Scales are written with
-// the output's strides (in elements), so column-major scales come back column-major.
-struct CopyOutArgs {
-    const uint8_t* area;           // this rank's IPC receive area (after the header)
-    int64_t off[kNumOutFields];    // of each field's array in it
-    int64_t num_rows, x_bytes;
-    int num_scales, num_topk;
-    int64_t scale_stride0, scale_stride1;
-    uint8_t* x;
-    int* scales;                   // or null
-    int64_t* topk_idx;             // or null
-    float* weights;                // or null
-};
 
 __global__ void __launch_bounds__(256) copy_out_kernel(CopyOutArgs a) {
     const int lane = threadIdx.x % kWarpSize;

@@ -7,7 +7,71 @@
 namespace epcomm {
 namespace hierarchical {
 
-// ------------------------------------------------------------------ notify
+// ------------------------------------------------------------------ plan
+// What a fresh dispatch derives from its layout before the counts exchange, in one launch (as
+// tensor operations it cost more host time than the transfer itself). Block c < R scans column c of
+// is_token_in_rank: each token's slot at rank c (its index among this rank's tokens to c, -1 when
+// not sent there) and their count, which must equal num_tokens_per_rank[c]; block R + d scans "sent
+// to any of domain d's ranks": flags, each token's row in staging region d (pos: the exclusive
+// prefix count), its inverse region_tokens[d][pos] (the token of each region row, for the regions
+// sent unstaged) and the region's count. All blocks share the copy of the per-expert counts into the
+// counts row, the check of the top-k ids and the -1 fill of the handle's slot table. A count that
+// disagrees or an id outside [-1, E) sets `refused` (advance_kernel makes it the row's digest).
+constexpr int kPlanThreads = 512;
+
+struct PlanArgs {
+    const bool* in_rank;           // [T, R]
+    const int* tokens_per_rank;    // [R]
+    const int* tokens_per_expert;  // [E]
+    const int64_t* topk_idx;       // [T, K] or null
+    int num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts;
+    int* outgoing;     // the counts row: tokens, digest (advance_kernel), tokens per rank, per expert
+    int* refused;
+    int* slots;        // [T, R]
+    bool* flags;       // [T, D]
+    int* pos;          // [T, D]
+    int* send_counts;  // [D]
+    int* recv_counts;  // [D]: zeroed (stays 0 when the call gives up)
+    int* slot_table;   // [table_ints]: -1 (rows a given-up call leaves unwritten have no destination)
+    int64_t table_ints;
+    int* region_tokens;  // [D, region_rows]: the token of each row of each region (rows sent unstaged)
+    int64_t region_rows;
+};
+
+// After the notify: the handle's copy of the count matrix (the next notify rewrites the rows), where
+// each source's block starts in each rank's output (the prefix of the matrix's columns), this rank's
+// total, and what the host reads after its sync (`summary`, host-mapped): every rank's token count,
+// the matrix, and the totals of this rank's experts.
+//
+// A call that does not fit (a rank has more tokens than a staging region holds, or receives more
+// rows than a receive area holds) moves nothing when `rounds` is set: the counts it moves by (this
+// rank's region counts, the matrix, the starts, the total) are zeroed, so the dispatch kernel runs
+// its protocol with empty regions and reports nothing; the host, which sees the true counts in the
+// summary, reruns the call in rounds that fit. Every rank decides alike: from the same rows and the
+// same limits (the buffers' sizes are equal on every rank, the shape digest made the rows' shapes so).
+struct CountsArgs {
+    const int* current;  // [R, width]: the notify's rows
+    int width, num_ranks, rank, experts_per_rank, num_domains;
+    int* matrix;         // [R, R]
+    int* start;          // [R, R]
+    int* recv_total;     // [1]
+    int* summary;        // [R + R * R + experts_per_rank]
+    int* send_counts;    // [D]: this rank's staging regions' counts (plan_kernel)
+    int64_t region_rows; // tokens a staging region holds
+    int64_t recv_rows;   // rows a rank may receive (its receive area, for the dispatch and its combine)
+    int rounds;          // 1: a call that does not fit moves nothing (the host runs it in rounds)
+};
+
+__device__ __forceinline__ bool plan_column(const PlanArgs& a, int col, int64_t t) {
+    const bool* row = a.in_rank + t * a.num_ranks;
+    if (col < a.num_ranks) return row[col];
+    const int first = (col - a.num_ranks) * a.ranks_per_domain;
+    bool any = false;
+    for (int i = 0; i < a.ranks_per_domain; ++i) any |= row[first + i];
+    return any;
+}
+
+// ------------------------------------------------------------------ kernels
 // The counts exchange of a dispatch, without a host collective (a dead rank is named within the
 // timeout, never waited for): every rank puts its counts row (tokens, shape digest, tokens per
 // rank, tokens per expert) from the outgoing row of its counts area into row `rank` of every rank's
@@ -68,46 +132,6 @@ __global__ void advance_kernel(uint8_t* sym, int notify, int* outgoing_digest, i
     }
 }
 
-// ------------------------------------------------------------------ plan
-// What a fresh dispatch derives from its layout before the counts exchange, in one launch (as
-// tensor operations it cost more host time than the transfer itself). Block c < R scans column c of
-// is_token_in_rank: each token's slot at rank c (its index among this rank's tokens to c, -1 when
-// not sent there) and their count, which must equal num_tokens_per_rank[c]; block R + d scans "sent
-// to any of domain d's ranks": flags, each token's row in staging region d (pos: the exclusive
-// prefix count), its inverse region_tokens[d][pos] (the token of each region row, for the regions
-// sent unstaged) and the region's count. All blocks share the copy of the per-expert counts into the
-// counts row, the check of the top-k ids and the -1 fill of the handle's slot table. A count that
-// disagrees or an id outside [-1, E) sets `refused` (advance_kernel makes it the row's digest).
-constexpr int kPlanThreads = 512;
-
-struct PlanArgs {
-    const bool* in_rank;           // [T, R]
-    const int* tokens_per_rank;    // [R]
-    const int* tokens_per_expert;  // [E]
-    const int64_t* topk_idx;       // [T, K] or null
-    int num_tokens, num_ranks, num_domains, ranks_per_domain, num_topk, num_experts;
-    int* outgoing;     // the counts row: tokens, digest (advance_kernel), tokens per rank, per expert
-    int* refused;
-    int* slots;        // [T, R]
-    bool* flags;       // [T, D]
-    int* pos;          // [T, D]
-    int* send_counts;  // [D]
-    int* recv_counts;  // [D]: zeroed (stays 0 when the call gives up)
-    int* slot_table;   // [table_ints]: -1 (rows a given-up call leaves unwritten have no destination)
-    int64_t table_ints;
-    int* region_tokens;  // [D, region_rows]: the token of each row of each region (rows sent unstaged)
-    int64_t region_rows;
-};
-
-__device__ __forceinline__ bool plan_column(const PlanArgs& a, int col, int64_t t) {
-    const bool* row = a.in_rank + t * a.num_ranks;
-    if (col < a.num_ranks) return row[col];
-    const int first = (col - a.num_ranks) * a.ranks_per_domain;
-    bool any = false;
-    for (int i = 0; i < a.ranks_per_domain; ++i) any |= row[first + i];
-    return any;
-}
-
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
     constexpr int kWarps = kPlanThreads / kWarpSize;
     __shared__ int s_warp[kWarps];
@@ -153,30 +177,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
     }
     for (int64_t i = first; i < a.table_ints; i += stride) a.slot_table[i] = -1;
 }
-
-// After the notify: the handle's copy of the count matrix (the next notify rewrites the rows), where
-// each source's block starts in each rank's output (the prefix of the matrix's columns), this rank's
-// total, and what the host reads after its sync (`summary`, host-mapped): every rank's token count,
-// the matrix, and the totals of this rank's experts.
-//
-// A call that does not fit (a rank has more tokens than a staging region holds, or receives more
-// rows than a receive area holds) moves nothing when `rounds` is set: the counts it moves by (this
-// rank's region counts, the matrix, the starts, the total) are zeroed, so the dispatch kernel runs
-// its protocol with empty regions and reports nothing; the host, which sees the true counts in the
-// summary, reruns the call in rounds that fit. Every rank decides alike: from the same rows and the
-// same limits (the buffers' sizes are equal on every rank, the shape digest made the rows' shapes so).
-struct CountsArgs {
-    const int* current;  // [R, width]: the notify's rows
-    int width, num_ranks, rank, experts_per_rank, num_domains;
-    int* matrix;         // [R, R]
-    int* start;          // [R, R]
-    int* recv_total;     // [1]
-    int* summary;        // [R + R * R + experts_per_rank]
-    int* send_counts;    // [D]: this rank's staging regions' counts (plan_kernel)
-    int64_t region_rows; // tokens a staging region holds
-    int64_t recv_rows;   // rows a rank may receive (its receive area, for the dispatch and its combine)
-    int rounds;          // 1: a call that does not fit moves nothing (the host runs it in rounds)
-};
 
 __global__ void counts_kernel(CountsArgs a) {
     const int R = a.num_ranks;

@@ -240,19 +240,6 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
     }
 }
 
-// The call's send kernel: one block per (local expert, source).
-__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(CombineArgs a) {
-    uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    trace_point(a.trace, 0, kTraceStart);
-    send_combine_unit(a, seq, prev, lay, blockIdx.x);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
-    trace_point(a.trace, 0, kTraceEnd);
-}
-
 // The receive role of a combine's last kernel (combine_fused, or the hook's combine_recv): the
 // block's tokens summed, then, with a hook, the slot acknowledged by the last block (without one
 // the next call acknowledges it: pay_owed_acks).
@@ -317,6 +304,19 @@ __device__ void send_combine_units_together(const CombineArgs& a, int64_t seq, i
         __syncthreads();  // rows, skip and pieces_end are reused by the next batch
     }
     trace_point(a.trace, 0, kTraceSignalled);
+}
+
+// The call's send kernel: one block per (local expert, source).
+__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(CombineArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    trace_point(a.trace, 0, kTraceStart);
+    send_combine_unit(a, seq, prev, lay, blockIdx.x);
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
+    trace_point(a.trace, 0, kTraceEnd);
 }
 
 // Without a hook, with every peer mapped: one cooperative kernel returns the rows and then sums
