@@ -200,12 +200,12 @@ class CudaHierarchical:
         # Only the puts' regions are staged (a put's source must lie in the symmetric heap); the own
         # domain's rows are forwarded, the mapped mates' stored, straight from the caller's tensors.
         self.stage_mask = sum(1 << d for d in self.put_domains)
-        self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
+        self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
         # What a dispatch's host read needs (counts_kernel writes it, host-mapped): every rank's
         # tokens, the count matrix, this rank's experts' totals.
         self.summary = torch.zeros(self.num_ranks * (1 + self.num_ranks) + _MAX_EXPERTS, dtype=torch.int32,
-                                   pin_memory=True)
+                                   device="cpu", pin_memory=True)
         self.summary_np = self.summary.numpy()
         self.refused = torch.zeros(1, dtype=torch.int32, device=device)  # plan_kernel -> advance_kernel
         self.cached_recv = torch.zeros(self.num_domains, dtype=torch.int32, device=device)  # a cached call's counts

@@ -142,7 +142,7 @@ class CudaIntranode:
         self.shared = SharedBuffer(self.lib, group, device, num_nvl_bytes, "num_nvl_bytes")
         self.buffer, self.ptrs = self.shared.tensor, self.shared.ptrs
         # Host words the kernels write (pinned and mapped): counts for the CPU, and errors.
-        self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, pin_memory=True)
+        self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
         # A dispatch that waits for its counts on the host starts its sends on this stream first.
         self.overlap = _env.env_str("EPCOMM_DISPATCH_OVERLAP") != "0"

@@ -186,7 +186,7 @@ class CudaLowLatency:
             self.shared = SharedBuffer(self.lib, group, device, num_rdma_bytes, "num_rdma_bytes")
         self.slot_bytes = (num_rdma_bytes - self.header) // 2 // 16 * 16
         # One error record per slot; the event marks the end of the receive of the slot's last call.
-        self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, pin_memory=True)
+        self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
         # Per slot: whether the receive of its last call was recorded in _received_events (the host
         # waits on it before reading the slot's error record), and the event the hook's receive waits
