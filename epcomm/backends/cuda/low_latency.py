@@ -51,7 +51,6 @@ from .ipc import SharedBuffer
 
 _INFO_INTS = 16
 _MAX_BUFFER_BYTES = 32 << 30  # plan_message (low_latency.cuh): message offsets in 16-byte units, int32
-_GAVE_UP_OFFSET = 40  # low_latency.cuh kGaveUpOffset: int32 in the buffer's header
 # One error record per slot: the code, the failed call's op, a word per rank (zeroed whole once read).
 _ERROR_TABLE = ErrorTable(LOW_LATENCY, RecordLayout(code=0, op=1, ranks=2, clear="record"))
 
