@@ -18,18 +18,18 @@ def test_buffer_sizes_hold_what_they_promise(tokens, hidden, elem, ranks, rpd, t
     dispatch sizes them) and its combine; nvl_bytes_needed(N) holds N received rows of both."""
     num_domains = ranks // rpd
     rdma = h.rdma_bytes_needed(tokens, hidden, elem, ranks, rpd, topk, scales)
-    area = (rdma - h._stage_offset(ranks)) // 2 // h._ALIGN * h._ALIGN
+    area = (rdma - h.stage_offset(ranks)) // 2 // h.ALIGN * h.ALIGN
     for e in {elem, 1}:  # an FP8 call on a buffer sized for BF16 fits too
         row1 = h.dispatch_fields(hidden * e, scales if e == 1 else 0, topk, True, rpd, True)
-        rows = min(h._fit_rows(row1, area), h._fit_rows(h.combine_fields(hidden, topk), area)) // num_domains
+        rows = min(h.fit_rows(row1, area), h.fit_rows(h.combine_fields(hidden, topk), area)) // num_domains
         assert rows >= tokens, (e, rows, tokens)
-        assert h._offsets(row1, num_domains * rows)[1] <= area
-        assert h._offsets(h.combine_fields(hidden, topk), num_domains * rows)[1] <= area
+        assert h.field_offsets(row1, num_domains * rows)[1] <= area
+        assert h.field_offsets(h.combine_fields(hidden, topk), num_domains * rows)[1] <= area
     received = tokens * ranks
     nvl = h.nvl_bytes_needed(received, hidden, elem, topk, scales)
     for row2 in ([hidden * elem, scales * 4, topk * 8, topk * 4], [hidden * 2, topk * 4]):
-        fit = h._fit_rows(row2, nvl - h._DOMAIN_HEADER)
-        assert fit >= received and h._offsets(row2, fit)[1] <= nvl - h._DOMAIN_HEADER
+        fit = h.fit_rows(row2, nvl - h.DOMAIN_HEADER)
+        assert fit >= received and h.field_offsets(row2, fit)[1] <= nvl - h.DOMAIN_HEADER
 
 
 def test_transport_setting_is_parsed_strictly():

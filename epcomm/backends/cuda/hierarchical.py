@@ -56,19 +56,21 @@ from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_r
 from ..rows import round_up, scale_kind, shape_digest
 from .build import load_library, load_nvshmem_library
 from .capi import check, library_constants, ptr, stream_ptr
-from .errors import HIERARCHICAL, ErrorTable, RecordLayout
+from .errors import HIERARCHICAL, ErrorTable, RecordLayout, device_codes
 from .intranode import dispatch_layout
 from .ipc import SharedBuffer
 from .nvshmem import SymmetricBuffer
 
-_ALIGN = 256
-_OP_DISPATCH, _OP_CACHED, _OP_COMBINE = 1, 2, 3
+ALIGN = 256
+# The calls' op codes (common/protocol.cuh), hashed into each call's shape tag.
+_OP_DISPATCH, _OP_CACHED, _OP_COMBINE = (device_codes()[name] for name in ("kOpDispatch", "kOpCachedDispatch",
+                                                                            "kOpCombine"))
 # The error record: the code, then a word per rank (only the words read are cleared: a kernel may
 # still be writing the others).
 _ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout(code=0, op=None, ranks=2, clear="flagged"))
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
-_DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
+DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
 
 
 def dispatch_fields(hidden_bytes: int, num_scales: int, num_topk: int, with_weights: bool, ranks_per_domain: int,
@@ -84,18 +86,19 @@ def combine_fields(hidden: int, num_topk: int) -> list[int]:
     return [hidden * 4, num_topk * 4]
 
 
-def _offsets(row_bytes: list[int], rows: int) -> tuple[list[int], int]:
+def field_offsets(row_bytes: list[int], rows: int) -> tuple[list[int], int]:
     """Each field's array of ``rows`` rows, one after the other (256-byte aligned); and their total."""
     offsets, at = [], 0
     for rb in row_bytes:
         offsets.append(at)
-        at += round_up(rows * rb, _ALIGN)
+        at += round_up(rows * rb, ALIGN)
     return offsets, at
 
 
-def _fit_rows(row_bytes: list[int], area: int) -> int:
+def fit_rows(row_bytes: list[int], area: int) -> int:
+    """Rows of ``row_bytes`` fields that fit ``area`` bytes with each field's array aligned."""
     per_row = sum(row_bytes)
-    return max(0, (area - _ALIGN * len(row_bytes)) // max(per_row, 1))
+    return max(0, (area - ALIGN * len(row_bytes)) // max(per_row, 1))
 
 
 def rdma_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks: int, ranks_per_domain: int,
@@ -104,9 +107,9 @@ def rdma_bytes_needed(num_tokens: int, hidden: int, element_size: int, num_ranks
     ``num_tokens`` tokens per rank: a header, then a staging and a receive area, each holding one
     region of ``num_tokens`` rows per domain of the larger of a dispatch's and a combine's rows."""
     rows = (num_ranks // ranks_per_domain) * max(num_tokens, 1)
-    area = max(_offsets(dispatch_fields(hidden * element_size, num_scales, num_topk, True, ranks_per_domain, True),
-                        rows)[1], _offsets(combine_fields(hidden, num_topk), rows)[1])
-    return _stage_offset(num_ranks) + 2 * (area + _ALIGN * 5)  # room for each field's alignment (_fit_rows)
+    area = max(field_offsets(dispatch_fields(hidden * element_size, num_scales, num_topk, True, ranks_per_domain, True),
+                        rows)[1], field_offsets(combine_fields(hidden, num_topk), rows)[1])
+    return stage_offset(num_ranks) + 2 * (area + ALIGN * 5)  # room for each field's alignment (fit_rows)
 
 
 def _counts_width(num_ranks: int) -> int:
@@ -114,7 +117,7 @@ def _counts_width(num_ranks: int) -> int:
     return 2 + num_ranks + _MAX_EXPERTS
 
 
-def _stage_offset(num_ranks: int) -> int:
+def stage_offset(num_ranks: int) -> int:
     """Where the staging area starts in the NVSHMEM buffer: after the header and the counts area
     (two sets of incoming rows, one per rank, the outgoing row, the current rows)."""
     return _SYM_HEADER + round_up((3 * num_ranks + 1) * _counts_width(num_ranks) * 4, 4096)
@@ -125,9 +128,9 @@ def nvl_bytes_needed(num_recv_tokens: int, hidden: int, element_size: int, num_t
     """num_nvl_bytes a hierarchical Buffer on the CUDA backend needs when a rank receives up to
     ``num_recv_tokens`` rows (at most num_tokens x num_ranks)."""
     rows = max(num_recv_tokens, 1)
-    return _DOMAIN_HEADER + _ALIGN * 4 + max(
-        _offsets([hidden * element_size, num_scales * 4, num_topk * 8, num_topk * 4], rows)[1],
-        _offsets([hidden * 2, num_topk * 4], rows)[1])
+    return DOMAIN_HEADER + ALIGN * 4 + max(
+        field_offsets([hidden * element_size, num_scales * 4, num_topk * 8, num_topk * 4], rows)[1],
+        field_offsets([hidden * 2, num_topk * 4], rows)[1])
 
 
 def _table(state: torch.Tensor, at: dict[str, int], name: str) -> ctypes.c_void_p:
@@ -170,18 +173,18 @@ class CudaHierarchical:
         self.c = library_constants(self.nv, "epcomm_hierarchical_constant", (
             "sym_header_bytes domain_header_bytes max_domains max_chunks max_local max_forwarders info_ints "
             "max_group_ranks"))
-        if (self.c["sym_header_bytes"], self.c["domain_header_bytes"]) != (_SYM_HEADER, _DOMAIN_HEADER):
+        if (self.c["sym_header_bytes"], self.c["domain_header_bytes"]) != (_SYM_HEADER, DOMAIN_HEADER):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with hierarchical.py")
         if self.num_domains > self.c["max_domains"] or ranks_per_domain > self.c["max_local"] or \
                 self.num_ranks > self.c["max_group_ranks"]:
             raise ValueError(f"the hierarchical kernels support up to {self.c['max_domains']} domains of up to "
                              f"{self.c['max_local']} ranks ({self.c['max_group_ranks']} ranks); the group has "
                              f"{self.num_domains} of {ranks_per_domain}")
-        self.stage_offset = _stage_offset(self.num_ranks)
-        if num_rdma_bytes <= self.stage_offset + 4 * _ALIGN * 5:
+        self.stage_offset = stage_offset(self.num_ranks)
+        if num_rdma_bytes <= self.stage_offset + 4 * ALIGN * 5:
             raise ValueError(f"num_rdma_bytes={num_rdma_bytes}: the hierarchical CUDA backend needs the NVSHMEM buffer "
                              "of the slow tier; size it with epcomm.backends.cuda.hierarchical.rdma_bytes_needed")
-        if num_nvl_bytes <= _DOMAIN_HEADER + 4 * _ALIGN:
+        if num_nvl_bytes <= DOMAIN_HEADER + 4 * ALIGN:
             raise ValueError(f"num_nvl_bytes={num_nvl_bytes}: too small for the receive area; size it with "
                              "epcomm.backends.cuda.hierarchical.nvl_bytes_needed")
         # The fast tier: one IPC buffer per rank, shared inside the domain.
@@ -189,7 +192,7 @@ class CudaHierarchical:
                                    num_nvl_bytes, "num_nvl_bytes")
         # The slow tier: the NVSHMEM buffer (header of signals, staging area, receive area).
         self.sym = SymmetricBuffer(group, device, num_rdma_bytes, set(), "num_rdma_bytes")
-        self.area = (num_rdma_bytes - self.stage_offset) // 2 // _ALIGN * _ALIGN
+        self.area = (num_rdma_bytes - self.stage_offset) // 2 // ALIGN * ALIGN
         # Each mate's buffer where NVSHMEM maps it over NVLink (direct stores), else 0 (NVSHMEM puts:
         # other hosts, or every mate with EPCOMM_HIER_TRANSPORT=put).
         stores = _env.hier_transport() == "auto"
@@ -215,7 +218,7 @@ class CudaHierarchical:
         self.width = _counts_width(self.num_ranks)
         self.outgoing_ptr = self.sym.tensor.data_ptr() + _SYM_HEADER + 2 * self.num_ranks * self.width * 4
         self.current_ptr = self.outgoing_ptr + self.width * 4
-        self.out_area_ptr = self.shared.tensor.data_ptr() + _DOMAIN_HEADER
+        self.out_area_ptr = self.shared.tensor.data_ptr() + DOMAIN_HEADER
         self.layouts: dict[tuple, tuple] = {}  # a dispatch's field layouts, per shape
         self.traffic_state: dict[str, object] = {}
         self.failed = False
@@ -246,7 +249,7 @@ class CudaHierarchical:
 
     # ------------------------------------------------------------------ kernel arguments
     def _nvl_view(self, offset: int, rows: int, row_bytes: int) -> torch.Tensor:
-        begin = _DOMAIN_HEADER + offset
+        begin = DOMAIN_HEADER + offset
         return self.shared.tensor[begin:begin + rows * row_bytes].view(rows, row_bytes)
 
     def _call_params(self, op: int, shape: tuple, num_sms: int, stream: ctypes.c_void_p, advance: bool = True,
@@ -290,10 +293,10 @@ class CudaHierarchical:
         if layout is None:
             row1 = dispatch_fields(x_bytes, num_scales, num_topk, with_weights, self.rpd, fresh)
             row2 = [x_bytes, num_scales * 4, num_topk * 8, num_topk * 4 if with_weights else 0]
-            out_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
-            region_rows = min(_fit_rows(row1, self.area), _fit_rows(combine_fields(hidden, num_topk), self.area)) \
+            out_rows = fit_rows(row2, self.shared.num_bytes - DOMAIN_HEADER)
+            region_rows = min(fit_rows(row1, self.area), fit_rows(combine_fields(hidden, num_topk), self.area)) \
                 // self.num_domains
-            layout = self.layouts[key] = (row1, row2, out_rows, region_rows, _offsets(row2, out_rows)[0])
+            layout = self.layouts[key] = (row1, row2, out_rows, region_rows, field_offsets(row2, out_rows)[0])
         return layout
 
     def _state_offsets(self, num_tokens: int, region_rows: int) -> dict[str, int]:
@@ -335,7 +338,7 @@ class CudaHierarchical:
         if cached:
             st = handle.backend_state
             region_rows = st["region_rows"]
-            if _offsets(row1, D * region_rows)[1] > self.area or hidden != handle.hidden:
+            if field_offsets(row1, D * region_rows)[1] > self.area or hidden != handle.hidden:
                 raise ValueError("epcomm dispatch (hierarchical): a cached dispatch must move rows of its handle's "
                                  "shape")
             if st["most_recv"] > out_rows:  # every rank knows the most: all raise
@@ -385,7 +388,7 @@ class CudaHierarchical:
                 ctypes.c_void_p(self.current_ptr), self.width, R, self.rank, experts_per_rank, D, table("matrix"),
                 table("start"), table("recv_total"), ctypes.c_void_p(self.summary.data_ptr()), table("send1"), limits,
                 stream), "hierarchical dispatch (counts)")
-        off1, _ = _offsets(row1, D * region_rows)
+        off1, _ = field_offsets(row1, D * region_rows)
 
         # Stage each token once per destination domain reached by puts, then both tiers in one kernel; all of it is
         # queued before the host reads the counts (below), so the GPU does not wait for the host.
@@ -493,23 +496,23 @@ class CudaHierarchical:
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         region_rows = st["region_rows"]
         rows = x.shape[0]
-        if hidden != handle.hidden or _offsets(combine_fields(hidden, num_topk), D * region_rows)[1] > self.area:
+        if hidden != handle.hidden or field_offsets(combine_fields(hidden, num_topk), D * region_rows)[1] > self.area:
             raise ValueError(f"epcomm combine (hierarchical): rows of hidden {hidden} (and {num_topk} weights) do not "
                              f"fit the regions of the handle's dispatch (hidden {handle.hidden})")
         row2 = [hidden * 2, num_topk * 4]
         # Laid out for the area's capacity, not this rank's rows: the forwarders of the other ranks
         # compute the same offsets.
-        in_rows = _fit_rows(row2, self.shared.num_bytes - _DOMAIN_HEADER)
+        in_rows = fit_rows(row2, self.shared.num_bytes - DOMAIN_HEADER)
         if rows > in_rows:
             raise ValueError(f"epcomm combine (hierarchical): {rows} rows do not fit num_nvl_bytes="
                              f"{self.shared.num_bytes}")
-        off2, _ = _offsets(row2, in_rows)
+        off2, _ = field_offsets(row2, in_rows)
         # This rank's expert outputs go into its IPC area, where the forwarders read them.
         self._nvl_view(off2[0], rows, hidden * 2).view(torch.bfloat16).copy_(x)
         if num_topk:
             self._nvl_view(off2[1], rows, num_topk * 4).view(torch.float32).copy_(topk_weights)
         row1 = combine_fields(hidden, num_topk)
-        off1, _ = _offsets(row1, D * region_rows)
+        off1, _ = field_offsets(row1, D * region_rows)
         params = [self.area, region_rows, off1[0], off1[1], off2[0], off2[1], hidden, num_topk, in_rows]
         stream = stream_ptr(self.device)
         state, at = st["state"], st["at"]
@@ -547,7 +550,7 @@ class CudaHierarchical:
     def _recv_rows(self, out_rows: int, hidden: int, num_topk: int) -> int:
         """Rows a rank may receive in one call: what its receive area holds for the dispatch's rows
         and for the combine's (a BF16 combine row outgrows an FP8 dispatch row)."""
-        return min(out_rows, _fit_rows([hidden * 2, num_topk * 4], self.shared.num_bytes - _DOMAIN_HEADER))
+        return min(out_rows, fit_rows([hidden * 2, num_topk * 4], self.shared.num_bytes - DOMAIN_HEADER))
 
     def _dispatch_in_rounds(self, x, scales, is_token_in_rank, topk_idx, topk_weights, num_experts, matrix, most,
                             most_tokens, expert_list, region_rows, recv_rows, buffer_uid, num_sms):
