@@ -31,7 +31,6 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(
 // cooperatively (every block resident at once; see the launcher). kBlockReceive: the block's units
 // together (balanced over blocks, or one block's units at a time under a failed-rank mask) instead
 // of a warp group per unit.
-
 template <bool kBlockReceive>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
