@@ -10,9 +10,9 @@ bench:
 
 test:
 	bash tools/ci/setup_env.sh
-	$(PYTHON) -m ruff check epcomm tests tools
+	$(PYTHON) -m ruff check epcomm tests tools shim
 	bash tools/ci/compile_kernels.sh
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
 lint:
-	$(PYTHON) -m ruff check epcomm tests tools
+	$(PYTHON) -m ruff check epcomm tests tools shim

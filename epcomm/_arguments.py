@@ -11,7 +11,6 @@ import torch
 
 from ._checks import check_int, check_tensor, check_topk_idx, split_x, topk_idx_t
 from .config import Config, low_latency_size_hint
-from .event import EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
 
 
@@ -20,8 +19,10 @@ class ArgumentChecks:
 
     @staticmethod
     def _check_async_args(previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        # Duck typing, as DeepEP: only .event is read, and a caller's EventOverlap may be another copy of the class.
+        if previous_event is not None and not hasattr(previous_event, "event"):
+            raise TypeError("previous_event must be an EventOverlap (an object with an .event), got "
+                            f"{type(previous_event).__name__}")
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream=True requires previous_event and async_finish=True "
                              "(DeepEP's rule)")

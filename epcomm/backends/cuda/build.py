@@ -28,21 +28,55 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", *ARCH_FLA
 _library: ctypes.CDLL | None = None
 
 
+SYSTEM_CUDA_HOME = "/usr/local/cuda"
+
+
+def nvcc_package_homes() -> list[Path]:
+    """Where the ``nvidia-cuda-nvcc`` wheels put a toolkit-shaped tree (bin/nvcc beside include/ and lib/,
+    which its dependencies fill): ``nvidia/cu13`` for CUDA 13, ``nvidia/cuda_nvcc`` for CUDA 12. ``nvidia``
+    is a namespace package, so every site directory holding a part of it is looked in."""
+    try:
+        import nvidia  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    return [Path(root) / sub for root in nvidia.__path__ for sub in ("cu13", "cuda_nvcc")]
+
+
 def find_nvcc() -> str:
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    for home in candidates:
+    """nvcc: $CUDA_HOME, $CUDA_PATH, then the environment's own ``nvidia-cuda-nvcc`` package (what
+    ``pip install "epcomm[cuda]"`` brings, so a pip-only machine needs no toolkit), /usr/local/cuda, PATH."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *nvcc_package_homes(), SYSTEM_CUDA_HOME]
+    for home in homes:
         if home and (Path(home) / "bin" / "nvcc").exists():
             return str(Path(home) / "bin" / "nvcc")
     found = shutil.which("nvcc")
     if found:
         return found
-    raise RuntimeError("epcomm: nvcc was not found (looked in $CUDA_HOME, $CUDA_PATH, /usr/local/cuda and PATH). "
-                       "The CUDA backend compiles its kernels on first use: install the CUDA toolkit or set "
-                       "CUDA_HOME, or use Buffer(..., backend='reference')")
+    raise RuntimeError("epcomm: nvcc was not found (looked in $CUDA_HOME, $CUDA_PATH, the nvidia-cuda-nvcc package, "
+                       "/usr/local/cuda and PATH). The CUDA backend compiles its kernels on first use: "
+                       'pip install "epcomm[cuda]" (nvcc and NVSHMEM as packages), or install the CUDA toolkit and '
+                       "set CUDA_HOME, or use Buffer(..., backend='reference')")
+
+
+# Where toolkits keep the stub libcuda.so that -lcuda links against (the real one comes with the driver).
+_DRIVER_STUB_DIRS = ("lib64/stubs", "lib/stubs", "targets/x86_64-linux/lib/stubs", "targets/sbsa-linux/lib/stubs")
+
+
+def driver_link_flags(nvcc: str) -> list[str]:
+    """How the kernel library links the driver API: against a toolkit's stub where nvcc has one; else by
+    the driver's own soname, since the nvcc packages ship no stub and a driver install (a container's
+    above all) may hold only libcuda.so.1. The library is only linked where it will run, beside a driver."""
+    top = Path(nvcc).resolve().parent.parent
+    if any((top / stubs / "libcuda.so").exists() for stubs in _DRIVER_STUB_DIRS):
+        return ["-lcuda"]
+    # The linker does not search LD_LIBRARY_PATH, where some images put the driver's libraries.
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+            if d and (Path(d) / "libcuda.so.1").exists()]
+    return [*(f"-L{d}" for d in dirs), "-l:libcuda.so.1"]
 
 
 def compile_command(nvcc: str, output: Path) -> list[str]:
-    return [nvcc, *NVCC_FLAGS, "-shared", "-o", str(output), *map(str, KERNEL_SOURCES), "-lcuda"]
+    return [nvcc, *NVCC_FLAGS, "-shared", "-o", str(output), *map(str, KERNEL_SOURCES), *driver_link_flags(nvcc)]
 
 
 def _cached_build(name: str, sources: list[Path], extra_key: str,
@@ -102,8 +136,9 @@ def find_nvshmem() -> Path:
     for c in candidates:
         if (c / "include" / "nvshmem.h").exists() and (c / "lib" / "libnvshmem_device.a").exists():
             return c
-    raise RuntimeError("epcomm: NVSHMEM was not found (set NVSHMEM_HOME, or pip install nvidia-nvshmem-cu13); "
-                       "it carries the transport to peers outside the NVLink domain")
+    raise RuntimeError("epcomm: NVSHMEM was not found (set NVSHMEM_HOME, or pip install nvidia-nvshmem-cu13, "
+                       'which pip install "epcomm[cuda]" brings); it carries the transport to peers outside '
+                       "the NVLink domain")
 
 
 def nvshmem_build_commands(nvcc: str, nvshmem: Path, workdir: Path, output: Path) -> list[list[str]]:
