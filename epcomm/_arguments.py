@@ -153,9 +153,6 @@ class ArgumentChecks:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small: "
                              f"Buffer.get_low_latency_rdma_size_hint({num_max_tokens}, {hidden}, "
                              f"{self.group_size}, {num_experts}) = {need}")
-        if self._ll_needs_clean:
-            raise RuntimeError("this Buffer was used in normal mode since its last low-latency call; call "
-                               "clean_low_latency_buffer(N, hidden, num_experts) first")
 
     def _ll_checked_now(self, key: tuple | None) -> None:
         """Remember the argument shapes of a low-latency call that passed the checks (None: not
@@ -178,7 +175,7 @@ class ArgumentChecks:
                 key += ("dispatch", num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
                         return_recv_hook)
                 if (key in self._ll_checked and x.is_contiguous() and topk_idx.is_contiguous()
-                        and x.data_ptr() % 16 == 0 and not self._ll_needs_clean):
+                        and x.data_ptr() % 16 == 0):
                     return
         self._check_ll_dispatch_fully(x, topk_idx, num_max_tokens, num_experts, recv_stats, wait_stats, use_fp8,
                                       round_scale, use_ue8m0, async_finish, return_recv_hook)
@@ -231,7 +228,7 @@ class ArgumentChecks:
                         return_recv_hook)
                 if (key in self._ll_checked and x.is_contiguous() and x.data_ptr() % 16 == 0
                         and (out is None or (out.is_contiguous() and out.data_ptr() % 16 == 0))
-                        and handle.backend_state.get("received") and not self._ll_needs_clean):
+                        and handle.backend_state.get("received")):
                     return
         self._check_ll_combine_fully(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                      return_recv_hook, out, wait_stats)

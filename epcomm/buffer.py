@@ -82,7 +82,6 @@ class Buffer(ArgumentChecks):
         # the next call on the caller's stream waits for it (_run_low_latency).
         self._ll_async_done: torch.cuda.Event | None = None
         self._ll_pending: dict[int, str] = {}
-        self._ll_needs_clean = False
         # Argument shapes a low-latency call of this Buffer passed the checks with (_ll_checked_now).
         self._ll_checked: set[tuple] = set()
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -155,16 +154,20 @@ class Buffer(ArgumentChecks):
     # ------------------------------------------------------------------ buffers
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | tuple[int, ...] | None = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
-        """A tensor of the buffer's byte size as ``dtype`` (optionally reshaped to ``size``), for scratch
-        use: a zeroed allocation of this Buffer's own (made at the first call, kept until destroy), not
-        the memory the kernels communicate through, whose flags and counters a caller's writes would
-        corrupt. Zeroing it therefore resets nothing (clean_low_latency_buffer does).
+        """A view of this rank's communication memory, as DeepEP's: the ``num_nvl_bytes`` buffer of the
+        normal-mode kernels, or with ``use_rdma_buffer`` the ``num_rdma_bytes`` one (the low-latency
+        kernels', else the hierarchical kernels' inter-domain buffer). No copy: writes reach the
+        kernels' flags and counters, so ``view.zero_()`` on every rank while no call is in flight resets
+        the buffer (vLLM's reset; clean_low_latency_buffer is the collective way). A mode on the
+        reference backend communicates through torch.distributed and keeps no such memory: its view
+        is of a zeroed allocation of this Buffer's own (made at the first call), which no call reads.
+        The view is valid until ``destroy()``.
 
         Arguments:
             dtype: the dtype of the view.
             size: the shape of the view (its bytes must fit from ``offset``), or None for a 1-D view of all.
-            offset: the first byte of the view, in [0, the buffer's bytes].
-            use_rdma_buffer: view the ``num_rdma_bytes`` allocation instead of the ``num_nvl_bytes`` one.
+            offset: the first byte of the view, in [0, the buffer's bytes], a multiple of dtype's size.
+            use_rdma_buffer: view the ``num_rdma_bytes`` memory instead of the ``num_nvl_bytes`` one.
 
         Returns:
             a tensor of ``dtype`` on the Buffer's device.
@@ -172,11 +175,10 @@ class Buffer(ArgumentChecks):
         self._check_alive()
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         check_int("offset", offset, minimum=0, maximum=total)
-        attr = "_local_rdma" if use_rdma_buffer else "_local_nvl"
-        if getattr(self, attr) is None:
-            setattr(self, attr, torch.zeros(total, dtype=torch.uint8, device=self.device))
-        raw: torch.Tensor = getattr(self, attr)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
+        if offset % element:
+            raise ValueError(f"offset ({offset}) must be a multiple of {dtype}'s size ({element} bytes)")
+        raw = self._local_memory(use_rdma_buffer)
         usable = (total - offset) // element
         view = raw[offset:offset + usable * element].view(dtype)
         if size is None:
@@ -188,6 +190,19 @@ class Buffer(ArgumentChecks):
             raise ValueError(f"size {tuple(size)} needs {numel * element} bytes from offset {offset}, but the "
                              f"{'RDMA' if use_rdma_buffer else 'NVL'} buffer has {total} bytes")
         return view[:numel].view(size)
+
+    def _local_memory(self, rdma: bool) -> torch.Tensor:
+        """The uint8 memory get_local_buffer_tensor views (see there)."""
+        ops = (self._ll_ops, self._normal_ops) if rdma else (self._normal_ops,)
+        for mode in ops:
+            memory = mode.local_memory(rdma)
+            if memory is not None:
+                return memory
+        attr = "_local_rdma" if rdma else "_local_nvl"
+        if getattr(self, attr) is None:
+            total = self.num_rdma_bytes if rdma else self.num_nvl_bytes
+            setattr(self, attr, torch.zeros(total, dtype=torch.uint8, device=self.device))
+        return getattr(self, attr)
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         """The communication stream the calls with ``async_finish`` run on (None on the CPU)."""
@@ -392,9 +407,10 @@ class Buffer(ArgumentChecks):
             recv_topk_idx: ``[num_recv, K]`` int64 local expert ids (-1 for other ranks' experts), or None.
             recv_topk_weights: ``[num_recv, K]`` f32 (0 where the id is -1), or None.
             num_recv_tokens_per_expert_list: E_local ints (empty with ``num_worst_tokens``).
-            handle: the ``DispatchHandle`` for ``combine`` and cached dispatches.
+            handle: the ``DispatchHandle`` for ``combine`` and cached dispatches; indexable as DeepEP's tuple
+                (``handle[0]``: the rank prefix matrix, ``[R, R]`` int32).
             event: an ``EventOverlap``.
-            A cached dispatch returns only ``recv_x``, the handle and the event set.
+            A cached dispatch returns ``(recv_x, None, None, None, None, event)``, as DeepEP does.
         """
         self._check_alive()
         try:
@@ -404,7 +420,6 @@ class Buffer(ArgumentChecks):
                                         num_worst_tokens, config)
         except _REFUSALS as error:
             self._refuse(Op.DISPATCH, error)
-        self._note_normal_use()
         data, scales, num_experts = args
 
         def run():
@@ -415,11 +430,11 @@ class Buffer(ArgumentChecks):
 
         keep = (x, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert)
         result, event = self._run(run, previous_event, async_finish, allocate_on_comm_stream, keep)
+        if handle is not None:  # DeepEP hands no handle back from a cached dispatch
+            return result[0], None, None, None, None, event
+        new_handle = result[4]
+        new_handle.rank, new_handle.num_domains = self.rank, self.num_domains  # DeepEP's tuple layout
         return (*result, event)
-
-    def _note_normal_use(self) -> None:
-        if self.low_latency_mode:
-            self._ll_needs_clean = True
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
                 bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
@@ -446,7 +461,6 @@ class Buffer(ArgumentChecks):
             biases = self._check_combine(x, handle, topk_weights, bias, config)
         except _REFUSALS as error:
             self._refuse(Op.COMBINE, error)
-        self._note_normal_use()
         result, event = self._run(
             lambda: self._normal_ops.combine(x, handle, topk_weights, biases,
                                              (config or self._default_config(False)).num_sms),
@@ -612,7 +626,8 @@ class Buffer(ArgumentChecks):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Reset the low-latency buffers (required after normal-mode use of a low-latency Buffer).
+        """Reset the low-latency buffers. Normal-mode calls never touch them (each mode has its own
+        memory), so low-latency calls may follow normal ones without it, as in DeepEP inside a node.
         Collective on the CUDA backend (every rank calls it): it also brings ranks whose low-latency
         calls diverged back in step, e.g. a masked rank that comes back (then clean the mask too).
 
@@ -635,7 +650,6 @@ class Buffer(ArgumentChecks):
         if self._ll_ops.clean(lambda step: lifecycle.meet_all(self, f"clean-{self._ll_cleanings}-{step}",
                                                               "clean_low_latency_buffer")):
             self._ll_counter = 0
-        self._ll_needs_clean = False
 
     # ------------------------------------------------------------------ failed-rank masking
     def _check_shrink(self) -> None:

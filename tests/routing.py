@@ -11,10 +11,10 @@ from epcomm.utils.launch import group_device
 
 def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
                 num_ranks: int, routing: str):
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = (torch.randn((num_tokens, hidden), generator=gen) * 2).to(torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+    x = (torch.randn((num_tokens, hidden), generator=gen, dtype=torch.float32, device="cpu") * 2).to(torch.bfloat16)
     topk_idx = make_topk_idx(gen, num_tokens, num_experts, num_topk, num_ranks, routing)
-    weights = torch.rand((num_tokens, num_topk), generator=gen).to(torch.float32)
+    weights = torch.rand((num_tokens, num_topk), generator=gen, dtype=torch.float32, device="cpu")
     return x, topk_idx, weights
 
 

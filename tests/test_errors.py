@@ -522,14 +522,6 @@ class _LowLatencyCtx:
         return ""
 
 
-def _needs_clean_then_dispatch(c: _LowLatencyCtx) -> None:
-    c.buf._note_normal_use()  # as after a normal-mode call on this Buffer
-    try:
-        c.ll_dispatch()
-    finally:
-        c.buf.clean_low_latency_buffer(N_MAX, HIDDEN, c.num_experts)
-
-
 def _changed_topk_idx(c: _LowLatencyCtx) -> torch.Tensor:
     idx = c.topk_idx.clone()
     idx[0, 0] = (int(idx[0, 0]) + 1) % c.num_experts
@@ -591,8 +583,6 @@ LL_CASES: dict[str, Case] = {
     "ll_dispatch/num_rdma_bytes below hint": Case("ll_dispatch", lambda c: c.ll_dispatch(n=64), "ValueError",
                                                   r"^num_rdma_bytes=\d+ is too small: "
                                                   r"Buffer\.get_low_latency_rdma_size_hint\(64, 128, \d, \d+\)"),
-    "ll_dispatch/after normal use without clean": Case("ll_dispatch", _needs_clean_then_dispatch, "RuntimeError",
-                                                       r"call clean_low_latency_buffer\(N, hidden, num_experts\)"),
     "ll_dispatch/on a normal-mode Buffer": Case("local", lambda c: c.normal.low_latency_dispatch(
         c.x, c.topk_idx, N_MAX, c.num_experts), "RuntimeError", r"^low-latency calls need Buffer\(\.\.\., "
         r"low_latency_mode=True\)", announced=False),

@@ -91,8 +91,8 @@ def rank_cuda_vs_reference(tokens_per_rank, hidden, num_experts, num_topk, routi
     ref, got = outs["reference"], outs["cuda"]
     for key in ref:
         assert _same(got[key], ref[key]), f"{tag}: {key} differs from the reference backend"
-    if fp8 and ref["recv_x"][1].shape[0] > 1:  # the scale layout (row- or column-major) follows the input's
-        assert got["recv_x"][1].stride() == ref["recv_x"][1].stride(), tag
+    if fp8:  # row-major whatever the input's layout (DeepEP's)
+        assert got["recv_x"][1].is_contiguous() and ref["recv_x"][1].is_contiguous(), tag
     return (ref["recv_x"][0] if fp8 else ref["recv_x"]).shape[0]
 
 

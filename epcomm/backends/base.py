@@ -42,7 +42,9 @@ class NormalOps(Protocol):
                  topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int, num_experts: int,
                  buffer_uid: str, num_sms: int) -> tuple:
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle), as
-        Buffer.dispatch returns them without the event."""
+        Buffer.dispatch returns them without the event; a cached dispatch gives its handle back, which
+        Buffer replaces with None (DeepEP's result). A fresh handle's count_matrix is set where the
+        counts are known (handle[0] needs it)."""
         ...
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
@@ -52,6 +54,11 @@ class NormalOps(Protocol):
 
     def barrier(self, op: str) -> None:
         """(on_kernels) Meet every rank, raising what the kernels reported."""
+        ...
+
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        """This rank's uint8 memory the peers write into: the ``num_nvl_bytes`` one, or with ``rdma``
+        the ``num_rdma_bytes`` one; None where this implementation holds none (get_local_buffer_tensor)."""
         ...
 
     def check_errors(self, op: str) -> None:
@@ -93,6 +100,10 @@ class LowLatencyOps(Protocol):
                 handle: LowLatencyHandle, out: torch.Tensor | None, slot: int, mask: torch.Tensor | None,
                 wait_stats: torch.Tensor | None, hook: bool) -> tuple[torch.Tensor, Finish]:
         """(combined_x [T, H] bf16, finish), as dispatch."""
+        ...
+
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        """As NormalOps.local_memory."""
         ...
 
     def clean(self, meet: Callable[[str], None]) -> bool:

@@ -28,19 +28,19 @@ def round_order(counts: list[list[int]], num_ranks: int, device: torch.device) -
         for j, round_counts in enumerate(counts):
             begin[j][s] = at
             at += round_counts[s]
-    return [torch.cat([torch.arange(begin[j][s], begin[j][s] + counts[j][s], device=device)
+    return [torch.cat([torch.arange(begin[j][s], begin[j][s] + counts[j][s], dtype=torch.int64, device=device)
                        for s in range(num_ranks)]) for j in range(len(counts))]
 
 
-def assemble(per_round: list, order: list[torch.Tensor], device: torch.device, col_major: bool = False):
+def assemble(per_round: list, order: list[torch.Tensor], device: torch.device):
     """Put each round's rows at their assembled positions: a tensor per round, an FP8 (data, scales)
-    tuple per round, or None. Rows are moved as bytes (index_copy_ has no FP8 kernel);
-    ``col_major`` scales come out column-major, as a single call returns them."""
+    tuple per round, or None. Rows are moved as bytes (index_copy_ has no FP8 kernel); the result is
+    row-major, as a single call returns it."""
     if per_round[0] is None:
         return None
     if isinstance(per_round[0], tuple):
         return (assemble([p[0] for p in per_round], order, device),
-                assemble([p[1] for p in per_round], order, device, col_major))
+                assemble([p[1] for p in per_round], order, device))
     first = per_round[0]
     total = sum(int(o.numel()) for o in order)
     out = torch.empty((total, *first.shape[1:]), dtype=first.dtype, device=device)
@@ -50,7 +50,7 @@ def assemble(per_round: list, order: list[torch.Tensor], device: torch.device, c
         for part, rows in zip(per_round, order):
             if rows.numel():
                 as_bytes.index_copy_(0, rows, part.contiguous().view(part.shape[0], width).view(torch.uint8))
-    return out.t().contiguous().t() if col_major else out
+    return out
 
 
 def _token_range(j: int, step: int, num_tokens: int) -> tuple[int, int]:
@@ -90,13 +90,12 @@ def dispatch_in_rounds(backend: Any, x: torch.Tensor, scales: torch.Tensor | Non
         if after_round is not None:
             after_round()
     order = round_order([h.recv_counts for h in handles], len(matrix), device)
-    col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1  # as a single call's rule
-    recv_x = assemble([p[0] for p in parts], order, device, col_major)
+    recv_x = assemble([p[0] for p in parts], order, device)
     recv_topk_idx, recv_topk_weights = (assemble([p[i] for p in parts], order, device) for i in (1, 2))
     handle = DispatchHandle(
         buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=x.shape[1], num_recv_tokens=int(matrix[:, rank].sum()),
         num_worst_tokens=0, is_token_in_rank=is_token_in_rank, send_counts=[int(v) for v in matrix[rank]],
-        recv_counts=[int(v) for v in matrix[:, rank]],
+        recv_counts=[int(v) for v in matrix[:, rank]], count_matrix=matrix,
         backend_state={"rounds": handles, "round_step": step, "round_rows": order, **(backend_state or {})})
     return recv_x, recv_topk_idx, recv_topk_weights, handle
 
@@ -113,8 +112,7 @@ def cached_dispatch_in_rounds(backend: Any, x: torch.Tensor, scales: torch.Tenso
                                       handle.buffer_uid, num_sms)[0])
         if after_round is not None:
             after_round()
-    col_major = scales is not None and scales.stride(0) == 1 and scales.shape[1] > 1  # as a single call's rule
-    return assemble(parts, state["round_rows"], backend.device, col_major)
+    return assemble(parts, state["round_rows"], backend.device)
 
 
 def combine_in_rounds(backend: Any, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,

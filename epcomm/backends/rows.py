@@ -77,9 +77,8 @@ def unpack_token_rows(recv: torch.Tensor, num_recv: int, num_rows: int, x: torch
     recv_scales = None
     if scales is not None:
         scale_cols = scales.shape[1]
+        # Row-major [num_recv, S] whatever the input's layout, as DeepEP returns them.
         recv_scales = take(scale_cols * 4, scales.dtype, scale_cols, 0)
-        if scales.stride(0) == 1 and scale_cols > 1:  # column-major in, column-major out
-            recv_scales = recv_scales.t().contiguous().t()
     recv_topk_idx = recv_topk_weights = None
     if topk_idx is not None:
         k = topk_idx.shape[1]

@@ -80,20 +80,21 @@ class _Sequence:
     """dispatch, dispatch, combine, combine of one case on one Buffer; ``run()`` returns every output."""
 
     def __init__(self, buf: Buffer, draw: dict, rank: int, num_ranks: int, dev: torch.device) -> None:
-        gen = torch.Generator().manual_seed(draw["seed"] * 1000 + rank)
+        gen = torch.Generator(device="cpu").manual_seed(draw["seed"] * 1000 + rank)
         num_tokens, hidden = draw["tokens"][rank], draw["hidden"]
         self.buf, self.draw = buf, draw
-        x = (torch.randn((num_tokens, hidden), generator=gen) * 2).to(torch.bfloat16)
+        x = (torch.randn((num_tokens, hidden), generator=gen, dtype=torch.float32, device="cpu") * 2).to(torch.bfloat16)
         topk_idx = make_pattern_topk_idx(gen, num_tokens, draw["num_experts"], draw["num_topk"], num_ranks,
                                          draw["routing"])
-        weights = torch.rand(topk_idx.shape, generator=gen)
+        weights = torch.rand(topk_idx.shape, generator=gen, dtype=torch.float32, device="cpu")
         self.x, self.topk_idx, self.weights = x.to(dev), topk_idx.to(dev), weights.to(dev)
         if draw["fp8"]:
             data, scales = per_token_cast_to_fp8(self.x)
             self.x_in = (data, scales.t().contiguous().t() if draw["col_major"] else scales)
         else:
             self.x_in = self.x
-        self.biases = tuple((torch.randn((num_tokens, hidden), generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+        self.biases = tuple((torch.randn((num_tokens, hidden), generator=gen, dtype=torch.float32, device="cpu") * 0.5)
+                            .to(torch.bfloat16).to(dev)
                             for _ in range(draw["num_biases"])) or None
         self.worst = max(draw["tokens"]) * num_ranks if draw["worst"] else 0
         self.expert_scale = 1.0 + rank  # stands in for the experts: y = x * scale, per rank

@@ -218,11 +218,12 @@ def _cuda_rows(case: Case, inputs: list[RankInputs]) -> tuple[int, int]:
 
     num_ranks = len(inputs)
     experts_per_rank = case.num_experts // num_ranks
-    matrix = torch.zeros((num_ranks, num_ranks), dtype=torch.int64)
+    matrix = torch.zeros((num_ranks, num_ranks), dtype=torch.int64, device="cpu")
     for src, mine in enumerate(inputs):
         idx = mine.topk_idx.cpu()
         dest = torch.where(idx >= 0, idx // experts_per_rank, torch.full_like(idx, num_ranks))
-        hit = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool).scatter_(1, dest, True)[:, :num_ranks]
+        hit = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool, device="cpu")
+        hit = hit.scatter_(1, dest, True)[:, :num_ranks]
         matrix[src] = hit.sum(0)
     rows = int(max(matrix.sum(0).max(), matrix.sum(1).max(), 1))
     k = case.num_topk

@@ -79,8 +79,8 @@ def make_pattern_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: in
     """Top-k expert ids [T, K] int64 for a named routing pattern (the tests' and the pressure test's);
     -1 marks unused slots. "random" drops about 10% of the slots."""
     if num_tokens == 0:
-        return torch.empty((0, num_topk), dtype=torch.int64)
-    scores = torch.rand((num_tokens, num_experts), generator=gen)
+        return torch.empty((0, num_topk), dtype=torch.int64, device="cpu")
+    scores = torch.rand((num_tokens, num_experts), generator=gen, dtype=torch.float32, device="cpu")
     experts_per_rank = num_experts // num_ranks
     if routing == "imbalanced":  # rank 0's experts win almost always
         scores[:, :experts_per_rank] += 0.9
@@ -93,7 +93,7 @@ def make_pattern_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: in
     elif routing == "all_dropped":
         idx[:] = -1
     else:  # drop ~10% of the slots
-        drop = torch.rand((num_tokens, num_topk), generator=gen) < 0.1
+        drop = torch.rand((num_tokens, num_topk), generator=gen, dtype=torch.float32, device="cpu") < 0.1
         idx = torch.where(drop, torch.full_like(idx, -1), idx)
     return idx.to(torch.int64)
 
@@ -106,11 +106,11 @@ def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_t
     into ``num_domains`` groups, one per scale-up domain; each token keeps the ``num_groups`` groups
     whose two best scores sum highest, and picks its top-k among their experts only.
     """
-    scores = torch.rand((num_tokens, num_experts), generator=gen)
+    scores = torch.rand((num_tokens, num_experts), generator=gen, dtype=torch.float32, device="cpu")
     if num_groups is not None and num_groups < num_domains and num_tokens:
         grouped = scores.view(num_tokens, num_domains, num_experts // num_domains)
         best = grouped.topk(min(2, grouped.shape[2]), dim=2).values.sum(2)
-        keep = torch.zeros((num_tokens, num_domains), dtype=torch.bool)
+        keep = torch.zeros((num_tokens, num_domains), dtype=torch.bool, device="cpu")
         keep.scatter_(1, best.topk(num_groups, dim=1).indices, True)
         scores = torch.where(keep.unsqueeze(2), grouped, torch.full_like(grouped, -1.0)).view(num_tokens, -1)
     return scores.topk(num_topk, dim=1).indices.to(torch.int64)
@@ -119,10 +119,10 @@ def make_topk_idx(gen: torch.Generator, num_tokens: int, num_experts: int, num_t
 def make_rank_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int,
                      num_topk: int, num_domains: int = 1, num_groups: int | None = None) -> RankInputs:
     """Inputs of ``rank``, identical on whichever process builds them (CPU generator, fixed order)."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+    x = torch.randn((num_tokens, hidden), generator=gen, dtype=torch.float32, device="cpu").to(torch.bfloat16)
     topk_idx = make_topk_idx(gen, num_tokens, num_experts, num_topk, num_domains, num_groups)
-    weights = torch.rand((num_tokens, num_topk), generator=gen).to(torch.float32)
+    weights = torch.rand((num_tokens, num_topk), generator=gen, dtype=torch.float32, device="cpu")
     return RankInputs(x, topk_idx, weights)
 
 

@@ -37,11 +37,11 @@ def run_two_micro_batches(backend: str = "auto", num_tokens: int = 64, hidden: i
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
     batches = []
     for _ in range(2):
-        x = torch.randn((num_tokens, hidden), generator=gen, device=dev).to(torch.bfloat16)
-        scores = torch.rand((num_tokens, num_experts), generator=gen, device=dev)
+        x = torch.randn((num_tokens, hidden), generator=gen, dtype=torch.float32, device=dev).to(torch.bfloat16)
+        scores = torch.rand((num_tokens, num_experts), generator=gen, dtype=torch.float32, device=dev)
         weights, idx = scores.topk(num_topk, dim=1)
         batches.append((x, idx, weights.float()))
-    attention = torch.randn((2048, 2048), generator=gen, device=dev)
+    attention = torch.randn((2048, 2048), generator=gen, dtype=torch.float32, device=dev)
 
     (xa, ia, wa), (xb, ib, wb) = batches
     recv_a, _, handle_a, _, hook_a = buf.low_latency_dispatch(xa, ia, num_tokens, num_experts, use_fp8=False,

@@ -17,8 +17,13 @@ from ..buffer import Buffer
 class ExpertMLP(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, generator: torch.Generator | None = None) -> None:
         super().__init__()
-        self.w_in = nn.Parameter(torch.randn((num_experts, hidden, ffn), generator=generator) / hidden ** 0.5)
-        self.w_out = nn.Parameter(torch.randn((num_experts, ffn, hidden), generator=generator) / ffn ** 0.5)
+        # Made where the generator draws (the CPU without one), in fp32, whatever torch's defaults are;
+        # .to() moves the layer.
+        dev = generator.device if generator is not None else torch.device("cpu")
+        self.w_in = nn.Parameter(torch.randn((num_experts, hidden, ffn), generator=generator, dtype=torch.float32,
+                                             device=dev) / hidden ** 0.5)
+        self.w_out = nn.Parameter(torch.randn((num_experts, ffn, hidden), generator=generator, dtype=torch.float32,
+                                              device=dev) / ffn ** 0.5)
 
     def forward(self, e: int, h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(h @ self.w_in[e]) @ self.w_out[e]

@@ -225,6 +225,9 @@ class CudaHierarchical:
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------ lifecycle and errors
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        return self.sym.tensor if rdma else self.shared.tensor
+
     def close(self) -> None:
         """Free both buffers (collective: every rank's kernels have ended, Buffer.destroy met them). The
         NVSHMEM free runs whatever happens to the IPC unmapping: the peers wait for it in a barrier."""
@@ -454,9 +457,8 @@ class CudaHierarchical:
         recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
         recv_scales = recv_topk_idx = recv_topk_weights = None
         if scales is not None:
-            col_major = scales.stride(0) == 1 and num_scales > 1  # the layout comes back as it went
-            recv_scales = torch.empty((num_scales, num_out), dtype=scales.dtype, device=self.device).t() \
-                if col_major else torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device)
+            # Row-major whatever the input's layout (DeepEP's), the kernel reads the input by its strides.
+            recv_scales = torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device)
         if num_topk:
             recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
             if with_weights:
@@ -482,7 +484,7 @@ class CudaHierarchical:
         new_handle = DispatchHandle(
             buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
-            recv_counts=recv_counts,
+            recv_counts=recv_counts, count_matrix=matrix,
             backend_state={"state": state, "at": at, "region_rows": region_rows, "most_recv": most, "matrix": matrix})
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, new_handle
 

@@ -168,6 +168,9 @@ class CudaIntranode:
         """Unmap the peers' buffers (after a barrier, so no peer still writes into ours)."""
         self.shared.close()
 
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        return None if rdma else self.buffer
+
     # ------------------------------------------------------------------ helpers
     def _send_blocks(self, num_sms: int, work: str) -> int:
         """SMs given to sending (the rest receive or reduce): send_blocks, with the share
@@ -306,9 +309,8 @@ class CudaIntranode:
         recv_x = torch.empty((num_out, hidden), dtype=x.dtype, device=self.device)
         recv_scales = None
         if scales is not None:
-            col_major = scales.stride(0) == 1 and num_scales > 1
-            recv_scales = (torch.empty((num_scales, num_out), dtype=scales.dtype, device=self.device).t() if col_major
-                           else torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device))
+            # Row-major whatever the input's layout (DeepEP's), the kernel reads the input by its strides.
+            recv_scales = torch.empty((num_out, num_scales), dtype=scales.dtype, device=self.device)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
             recv_topk_idx = torch.empty((num_out, num_topk), dtype=torch.int64, device=self.device)
@@ -323,6 +325,7 @@ class CudaIntranode:
             return recv_x_out, None, None, None, handle
         if num_worst_tokens:
             recv_counts, send_counts, expert_list, max_recv, max_send = [], [], [], -1, -1
+            matrix = self._count_matrix_on_device()
         else:  # read after the launch: the GPU is not kept waiting for these lists
             matrix = self._count_matrix()
             recv_counts = [int(v) for v in matrix[:, rank]]
@@ -331,7 +334,7 @@ class CudaIntranode:
         new_handle = DispatchHandle(
             buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_recv,
             num_worst_tokens=num_worst_tokens, is_token_in_rank=is_token_in_rank, send_counts=send_counts,
-            recv_counts=recv_counts,
+            recv_counts=recv_counts, count_matrix=matrix,
             backend_state={"in_rank": in_rank, "tables": tables, "slot": slot, "own_tokens": own_tokens,
                            "layout": layout, "experts_per_rank": experts_per_rank, "max_recv": max_recv,
                            "max_send": max_send})
@@ -347,6 +350,15 @@ class CudaIntranode:
         """[R, R] rows rank s sends to rank d, as the last count exchange left them (a copy)."""
         c, r = self.c, self.num_ranks
         return self.info_np[c["info_matrix"]:c["info_matrix"] + r * r].reshape(r, r).copy()
+
+    def _count_matrix_on_device(self) -> torch.Tensor | None:
+        """The count matrix of a num_worst_tokens dispatch, which the host never reads: copied on the stream
+        out of the pinned words its notify kernel wrote, before a later call rewrites them (handle[0]
+        sums it). None inside a graph capture, whose replays would not keep one per replay."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        words = self.info[self.c["info_matrix"]:self.c["info_matrix"] + self.num_ranks * self.num_ranks]
+        return words.view(self.num_ranks, self.num_ranks).to(self.device, non_blocking=True)
 
     def _set_dispatch_inputs(self, x, scales, topk_idx, topk_weights, num_topk, experts_per_rank, in_rank, slot,
                              own_tokens, layout, row_bytes, cap_rows, num_sms) -> None:

@@ -286,6 +286,9 @@ class CudaLowLatency:
     def remote_ranks(self) -> list[int]:
         return list(getattr(self.shared, "remote_ranks", []))
 
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        return self.shared.tensor if rdma else None
+
     def clean(self, meet: Callable[[str], None]) -> bool:
         """clean_low_latency_buffer, collective: every rank's kernels are done (first meeting), the
         whole buffer is zeroed (signals, acknowledgements, call counters) with the error records and

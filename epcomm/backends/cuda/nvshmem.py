@@ -43,7 +43,7 @@ class NvshmemTeam:
         self.lib = load_nvshmem_library()
         self.group, self.device = group, device
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        uid = torch.zeros(self.lib.epcomm_nvshmem_uid_bytes(), dtype=torch.uint8)
+        uid = torch.zeros(self.lib.epcomm_nvshmem_uid_bytes(), dtype=torch.uint8, device="cpu")
         if self.rank == 0:
             self._check(self.lib.epcomm_nvshmem_get_uid(ctypes.c_void_p(uid.data_ptr())), "nvshmemx_get_uniqueid")
         shared = uid.to(device)
@@ -67,7 +67,7 @@ class NvshmemTeam:
             raise RuntimeError(f"epcomm: nvshmem_malloc of {num_words * 8} bytes failed (NVSHMEM_SYMMETRIC_SIZE "
                                "sets the heap)")
         self._allocations.append(address)
-        words = torch.as_tensor(_SymmetricArray(address, num_words), device=self.device)
+        words = torch.as_tensor(_SymmetricArray(address, num_words), dtype=torch.int64, device=self.device)
         words.zero_()
         torch.cuda.synchronize(self.device)
         self.lib.epcomm_nvshmem_barrier_all()

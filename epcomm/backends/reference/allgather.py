@@ -113,7 +113,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
         return recv_x_out, None, None, None, handle
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
                            buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
-                           recv_counts, {"strategy": STRATEGY, "recv_pos": recv_pos,
+                           recv_counts, count_matrix, {"strategy": STRATEGY, "recv_pos": recv_pos,
                                          "tokens_per_rank": tokens_per_rank, "t_max": t_max})
 
 

@@ -80,14 +80,14 @@ class ReferenceBackend:
         """Exchange headers; return them as int64 [R, 16 + R]. Raises on refusal or mismatch."""
         self.seq += 1
         seq = self.seq
-        header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64)
+        header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64, device="cpu")
         header[F.MAGIC], header[F.OP], header[F.SEQ] = _MAGIC, int(op), seq
         header[F.STATUS] = 1 if refused else 0
         header[F.ARRIVAL_NS] = time.time_ns()
         for key, value in fields.items():
             header[key] = int(value)
         if counts is not None:
-            header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64)
+            header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64, device="cpu")
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
         gathered = self.transport.all_gather(header.to(self.device), op.name.lower(), seq, deadline)

@@ -71,8 +71,8 @@ def _plan(be: ReferenceBackend, dom: _Domains, is_token_in_rank: torch.Tensor, c
     for d, tokens in enumerate(tier1_tokens):
         send1[dom.mate(d)] = tokens.numel()
     # Each mate learns how many rows each source sends it (not implied by the per-rank counts).
-    got = be.exchange_rows(_int32_bytes(torch.tensor(send1)).to(be.device), [1] * dom.num_ranks,
-                           [1] * dom.num_ranks, Op.DISPATCH, everyone_empty=False)
+    got = be.exchange_rows(_int32_bytes(torch.tensor(send1, dtype=torch.int32, device=be.device)),
+                           [1] * dom.num_ranks, [1] * dom.num_ranks, Op.DISPATCH, everyone_empty=False)
     recv1 = from_bytes(got, torch.int32, 1).flatten().tolist()
     # Forwarder f passes rank r (its domain) the rows of the sources with f's local index; so r
     # receives from f what those sources send r in the flat strategy.
@@ -116,7 +116,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     if not cached:
         # The whole is_token_in_rank row rides along (R bytes, small next to a token row); each mate
         # reads its own domain's part.
-        meta = torch.cat([_int32_bytes(torch.arange(num_tokens, device=x.device)),
+        meta = torch.cat([_int32_bytes(torch.arange(num_tokens, dtype=torch.int32, device=x.device)),
                           is_token_in_rank.to(torch.uint8)], dim=1)
     send1 = _tier1_rows(payload, plan, dom, meta)
     recv1 = be.exchange_rows(send1, plan["send1"], plan["recv1"], Op.DISPATCH, everyone_empty)
@@ -125,8 +125,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     if not cached:
         first = dom.mine * dom.rpd
         wants = recv1[:, payload_bytes + 4 + first:payload_bytes + 4 + first + dom.rpd] != 0
-        src_of_row = torch.repeat_interleave(torch.arange(num_ranks, device=x.device),
-                                             torch.tensor(plan["recv1"], device=x.device))
+        src_of_row = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int64, device=x.device),
+                                             torch.tensor(plan["recv1"], dtype=torch.int64, device=x.device))
         plan["forward"] = [torch.nonzero(wants[:, j]).flatten() for j in range(dom.rpd)]
         plan["send2"] = [0] * num_ranks
         for j, sel in enumerate(plan["forward"]):
@@ -158,7 +158,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
         return recv_x_out, None, None, None, handle
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
                            buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
-                           recv_counts, plan)
+                           recv_counts, count_matrix, plan)
 
 
 def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
@@ -175,7 +175,7 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     # Tier 2 back: every row to the forwarder it came from, in the order it arrived.
     rows = combine_rows(x, topk_weights, num_recv)
     arrival = torch.empty_like(plan["order"])
-    arrival[plan["order"]] = torch.arange(plan["order"].numel(), device=arrival.device)
+    arrival[plan["order"]] = torch.arange(plan["order"].numel(), dtype=arrival.dtype, device=arrival.device)
     back2 = rows.index_select(0, arrival) if num_recv else rows
     got2 = be.exchange_rows(back2, plan["recv2"], plan["send2"], Op.COMBINE, everyone_empty)
 

@@ -90,7 +90,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
 
     pending = None if everyone_empty else be.transport.start_all_to_all(send, rows_per_dest, recv_rows)
     seq = be.seq
-    arrived_ns = torch.zeros(num_ranks, dtype=torch.int64)
+    arrived_ns = torch.zeros(num_ranks, dtype=torch.int64, device="cpu")
 
     def finish() -> None:
         start = time.monotonic_ns()
@@ -105,8 +105,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
         counts = recv_counts.flatten().to(torch.int64)  # [src * E_local + e]
         block_begin = torch.repeat_interleave(begins.flatten().to(torch.int64), counts)
         block_first_row = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        expert = torch.repeat_interleave(torch.arange(experts_per_rank).repeat(num_ranks), counts)
-        slot = block_begin + torch.arange(recv.shape[0]) - block_first_row
+        local_experts = torch.arange(experts_per_rank, dtype=torch.int64, device="cpu")
+        expert = torch.repeat_interleave(local_experts.repeat(num_ranks), counts)
+        slot = block_begin + torch.arange(recv.shape[0], dtype=torch.int64, device="cpu") - block_first_row
         expert, slot = expert.to(dev), slot.to(dev)
         recv_data[expert, slot] = from_bytes(recv[:, :data_bytes], recv_data.dtype, hidden)
         if recv_scales is not None:

@@ -105,12 +105,14 @@ def check_cached_counts(handle: DispatchHandle, recv_counts: list[int]) -> None:
 
 def dispatch_result(outputs: tuple, expert_list: list[int] | None, buffer_uid: str, x: torch.Tensor,
                     num_recv_tokens: int, num_worst_tokens: int, is_token_in_rank: torch.Tensor,
-                    send_counts: list[int], recv_counts: list[int], state: dict | None = None):
-    """What a fresh dispatch returns: its outputs, the per-expert counts and a new handle."""
+                    send_counts: list[int], recv_counts: list[int], count_matrix: torch.Tensor,
+                    state: dict | None = None):
+    """What a fresh dispatch returns: its outputs, the per-expert counts and a new handle
+    (``count_matrix``: the handshake's [src, dst] rows, which handle[0] sums)."""
     handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=x.shape[0], hidden=x.shape[1],
                             num_recv_tokens=num_recv_tokens, num_worst_tokens=num_worst_tokens,
                             is_token_in_rank=is_token_in_rank, send_counts=send_counts, recv_counts=recv_counts,
-                            backend_state=state or {})
+                            backend_state=state or {}, count_matrix=count_matrix)
     return (*outputs, expert_list if expert_list is not None else [], handle)
 
 
@@ -166,7 +168,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
         return recv_x_out, None, None, None, handle
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
                            buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
-                           recv_counts)
+                           recv_counts, count_matrix)
 
 
 def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,

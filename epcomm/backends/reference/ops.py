@@ -49,6 +49,9 @@ class ReferenceNormalOps:
     def check_errors(self, op: str) -> None:
         pass
 
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        return None  # rows travel through torch.distributed: no memory of this rank's is written by peers
+
     def close(self) -> None:
         pass
 
@@ -103,6 +106,9 @@ class ReferenceLowLatencyOps:
                 wait_stats.add_(wait_ns.to(wait_stats.device))
 
         return combined, complete
+
+    def local_memory(self, rdma: bool) -> torch.Tensor | None:
+        return None
 
     def clean(self, meet: Callable[[str], None]) -> bool:
         return False  # nothing on the device to reset; the calls keep their numbers
