@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     bad = [name for name in ("hidden", "tokens", "ll_tokens", "topk", "experts", "ranks", "nodes")
-           if (getattr(args, name) or 1) <= 0]
+           if getattr(args, name) is not None and getattr(args, name) <= 0]
     if bad:
         print(f"epcomm doctor: error: --{bad[0].replace('_', '-')} must be positive", file=sys.stderr)
         return 2
