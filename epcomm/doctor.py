@@ -213,8 +213,9 @@ def _doctor_library_blocker(built: dict[str, bool] | None) -> Callable[[bool], s
 
 def check_backends(gpus: list[Gpu], shape: Shape, sizes: dict[str, int],
                    built: dict[str, bool] | None) -> list[Finding]:
-    """Which backend each mode picks under backend='auto', by availability.mode_blockers from rank 0's view
-    of a group of ``shape.ranks`` ranks laid out over the visible GPUs, one host per node."""
+    """Which backend each mode picks under backend='auto', by availability.mode_blockers seen by each rank of
+    this node, ``shape.ranks`` ranks laid out over the visible GPUs one host per node: as the Buffer's vote,
+    one rank's reason keeps the mode on the portable path."""
     from . import _env
     from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers, stable_id
 
@@ -228,17 +229,19 @@ def check_backends(gpus: list[Gpu], shape: Shape, sizes: dict[str, int],
                 for label, _, _ in modes]
     host = socket.gethostname()
     hosts = [stable_id(f"{host}/{r // shape.ranks_per_node}") for r in range(shape.ranks)]
-    gpu_ids = [gpu_id(torch.device("cuda", r % shape.ranks_per_node % len(gpus))) for r in range(shape.ranks)]
+    local = [r % len(gpus) for r in range(shape.ranks_per_node)]  # the visible GPU each rank of a node takes
+    gpu_ids = [gpu_id(torch.device("cuda", local[r % shape.ranks_per_node])) for r in range(shape.ranks)]
     ll_nvshmem = _env.ll_transport() == "nvshmem" or bool(_env.ll_remote_ranks(shape.ranks))
     findings = []
     for label, mode, strategy in modes:
         hier = strategy == "hierarchical"
-        blockers = mode_blockers(
-            0, torch.device("cuda", 0), hosts, gpu_ids, num_nvl_bytes=sizes["num_nvl_bytes"],
+        reasons = (mode_blockers(
+            rank, torch.device("cuda", index), hosts, gpu_ids, num_nvl_bytes=sizes["num_nvl_bytes"],
             num_rdma_bytes=sizes["hierarchical_rdma_bytes"] if hier else sizes["low_latency_rdma_bytes"],
             low_latency_mode=mode == LOW_LATENCY, strategy=strategy, ll_nvshmem=ll_nvshmem,
-            library_blocker=_doctor_library_blocker(built))
-        reason, name = blockers.get(mode), f"backend/{label}"
+            library_blocker=_doctor_library_blocker(built)).get(mode) for rank, index in enumerate(local))
+        reason = next((f"rank {rank} (cuda:{local[rank]}): {r}" for rank, r in enumerate(reasons) if r), None)
+        name = f"backend/{label}"
         if chosen == "reference":
             finding = Finding(name, WARN, "EPCOMM_BACKEND=reference: the portable path, kernels or not",
                               "unset EPCOMM_BACKEND (auto) to use the kernels where every rank can")

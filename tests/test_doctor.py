@@ -150,3 +150,31 @@ def test_cli_and_module_entry_points_run_quickly():
 @pytest.mark.parametrize("text, value", [("1g", 1 << 30), ("512M", 512 << 20), ("4096", 4096), ("x", None)])
 def test_nvshmem_sizes_parse(text, value):
     assert doctor._parse_size(text) == value
+
+
+def test_backends_follow_mode_blockers_on_faked_gpus(monkeypatch):
+    """The GPU path without a GPU: eight Hopper GPUs, one of which cannot reach another."""
+    import torch
+
+    from epcomm.backends.cuda import availability
+
+    gpus = [doctor.Gpu(i, "NVIDIA H100", (9, 0), 80 << 30) for i in range(8)]
+    monkeypatch.setattr(availability, "gpu_id", lambda device: 100 + device.index)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer",
+                        lambda a, b: (getattr(a, "index", a), getattr(b, "index", b)) != (5, 2))
+    monkeypatch.setattr(build, "find_nvcc", lambda: "nvcc")  # the library check asks only whether it is found
+    monkeypatch.delenv("EPCOMM_BACKEND", raising=False)
+    sizes = doctor.buffer_sizes(doctor.Shape())
+    findings = {f.name: f for f in doctor.check_backends(gpus, doctor.Shape(), sizes, None)}
+    assert findings["backend/normal"].status == doctor.WARN
+    assert "rank 5" in findings["backend/normal"].found and "peer access" in findings["backend/normal"].found
+    [peer] = doctor.check_peer_access(gpus)
+    assert peer.status == doctor.FAIL and "5->2" in peer.found
+    # Four ranks use GPUs 0-3, which all reach each other.
+    findings = doctor.check_backends(gpus, doctor.Shape(ranks=4), doctor.buffer_sizes(doctor.Shape(ranks=4)), None)
+    assert all(f.status == doctor.OK for f in findings)
+    monkeypatch.setenv("EPCOMM_BACKEND", "cuda")
+    findings = {f.name: f for f in doctor.check_backends(gpus, doctor.Shape(), sizes, None)}
+    assert findings["backend/low_latency"].status == doctor.FAIL
