@@ -1,4 +1,4 @@
-"""The ``epcomm`` console script: ``epcomm bench ...`` and ``epcomm plan ...``.
+"""The ``epcomm`` console script: ``epcomm bench ...``, ``epcomm plan ...`` and ``epcomm doctor ...``.
 
 Each subcommand's module is imported only when it is used, so ``epcomm plan`` does not pay for
 the benchmark's imports and a missing optional part breaks only its own subcommand.
@@ -13,6 +13,7 @@ USAGE = """usage: epcomm <command> [options]
 commands:
   bench   measure dispatch/combine against all_to_all_single (python -m epcomm.bench)
   plan    plan buffer sizes and settings for a deployment (epcomm.planner)
+  doctor  check this machine before a job: GPUs, peer access, compiler, NVSHMEM, NICs, variables
 
 'epcomm <command> --help' describes a command's options."""
 
@@ -32,7 +33,13 @@ def _plan(argv: list[str]) -> int | None:
     return plan_main(argv)
 
 
-COMMANDS = {"bench": _bench, "plan": _plan}
+def _doctor(argv: list[str]) -> int | None:
+    from .doctor import main as doctor_main
+
+    return doctor_main(argv)
+
+
+COMMANDS = {"bench": _bench, "plan": _plan, "doctor": _doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

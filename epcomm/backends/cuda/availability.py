@@ -15,6 +15,7 @@ stays on the reference backend on every rank, and the reasons are logged. What a
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -78,13 +79,16 @@ def modes_used(num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool) 
 
 
 def mode_blockers(rank: int, device: torch.device, hosts: list[int], gpus: list[int], *, num_nvl_bytes: int,
-                  num_rdma_bytes: int, low_latency_mode: bool, strategy: str, ll_nvshmem: bool) -> dict[str, str]:
+                  num_rdma_bytes: int, low_latency_mode: bool, strategy: str, ll_nvshmem: bool,
+                  library_blocker: Callable[[bool], str | None] | None = None) -> dict[str, str]:
     """Per mode this Buffer uses (modes_used), why this rank cannot run it on the kernels (absent: it can).
 
     ``hosts`` and ``gpus`` name every rank's host and GPU (gathered by the Buffer); ``ll_nvshmem``: the
     environment sends low-latency peers of this host through NVSHMEM (EPCOMM_LL_TRANSPORT=nvshmem or
-    EPCOMM_LL_REMOTE_RANKS), which then needs NVSHMEM's library on one host too.
+    EPCOMM_LL_REMOTE_RANKS), which then needs NVSHMEM's library on one host too. ``library_blocker(nvshmem)``
+    replaces the build-and-load check (``epcomm doctor`` asks without building).
     """
+    check_library = library_blocker or _library_blocker
     modes = modes_used(num_nvl_bytes, num_rdma_bytes, low_latency_mode)
     if not modes:
         return {}
@@ -104,7 +108,7 @@ def mode_blockers(rank: int, device: torch.device, hosts: list[int], gpus: list[
             elif num_rdma_bytes <= 0:
                 blockers[NORMAL] = "strategy='hierarchical' on the kernels needs num_rdma_bytes (the NVSHMEM tier)"
             else:
-                blocker = _library_blocker(nvshmem=True)
+                blocker = check_library(nvshmem=True)
                 if blocker:
                     blockers[NORMAL] = blocker
         elif num_ranks > MAX_RANKS or not one_host:
@@ -114,7 +118,7 @@ def mode_blockers(rank: int, device: torch.device, hosts: list[int], gpus: list[
         elif unreachable:
             blockers[NORMAL] = f"no peer access from this GPU to the GPU(s) of rank(s) {unreachable}"
         else:
-            blocker = _library_blocker(nvshmem=False)
+            blocker = check_library(nvshmem=False)
             if blocker:
                 blockers[NORMAL] = blocker
     if LOW_LATENCY in modes:
@@ -124,7 +128,7 @@ def mode_blockers(rank: int, device: torch.device, hosts: list[int], gpus: list[
         elif unreachable and not nvshmem:
             blockers[LOW_LATENCY] = f"no peer access from this GPU to the GPU(s) of rank(s) {unreachable}"
         else:
-            blocker = _library_blocker(nvshmem)
+            blocker = check_library(nvshmem)
             if blocker:
                 blockers[LOW_LATENCY] = blocker
     return blockers

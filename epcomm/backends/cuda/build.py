@@ -79,12 +79,18 @@ def compile_command(nvcc: str, output: Path) -> list[str]:
     return [nvcc, *NVCC_FLAGS, "-shared", "-o", str(output), *map(str, KERNEL_SOURCES), *driver_link_flags(nvcc)]
 
 
-def _cached_build(name: str, sources: list[Path], extra_key: str,
-                  commands: Callable[[str, Path, Path], list[list[str]]]) -> Path:
-    """Build ``name`` (a shared library) into the cache unless a build of the same sources, flags
-    and nvcc is there; ``commands(nvcc, workdir, output)`` gives the commands to run in order."""
+def cache_dir() -> Path:
+    """The kernel cache (EPCOMM_CACHE_DIR): one directory per key, each holding its built libraries."""
+    return Path(os.path.expanduser(_env.env_str("EPCOMM_CACHE_DIR")))
+
+
+def _cache_target(name: str, sources: list[Path], extra_key: str,
+                  commands: Callable[[str, Path, Path], list[list[str]]]) -> tuple[str, Path]:
+    """(nvcc, where the build of ``name`` lands in the cache): the key hashes the sources, the nvcc
+    version and the build commands."""
     nvcc = find_nvcc()
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    # Bounded: the doctor asks for these paths and must not hang on a broken compiler.
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     digest = hashlib.sha256(version.encode())
     for path in [*sources, *HEADERS]:
         digest.update(str(path.relative_to(PACKAGE_DIR)).encode())
@@ -92,8 +98,15 @@ def _cached_build(name: str, sources: list[Path], extra_key: str,
     digest.update(extra_key.encode())
     for command in commands(nvcc, Path("/work"), Path("/work") / name):  # how it is built is part of the key
         digest.update(" ".join(command).encode())
-    cache = Path(os.path.expanduser(_env.env_str("EPCOMM_CACHE_DIR"))) / digest.hexdigest()[:16]
-    target = cache / name
+    return nvcc, cache_dir() / digest.hexdigest()[:16] / name
+
+
+def _cached_build(name: str, sources: list[Path], extra_key: str,
+                  commands: Callable[[str, Path, Path], list[list[str]]]) -> Path:
+    """Build ``name`` (a shared library) into the cache unless a build of the same sources, flags
+    and nvcc is there; ``commands(nvcc, workdir, output)`` gives the commands to run in order."""
+    nvcc, target = _cache_target(name, sources, extra_key, commands)
+    cache = target.parent
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # ranks may compile at once: rename atomically
@@ -107,12 +120,20 @@ def _cached_build(name: str, sources: list[Path], extra_key: str,
     return target
 
 
+def _kernel_commands(nvcc: str, _workdir: Path, out: Path) -> list[list[str]]:
+    return [compile_command(nvcc, out)]
+
+
+def kernel_library_path() -> Path:
+    """Where the kernel library is (or will be, once built) cached for these sources and this nvcc."""
+    return _cache_target("libepcomm_kernels.so", KERNEL_SOURCES, "", _kernel_commands)[1]
+
+
 def load_library() -> ctypes.CDLL:
     """The kernel library, compiled into the cache on the first call of the process."""
     global _library
     if _library is None:
-        _library = ctypes.CDLL(str(_cached_build("libepcomm_kernels.so", KERNEL_SOURCES, "",
-                                                 lambda nvcc, _, out: [compile_command(nvcc, out)])))
+        _library = ctypes.CDLL(str(_cached_build("libepcomm_kernels.so", KERNEL_SOURCES, "", _kernel_commands)))
     return _library
 
 
@@ -154,6 +175,13 @@ def nvshmem_build_commands(nvcc: str, nvshmem: Path, workdir: Path, output: Path
                      str(nvshmem / "lib" / "libnvshmem_device.a"),  # its host-side stubs of the device code
                      f"-L{nvshmem / 'lib'}", "-l:libnvshmem_host.so.3", f"-Xlinker=-rpath={nvshmem / 'lib'}"])
     return commands
+
+
+def nvshmem_library_path() -> Path:
+    """Where the NVSHMEM library is (or will be) cached for these sources, nvcc and NVSHMEM install."""
+    nvshmem = find_nvshmem()
+    return _cache_target("libepcomm_nvshmem.so", NVSHMEM_SOURCES, str(nvshmem),
+                         lambda nvcc, tmp, out: nvshmem_build_commands(nvcc, nvshmem, tmp, out))[1]
 
 
 def load_nvshmem_library() -> ctypes.CDLL:
