@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cluster
+from conftest import cluster, env_var
 from routing import device, make_inputs
 
 from epcomm import Buffer, Config, oracle
@@ -119,6 +119,27 @@ NORMAL = {
 @pytest.mark.parametrize("ranks", sorted(NORMAL))
 def test_normal_mode_equals_the_oracle(ranks):
     cluster(ranks).run(rank_normal, NORMAL[ranks])
+
+
+def rank_layout_in_domains(ranks_per_domain: int) -> bool:
+    """get_dispatch_layout with several scale-up domains: the tokens per domain too."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    with env_var("EPCOMM_RANKS_PER_DOMAIN", ranks_per_domain):
+        buf = Buffer(dist.group.WORLD, 32 << 20, backend="reference")
+    for tokens, routing in ((37, "random"), (0, "random"), (20, "empty_rank")):
+        tag = f"rank={rank} R={num_ranks} ranks_per_domain={ranks_per_domain} T={tokens} routing={routing}"
+        idx = make_inputs(61, rank, tokens, 128, 4 * num_ranks, 3, num_ranks, routing)[1]
+        got = buf.get_dispatch_layout(idx.to(device()), 4 * num_ranks)
+        want = oracle.dispatch_layout(idx, 4 * num_ranks, num_ranks, ranks_per_domain)
+        for name, g, w in zip(("per_rank", "per_domain", "per_expert", "in_rank"), got, want):
+            assert w is not None and _equal(g.cpu(), w), f"{tag}: layout {name}"
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("ranks_per_domain", [1, 2])
+def test_layout_in_domains_equals_the_oracle(ranks_per_domain):
+    cluster(4).run(rank_layout_in_domains, ranks_per_domain)
 
 
 def rank_low_latency(cases: list[tuple]) -> int:
