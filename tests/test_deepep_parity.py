@@ -15,7 +15,7 @@ from conftest import BACKEND, cluster, env_var
 from routing import make_inputs
 
 import epcomm
-from epcomm import Buffer
+from epcomm import Buffer, oracle
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 256, 8, 3, 40
 BACKENDS = ["reference", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -35,14 +35,11 @@ def _rank_tagged_inputs(seed: int, dev: torch.device, num_tokens: int = TOKENS):
     return x, topk_idx.to(dev), weights.to(dev)
 
 
-def _all_counts(topk_idx: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """[R, R] rows each source sends each destination, from every rank's routing (int64, CPU)."""
-    in_rank = torch.zeros((topk_idx.shape[0], num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
-    dest = torch.where(topk_idx >= 0, topk_idx // (EXPERTS // num_ranks), torch.full_like(topk_idx, num_ranks))
-    mine = in_rank.scatter_(1, dest, True)[:, :num_ranks].sum(0).to(torch.int64)
-    gathered = [torch.zeros_like(mine) for _ in range(num_ranks)]
-    dist.all_gather(gathered, mine)
-    return torch.stack(gathered).cpu()
+def _all_counts(seed: int, num_ranks: int) -> torch.Tensor:
+    """[R, R] rows each source sends each destination (int64, CPU): the oracle's, from every rank's routing
+    of _rank_tagged_inputs(seed)."""
+    routings = [make_inputs(seed, r, TOKENS, HIDDEN, EXPERTS, TOPK, num_ranks, "random")[1] for r in range(num_ranks)]
+    return oracle.count_matrix([oracle.dispatch_layout(idx, EXPERTS, num_ranks)[3] for idx in routings])
 
 
 def rank_normal_handle(backend: str, num_worst_tokens: bool):
@@ -59,7 +56,7 @@ def rank_normal_handle(backend: str, num_worst_tokens: bool):
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=worst)
-    want = _all_counts(topk_idx, num_ranks).cumsum(0).to(torch.int32)
+    want = _all_counts(31, num_ranks).cumsum(0).to(torch.int32)
     rank_prefix_matrix = handle[0]
     assert len(handle) == 6 and handle[-6] is rank_prefix_matrix
     assert rank_prefix_matrix.dtype == torch.int32 and rank_prefix_matrix.device == x.device
@@ -115,7 +112,7 @@ def rank_internode_handle():
                                               topk_idx=topk_idx, topk_weights=weights)
     assert len(handle) == 10 and handle[0] is in_rank
     prefix = handle[-4]
-    want = _all_counts(topk_idx, num_ranks)[:, rank].cumsum(0).to(torch.int32)
+    want = _all_counts(37, num_ranks)[:, rank].cumsum(0).to(torch.int32)
     assert prefix.dtype == torch.int32 and torch.equal(prefix, want), f"rank {rank}: {prefix} vs {want}"
     start = 0
     for i in range(num_ranks):

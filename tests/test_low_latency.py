@@ -1,4 +1,4 @@
-"""Low-latency dispatch and combine on 2-4 gloo ranks, checked against a dense single-process oracle."""
+"""Low-latency dispatch and combine on 2-4 gloo ranks, checked against the oracle (epcomm/oracle.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import torch.distributed as dist
 from conftest import cluster
 from routing import device, make_inputs
 
-from epcomm import Buffer
-from epcomm.fp8 import pack_ue8m0, quantize_groups
+from epcomm import Buffer, oracle
 
 
 def _ll_buffer(n: int, hidden: int, num_experts: int, **kwargs) -> Buffer:
@@ -20,32 +19,27 @@ def _ll_buffer(n: int, hidden: int, num_experts: int, **kwargs) -> Buffer:
 
 def _check_dispatch(recv_x, recv_count, handle, all_inputs, rank, num_ranks, num_experts, use_fp8, round_scale,
                     use_ue8m0, tag):
-    e_local = num_experts // num_ranks
+    """This rank's outputs are the oracle's, bit for bit; returns the blocks (expert, source, begin, count,
+    source tokens)."""
+    want = oracle.low_latency_dispatch_to(rank, [i[0] for i in all_inputs], [i[1] for i in all_inputs], num_experts,
+                                          handle.num_max_dispatch_tokens_per_rank, use_fp8=use_fp8,
+                                          round_scale=round_scale, use_ue8m0=use_ue8m0)
     rows = []
-    for e in range(e_local):
-        g = rank * e_local + e
-        count = 0
-        for src, (x, topk_idx, _) in enumerate(all_inputs):
-            tokens = torch.nonzero((topk_idx == g).any(1)).flatten() if len(x) else torch.empty(0, dtype=torch.long)
-            # each matching slot is one received row
-            reps = (topk_idx[tokens] == g).sum(1) if len(tokens) else torch.empty(0, dtype=torch.long)
-            tokens = torch.repeat_interleave(tokens, reps)
-            word = int(handle.layout_range[e, src])
+    for e in range(num_experts // num_ranks):
+        for src in range(num_ranks):
+            word, want_word = int(handle.layout_range[e, src]), int(want.layout_range[e, src])
             begin, cnt = word >> 32, word & 0xFFFFFFFF
-            assert cnt == len(tokens), f"{tag} expert {e} src {src}: {cnt} != {len(tokens)}"
-            assert torch.equal(handle.src_info[e, begin:begin + cnt], tokens.to(torch.int32)), tag
-            want = x[tokens]
+            assert word == want_word, f"{tag} expert {e} src {src}: {cnt} rows at {begin}, want " \
+                                      f"{want_word & 0xFFFFFFFF} at {want_word >> 32}"
+            block = slice(begin, begin + cnt)
+            assert torch.equal(handle.src_info[e, block], want.src_info[e, block]), tag
             if use_fp8:
-                data, scales = quantize_groups(want, round_scale=round_scale)
-                if use_ue8m0:
-                    scales = pack_ue8m0(scales)
-                assert torch.equal(recv_x[0][e, begin:begin + cnt].view(torch.uint8), data.view(torch.uint8)), tag
-                assert torch.equal(recv_x[1][e, begin:begin + cnt], scales), tag
+                assert torch.equal(recv_x[0][e, block].view(torch.uint8), want.x[0][e, block].view(torch.uint8)), tag
+                assert torch.equal(recv_x[1][e, block], want.x[1][e, block]), tag
             else:
-                assert torch.equal(recv_x[e, begin:begin + cnt].view(torch.int16), want.view(torch.int16)), tag
-            count += cnt
-            rows.append((e, src, begin, cnt, tokens))
-        assert int(recv_count[e]) == count, tag
+                assert torch.equal(recv_x[e, block].view(torch.int16), want.x[e, block].view(torch.int16)), tag
+            rows.append((e, src, begin, cnt, want.src_info[e, block].to(torch.int64)))
+        assert int(recv_count[e]) == int(want.count[e]), tag
     if use_fp8:
         n_rows = recv_x[0].shape[1]
         assert recv_x[1].stride(1) == 1 or recv_x[1].shape[2] == 1, f"{tag}: scales not column-major"

@@ -1,4 +1,4 @@
-"""Normal-mode dispatch and combine on 2-4 gloo ranks, checked against a dense single-process oracle."""
+"""Normal-mode dispatch and combine on 2-4 gloo ranks, checked against the oracle (epcomm/oracle.py)."""
 
 from __future__ import annotations
 
@@ -9,27 +9,12 @@ from conftest import cluster
 from routing import device, make_inputs
 
 import epcomm
-from epcomm import Buffer, Config
+from epcomm import Buffer, Config, oracle
 
 
 def _buffer(hidden_bytes: int) -> Buffer:
     r = dist.get_world_size()
     return Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden_bytes, r), backend="reference")
-
-
-def _expected_dispatch(all_inputs, rank, num_ranks, num_experts):
-    """Rows this rank receives: by source rank, then source token index."""
-    e_local = num_experts // num_ranks
-    xs, idxs, ws, srcs = [], [], [], []
-    for src, (x, topk_idx, w) in enumerate(all_inputs):
-        owner = torch.where(topk_idx >= 0, topk_idx // e_local, -1)
-        sel = (owner == rank).any(1)
-        xs.append(x[sel])
-        local = torch.where(owner[sel] == rank, topk_idx[sel] - rank * e_local, -1)
-        idxs.append(local)
-        ws.append(torch.where(local >= 0, w[sel], 0.0))
-        srcs.append(torch.full((int(sel.sum()),), src))
-    return torch.cat(xs), torch.cat(idxs), torch.cat(ws), torch.cat(srcs)
 
 
 def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routing, seed, fp8, col_major_scales,
@@ -46,13 +31,9 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     # Layout.
     layout = buf.get_dispatch_layout(topk_idx.to(dev), num_experts)
     per_rank, per_domain, per_expert, in_rank = (t.cpu() if t is not None else None for t in layout[:4])
-    e_local = num_experts // num_ranks
-    owner = torch.where(topk_idx >= 0, topk_idx // e_local, -1)
-    want_in_rank = torch.stack([(owner == r).any(1) for r in range(num_ranks)], 1) if len(x) else \
-        torch.zeros((0, num_ranks), dtype=torch.bool)
+    want_per_rank, _, want_per_expert, want_in_rank = oracle.dispatch_layout(topk_idx, num_experts, num_ranks)
     assert torch.equal(in_rank, want_in_rank), tag
-    assert torch.equal(per_rank, want_in_rank.sum(0).to(torch.int32)), tag
-    want_per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).to(torch.int32)
+    assert torch.equal(per_rank, want_per_rank), tag
     assert torch.equal(per_expert, want_per_expert), tag
     assert per_domain is None, tag
 
@@ -71,7 +52,10 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     recv_x = (recv_x[0].cpu(), recv_x[1].cpu() if recv_x[1].stride(1) == 1 else recv_x[1].t().cpu().t()) \
         if fp8 else recv_x.cpu()
     recv_idx, recv_w = recv_idx.cpu(), recv_w.cpu()
-    want_x, want_idx, want_w, want_src = _expected_dispatch(all_inputs, rank, num_ranks, num_experts)
+    # The oracle's dispatch of every rank (the rows this rank receives, and what its peers return to it).
+    everyone = oracle.dispatch([i[0] for i in all_inputs], [i[1] for i in all_inputs], num_experts,
+                               topk_weights=[i[2] for i in all_inputs], expert_alignment=alignment)
+    want_x, want_idx, want_w = everyone[rank].x, everyone[rank].topk_idx, everyone[rank].topk_weights
     n = want_x.shape[0]
     if fp8:
         want_data, want_scales = epcomm.per_token_cast_to_fp8(want_x)
@@ -89,8 +73,7 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
         assert expert_list == [], tag
         assert bool((recv_idx[n:] == -1).all()), tag
     else:
-        counts = torch.bincount(want_idx[want_idx >= 0], minlength=e_local).tolist()
-        assert expert_list == [(c + alignment - 1) // alignment * alignment for c in counts], tag
+        assert expert_list == everyone[rank].expert_counts, tag
 
     # Cached dispatch reproduces the rows.
     cached_x, *rest = buf.dispatch(x_in, handle=handle)
@@ -112,14 +95,11 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     combined, combined_w, _ = buf.combine(y.to(dev), handle, topk_weights=w_back.to(dev),
                                           bias=tuple(b.to(dev) for b in biases) if biases else None)
     combined, combined_w = combined.cpu(), combined_w.cpu()
-    ref = torch.zeros((x.shape[0], hidden), dtype=torch.float64)
-    ref_w = torch.zeros((x.shape[0], num_topk), dtype=torch.float64)
-    for r in range(num_ranks):
-        reach = want_in_rank[:, r]
-        ref[reach] += (x[reach].float() * (r + 1)).to(torch.bfloat16).double()
-        ref_w[reach] += torch.where(owner[reach] == r, topk_weights[reach], 0.0).double()
-    if biases is not None:
-        ref += biases[0].double() + biases[1].double()
+    # Every destination d returned its received rows times (d + 1): the oracle's exact (float64) combine.
+    in_ranks = [oracle.dispatch_layout(i[1], num_experts, num_ranks)[3] for i in all_inputs]
+    ys = [(d.x.float() * (r + 1)).to(torch.bfloat16) for r, d in enumerate(everyone)]
+    all_biases = [biases if r == rank else () for r in range(num_ranks)] if biases is not None else None
+    ref, ref_w = oracle.combine(ys, in_ranks, [d.topk_weights for d in everyone], all_biases, exact=True)[rank]
     assert combined.dtype == torch.bfloat16 and combined.shape == (x.shape[0], hidden), tag
     # bf16 output: within one bf16 rounding of the float64 sum.
     err = (combined.double() - ref).abs()

@@ -1,4 +1,4 @@
-"""The single-process reference a rank checks its own outputs against.
+"""A rank's checks of its own outputs against the single-process oracle (epcomm/oracle.py).
 
 Dispatch is a copy, so its outputs must match bit for bit (BF16 rows, FP8 bytes and scales, top-k
 ids and weights). Combine sums in fp32 and rounds to BF16 once, so it must lie within one BF16
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import oracle
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from ..utils.tensors import as_bytes
 from .workloads import RankInputs
@@ -20,31 +21,18 @@ ABS_TOL = 1e-6
 
 
 class Expected:
-    """What a rank should receive in normal mode: rows by source rank, then ascending source token."""
+    """What a rank should receive in normal mode (the oracle's dispatch): rows by source rank, then
+    ascending source token."""
 
     def __init__(self, inputs: list[RankInputs], rank: int, num_experts: int) -> None:
-        num_ranks = len(inputs)
-        e_local = num_experts // num_ranks
-        xs, idxs, ws = [], [], []
-        self.recv_splits: list[int] = []
-        for src in inputs:
-            owner = torch.where(src.topk_idx >= 0, src.topk_idx // e_local, -1)
-            sel = (owner == rank).any(1)
-            xs.append(src.x[sel])
-            local = torch.where(owner[sel] == rank, src.topk_idx[sel] - rank * e_local, -1)
-            idxs.append(local)
-            ws.append(torch.where(local >= 0, src.topk_weights[sel], 0.0))
-            self.recv_splits.append(int(sel.sum()))
-        self.x = torch.cat(xs)
-        self.topk_idx = torch.cat(idxs)
-        self.topk_weights = torch.cat(ws)
-        self.num_rows = self.x.shape[0]
-        counts = torch.bincount(self.topk_idx[self.topk_idx >= 0].flatten(), minlength=e_local)
-        self.expert_counts: list[int] = counts.tolist()
-        mine = inputs[rank]
-        my_owner = torch.where(mine.topk_idx >= 0, mine.topk_idx // e_local, -1)
+        got = oracle.dispatch_to(rank, [src.x for src in inputs], [src.topk_idx for src in inputs], num_experts,
+                                 topk_weights=[src.topk_weights for src in inputs])
+        self.x, self.topk_idx, self.topk_weights = got.x, got.topk_idx, got.topk_weights
+        self.recv_splits: list[int] = got.recv_counts
+        self.num_rows = got.num_recv
+        self.expert_counts: list[int] = got.expert_counts
         # is_token_in_rank of this rank's own tokens: where its rows go, in rank order.
-        self.in_rank = torch.stack([(my_owner == r).any(1) for r in range(num_ranks)], 1)
+        self.in_rank = oracle.dispatch_layout(inputs[rank].topk_idx, num_experts, len(inputs))[3]
 
 
 def poison_(t: torch.Tensor, byte: int = 0x7F) -> None:
@@ -124,38 +112,37 @@ def check_ll_dispatch(tag: str, recv_x, recv_count: torch.Tensor, handle, inputs
     """Per local expert, one block per source rank (any block order, any row order inside a block).
 
     The handle's ``layout_range`` ((begin << 32) | count per [expert, source]) locates each block
-    and ``src_info`` names each row's source token, so every row can be compared with the FP8 cast
-    of the token it claims to be, and the set of tokens with the routing.
+    and ``src_info`` names each row's source token, so each block, its rows put in token order, is
+    compared with the oracle's block of the same expert and source.
     """
     failures: list[str] = []
     num_ranks = len(inputs)
-    e_local = num_experts // num_ranks
     data, scales = recv_x
+    want = oracle.low_latency_dispatch_to(rank, [src.x for src in inputs], [src.topk_idx for src in inputs],
+                                          num_experts, data.shape[1] // num_ranks, use_fp8=True)
+    want_data, want_scales = want.x
     # Compare FP8 as bytes: row gathers are not implemented for float8 on every device.
-    casts = [(d.view(torch.uint8), s) for d, s in (per_token_cast_to_fp8(src.x) for src in inputs)]
-    layout = handle.layout_range.cpu().tolist()
-    counts = recv_count.cpu().tolist()
-    for e in range(e_local):
-        expert = rank * e_local + e
-        total = 0
-        for j, src in enumerate(inputs):
-            tokens = torch.nonzero((src.topk_idx == expert).any(1)).flatten()
-            c = tokens.numel()
-            total += c
+    got_bytes, want_bytes = data.view(torch.uint8), want_data.view(torch.uint8)
+    layout, want_layout = handle.layout_range.cpu().tolist(), want.layout_range.cpu().tolist()
+    counts, want_counts = recv_count.cpu().tolist(), want.count.cpu().tolist()
+    for e in range(len(want_counts)):
+        for j in range(num_ranks):
             begin, got_count = layout[e][j] >> 32, layout[e][j] & 0xFFFFFFFF
+            want_begin, c = want_layout[e][j] >> 32, want_layout[e][j] & 0xFFFFFFFF
             if got_count != c:
                 failures.append(f"{tag}: expert {e} got {got_count} rows from rank {j}, want {c}")
                 continue
-            src_idx = handle.src_info[e, begin:begin + c].to(torch.int64)
-            if not torch.equal(src_idx.sort().values, tokens):
+            src_idx, order = handle.src_info[e, begin:begin + c].to(torch.int64).sort(stable=True)
+            if not torch.equal(src_idx, want.src_info[e, want_begin:want_begin + c].to(src_idx)):
                 failures.append(f"{tag}: expert {e}: the tokens received from rank {j} are not those routed")
                 continue
-            if not same_bits(data[e, begin:begin + c].view(torch.uint8), casts[j][0][src_idx]):
+            rows = begin + order.to(data.device)
+            if not same_bits(got_bytes[e, rows], want_bytes[e, want_begin:want_begin + c].to(data.device)):
                 failures.append(f"{tag}: expert {e}: FP8 rows from rank {j} differ from the reference")
-            if not torch.equal(scales[e, begin:begin + c], casts[j][1][src_idx]):
+            if not torch.equal(scales[e, rows], want_scales[e, want_begin:want_begin + c].to(scales.device)):
                 failures.append(f"{tag}: expert {e}: FP8 scales from rank {j} differ from the reference")
-        if counts[e] != total:
-            failures.append(f"{tag}: recv_count[{e}] = {counts[e]}, want {total}")
+        if counts[e] != want_counts[e]:
+            failures.append(f"{tag}: recv_count[{e}] = {counts[e]}, want {want_counts[e]}")
         if len(failures) > 8:
             break  # enough to diagnose; the rest would repeat
     return failures
