@@ -71,8 +71,7 @@ class Buffer(ArgumentChecks):
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self._comm_stream is not None:  # _run's events: the compute stream's work, then the call's
             self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
-        self._local_nvl: torch.Tensor | None = None
-        self._local_rdma: torch.Tensor | None = None
+        self._local_scratch: dict[bool, torch.Tensor] = {}  # get_local_buffer_tensor's, where a mode has none
         self._destroyed = False
         self._nvl_bytes_ok: set[tuple[int, Config]] = set()  # (hidden, config) pairs that fit (checked once)
         # Low-latency double buffering: each call takes the next of two slots.
@@ -193,16 +192,13 @@ class Buffer(ArgumentChecks):
 
     def _local_memory(self, rdma: bool) -> torch.Tensor:
         """The uint8 memory get_local_buffer_tensor views (see there)."""
-        ops = (self._ll_ops, self._normal_ops) if rdma else (self._normal_ops,)
-        for mode in ops:
-            memory = mode.local_memory(rdma)
-            if memory is not None:
+        for mode in (self._ll_ops, self._normal_ops) if rdma else (self._normal_ops,):
+            if (memory := mode.local_memory(rdma)) is not None:
                 return memory
-        attr = "_local_rdma" if rdma else "_local_nvl"
-        if getattr(self, attr) is None:
+        if rdma not in self._local_scratch:
             total = self.num_rdma_bytes if rdma else self.num_nvl_bytes
-            setattr(self, attr, torch.zeros(total, dtype=torch.uint8, device=self.device))
-        return getattr(self, attr)
+            self._local_scratch[rdma] = torch.zeros(total, dtype=torch.uint8, device=self.device)
+        return self._local_scratch[rdma]
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         """The communication stream the calls with ``async_finish`` run on (None on the CPU)."""
@@ -337,7 +333,6 @@ class Buffer(ArgumentChecks):
             config = _DEFAULT_CONFIGS[key] = (
                 self.get_dispatch_config if dispatch else self.get_combine_config)(self.group_size)
         return config
-
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
@@ -699,7 +694,5 @@ def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
             _tensors(item, out)
     return out
 
-
-__all__ = ["Buffer", "same_device"]
 
 __all__ = ["Buffer", "same_device"]

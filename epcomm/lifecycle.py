@@ -309,7 +309,7 @@ def destroy(buf: Any) -> None:
         ops = _let_go_normal(buf)  # hierarchical: NVSHMEM frees are collective, so meet first
         torch.cuda.synchronize(buf.device)
         _free_when_peers_done(buf, ops, "normal-mode")
-        buf._local_nvl = buf._local_rdma = None
+        buf._local_scratch.clear()
         buf._backend.ll_combine_buffers.clear()
         buf._destroyed = True  # before raising what the kernels reported: the Buffer is gone either way
         ops.check_errors("destroy")
@@ -321,7 +321,7 @@ def destroy(buf: Any) -> None:
             _LEAKED.append(ops)  # a peer that did not arrive may still write into it: never free it
             raise
         ops.close()
-    buf._local_nvl = buf._local_rdma = None
+    buf._local_scratch.clear()
     buf._backend.ll_combine_buffers.clear()
     buf._destroyed = True
 
