@@ -264,19 +264,7 @@ int epcomm_combine(const CombineCall* call, cudaStream_t stream) {
     return static_cast<int>(cudaGetLastError());
 }
 
-// The layout, field names and field types of call record `name` (CallContext, NotifyCall,
-// DispatchCall, CombineCall): write_record_layout, record_field_name and record_field_type
-// (common/records.cuh) say what they return.
-int epcomm_struct_layout(const char* name, int64_t* out, int max) {
-    return write_record_layout(kCallRecords, name, out, max);
-}
-
-const char* epcomm_struct_field_name(const char* name, int index) {
-    return record_field_name(kCallRecords, name, index);
-}
-
-const char* epcomm_struct_field_type(const char* name, int index) {
-    return record_field_type(kCallRecords, name, index);
-}
-
 }  // extern "C"
+
+// epcomm_struct_layout, _field_name and _field_type: the records' tables (common/records.cuh).
+EPCOMM_EXPORT_RECORDS(epcomm_struct, kCallRecords)

@@ -296,18 +296,7 @@ int epcomm_ll_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
 
 int epcomm_ll_event_destroy(cudaEvent_t event) { return static_cast<int>(cudaEventDestroy(event)); }
 
-// The layout, field names and field types of call record `name` (LLCallContext, LLDispatchCall,
-// LLCombineCall): write_record_layout, record_field_name and record_field_type (common/records.cuh).
-int epcomm_ll_struct_layout(const char* name, int64_t* out, int max) {
-    return write_record_layout(kLLCallRecords, name, out, max);
-}
-
-const char* epcomm_ll_struct_field_name(const char* name, int index) {
-    return record_field_name(kLLCallRecords, name, index);
-}
-
-const char* epcomm_ll_struct_field_type(const char* name, int index) {
-    return record_field_type(kLLCallRecords, name, index);
-}
-
 }  // extern "C"
+
+// epcomm_ll_struct_layout, _field_name and _field_type: the records' tables (common/records.cuh).
+EPCOMM_EXPORT_RECORDS(epcomm_ll_struct, kLLCallRecords)

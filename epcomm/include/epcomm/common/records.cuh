@@ -113,6 +113,19 @@ static const char* record_field_type(const RecordLayout (&records)[N], const cha
     return r != nullptr && index >= 0 && index < r->num_fields ? r->fields[index].type : nullptr;
 }
 
+// Exports `records` (extern "C") as <prefix>_layout, <prefix>_field_name and <prefix>_field_type, the
+// three functions above, for the loader to build its ctypes structures from.
+#define EPCOMM_EXPORT_RECORDS(prefix, records)                                                  \
+    extern "C" int prefix##_layout(const char* name, int64_t* out, int max) {                  \
+        return ::epcomm::write_record_layout(records, name, out, max);                         \
+    }                                                                                          \
+    extern "C" const char* prefix##_field_name(const char* name, int index) {                  \
+        return ::epcomm::record_field_name(records, name, index);                              \
+    }                                                                                          \
+    extern "C" const char* prefix##_field_type(const char* name, int index) {                  \
+        return ::epcomm::record_field_type(records, name, index);                              \
+    }
+
 // A record's device address as the pointer type of the kernel argument it fills.
 template <class T>
 static void set_ptr(T*& field, uint64_t address) {
