@@ -352,6 +352,9 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     (repo / "epcomm").mkdir()
     shutil.copy(os.path.join(os.path.dirname(__file__), "..", "tools", "dev", "ab_commits.sh"),
                 repo / "tools" / "dev" / "ab_commits.sh")
+    (repo / "tools" / "ci").mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "tools", "ci", "gpu_env.sh"),
+                repo / "tools" / "ci" / "gpu_env.sh")
     (repo / "pyproject.toml").write_text("")
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)

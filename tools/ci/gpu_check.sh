@@ -14,12 +14,7 @@
 #                       (tests/conftest.py): protocols and results, not timings
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-# NVLink multicast stays off: on a shared host it can take the whole machine down.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
-export OUT=${OUT:-/tmp/epcomm-gpu-check}
-mkdir -p "$OUT"
+source tools/ci/gpu_env.sh /tmp/epcomm-gpu-check
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvidia-smi topo -m

@@ -39,10 +39,7 @@ case $step in
     ;;
   run)
     [ "${1:-}" = "--" ] && shift
-    # NVLink multicast stays off: on a shared host it can take the whole machine down.
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-    OUT=${OUT:-/tmp/epcomm-ab}
-    mkdir -p "$OUT"
+    source tools/ci/gpu_env.sh /tmp/epcomm-ab  # each tree then runs with its own PYTHONPATH and cache
     [ -f ab/TREES ] || { echo "ab_commits: no ab/TREES (run prepare first, here)"; exit 2; }
     res=$(mktemp -d)/ab
     mkdir -p "$res"

@@ -19,12 +19,7 @@
 # measured variant).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-# NVLink multicast stays off: on a shared host it can take the whole machine down.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
-OUT=${OUT:-/tmp/epcomm-variants}
-mkdir -p "$OUT"
+source tools/ci/gpu_env.sh /tmp/epcomm-variants
 variants=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   variants+=("$1")

@@ -10,12 +10,7 @@
 #   NCU_SKIP=N         launches of those to skip first (warm-up) [3]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-# NVLink multicast stays off: on a shared host it can take the whole machine down.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export EPCOMM_CACHE_DIR=${EPCOMM_CACHE_DIR:-/tmp/epcomm-cache}
-OUT=${OUT:-/tmp/epcomm-ncu}
-mkdir -p "$OUT"
+source tools/ci/gpu_env.sh /tmp/epcomm-ncu
 kernels=${NCU_KERNELS:-dispatch_fused|combine_send|combine_recv}
 status=0
 for t in "${@:-1 128}"; do
