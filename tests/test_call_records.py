@@ -50,6 +50,14 @@ def test_call_records_are_built_from_the_library(library):
         library.epcomm_dispatch(records.CombineCall(), None)
 
 
+def test_every_buffer_fills_the_same_record_classes(library):
+    # The entry points' argtypes name the record classes: a second Buffer binding the library again must
+    # not swap them for new ones, or the first Buffer's records would be refused.
+    first, second = intranode.bind_calls(library), intranode.bind_calls(library)
+    assert first.DispatchCall is second.DispatchCall and first.CallContext is second.CallContext
+    assert library.epcomm_dispatch.argtypes[0]._type_ is first.DispatchCall
+
+
 def test_a_record_with_two_fields_swapped_is_refused(library):
     records = intranode.bind_calls(library)
     names = [name for name, _ in records.DispatchCall._fields_]

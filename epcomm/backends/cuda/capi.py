@@ -48,16 +48,21 @@ _SCALARS = {"uint64_t": ctypes.c_uint64, "int64_t": ctypes.c_int64, "int32_t": c
             "uint32_t": ctypes.c_uint32, "float": ctypes.c_float}
 
 
+# Built once per library: its entry points' argtypes name these classes, so every Buffer of the
+# process must fill the same ones (a second set would be refused by the first Buffer's calls).
+_RECORDS: dict[tuple[ctypes.CDLL, str], type[ctypes.Structure]] = {}
+
+
 def load_records(lib: ctypes.CDLL, names: str, exports: str = "epcomm_struct") -> types.SimpleNamespace:
     """The library's call records ``names`` as ctypes structures, built from the field tables it exports
     (``<exports>_layout``, ``_field_name``, ``_field_type``: each record is declared once, in C), then
-    checked field by field against the library (ctypes and nvcc must lay them out alike)."""
+    checked field by field against the library (ctypes and nvcc must lay them out alike). The same
+    classes for every call with the same library."""
     field_name, field_type = getattr(lib, exports + "_field_name"), getattr(lib, exports + "_field_type")
     field_name.restype = field_type.restype = ctypes.c_char_p
-    built: dict[str, type[ctypes.Structure]] = {}
 
     def build(name: str) -> type[ctypes.Structure]:
-        if name not in built:
+        if (lib, name) not in _RECORDS:
             fields = []
             for i in itertools.count():
                 field = field_name(name.encode(), i)
@@ -67,9 +72,10 @@ def load_records(lib: ctypes.CDLL, names: str, exports: str = "epcomm_struct") -
                 fields.append((field.decode(), _SCALARS.get(ctype) or build(ctype)))
             if not fields:
                 raise RuntimeError(f"epcomm: the kernel library has no call record {name}; rebuild it")
-            built[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
-            check_struct_layout(lib, built[name], exports)
-        return built[name]
+            record = type(name, (ctypes.Structure,), {"_fields_": fields})
+            check_struct_layout(lib, record, exports)
+            _RECORDS[(lib, name)] = record
+        return _RECORDS[(lib, name)]
 
     return types.SimpleNamespace(**{name: build(name) for name in names.split()})
 
