@@ -97,7 +97,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     }
     __syncthreads();
     trace_point(a.trace, 0, kTraceWritten);
-    if constexpr (Net::kRemote) {
+    if constexpr (kNetReachesUnmapped) {
         if (remote && !skip && count > 0) {  // skip is the block's (shared): the whole block puts
             Net::put_block(mine + rows_offset, staging, static_cast<size_t>(count) * row_int4 * 16, src);
             __syncthreads();
