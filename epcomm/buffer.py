@@ -575,10 +575,12 @@ class Buffer(ArgumentChecks):
                 below are unused, and a signal tensor is refused.
             packed_recv_count: ``[E_local]`` int32, the dispatch's ``recv_count``; needed with ``comp_signal``.
             comp_signal: int32, the word of local expert e's rows ``[b * block_m, (b + 1) * block_m)`` at
-                ``e * ceil(N * R / block_m) + b``. block_m, threshold: its rows (>= 1) and its computed value (>= 1).
+                ``e * ceil(N * R / block_m) + b``.
+            block_m: the rows a ``comp_signal`` word covers (>= 1).
+            threshold: the value (>= 1) a ``comp_signal`` word reaches once its rows are computed.
             num_sms: with overlap, the most blocks (SMs) the waiting send kernel takes; 0: one per unit.
             src_signals: ``[E_local]`` uint32 or int32, a word per local expert (instead of ``comp_signal``).
-                src_signal_expect_value: its value (>= 1) once the expert is computed.
+            src_signal_expect_value: the value (>= 1) a ``src_signals`` word reaches once its expert is computed.
 
         Returns:
             combined_x: ``[T, H]`` bf16, each token's weighted sum (valid after ``hook()`` with a hook).
@@ -642,9 +644,7 @@ class Buffer(ArgumentChecks):
         calls diverged back in step, e.g. a masked rank that comes back (then clean the mask too).
 
         Arguments:
-            num_max_dispatch_tokens_per_rank: N of the calls to come (>= 1).
-            hidden: H of the calls to come (>= 1).
-            num_experts: E of the calls to come (>= 1).
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: N, H and E of the calls to come (each >= 1).
         """
         self._check_alive()
         if not self.low_latency_mode:
