@@ -77,9 +77,11 @@ def rank_sbo(seed: int):
     e_local, rows = num_experts // num_ranks, N * num_ranks
     for i, (kind, hook, num_sms, block_m) in enumerate(VARIANTS):
         tag = f"rank {rank} of {num_ranks}: {kind} hook={hook} num_sms={num_sms} block_m={block_m}"
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False)
+        ref = buf.low_latency_combine(_expert_outputs(recv_x), idx, w, handle)[0].clone()  # without overlap
+        # The same dispatch again (its layout is the same) for the overlapped combine.
         recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False)
         want = _expert_outputs(recv_x)
-        ref = buf.low_latency_combine(want, idx, w, handle)[0].clone()  # without overlap
         counts = recv_count.tolist()
         block_m = block_m or rows
         per_expert = -(-rows // block_m)
