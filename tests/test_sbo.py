@@ -45,7 +45,7 @@ def rank_sbo_reference():
         y = _outputs(recv_x)
         ref = buf.low_latency_combine(y, idx, w, handle)[0].clone()
         block_m = 3 if kind == "comp" else rows
-        words = torch.zeros(e_local * -(-rows // block_m), dtype=torch.int32)
+        words = torch.zeros(e_local * -(-rows // block_m), dtype=torch.int32, device=device())
         if kind == "comp":
             keywords = dict(packed_recv_count=recv_count, comp_signal=words, block_m=block_m, threshold=5)
         else:
@@ -77,7 +77,7 @@ def rank_sbo_reference_timeout():
     buf, x, idx, w, num_experts = _setup(12, timeout_s=1)
     recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False)
     e_local = num_experts // dist.get_world_size()
-    words = torch.full((e_local * N * dist.get_world_size(),), 4, dtype=torch.int32)
+    words = torch.full((e_local * N * dist.get_world_size(),), 4, dtype=torch.int32, device=device())
     with pytest.raises(RuntimeError, match="expert GEMM did not raise signal words"):
         buf.low_latency_combine(recv_x, idx, w, handle, overlap=True, packed_recv_count=recv_count,
                                 comp_signal=words, block_m=1, threshold=5)
@@ -94,7 +94,7 @@ def rank_sbo_checks():
     buf, x, idx, w, num_experts = _setup(13)
     e_local, rows = num_experts // num_ranks, N * num_ranks
     recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, num_experts, use_fp8=False)
-    words = torch.full((e_local * rows,), 1, dtype=torch.int32)
+    words = torch.full((e_local * rows,), 1, dtype=torch.int32, device=device())
     comp = dict(overlap=True, packed_recv_count=recv_count, comp_signal=words, block_m=1, threshold=1)
     src = dict(overlap=True, src_signals=words[:e_local], src_signal_expect_value=1)
     bad = [
