@@ -92,7 +92,11 @@ LOW_LATENCY = Family(
                     "[-1, num_experts), or one expert named more often than num_max_dispatch_tokens_per_rank (a token "
                     "naming an expert twice); those entries were not sent", False),
         DeviceError("kErrIdsDiffer", ValueError, "rank(s) {ranks} passed low_latency_combine a topk_idx that "
-                    "differs from the one of its dispatch (the dispatch's was used)", False),
+                    "differs from the one of its dispatch (the dispatch's was used), or with overlap=True a "
+                    "packed_recv_count other than its dispatch's recv_count (that combine's output is invalid)", False),
+        DeviceError("kErrComputeTimeout", RuntimeError, "the expert GEMM of rank(s) {ranks} did not raise "
+                    "low_latency_combine's comp_signal (or src_signals) words to the threshold within "
+                    "EPCOMM_TIMEOUT_S (overlap=True)", True),
         DeviceError("kErrShapes", RuntimeError, "rank(s) {ranks} made this call with another shape (hidden, "
                     "num_experts, num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were "
                     "not read", True),

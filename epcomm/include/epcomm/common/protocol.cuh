@@ -19,6 +19,7 @@ enum ErrorCode : int {
     kErrAbandoned = 9,        // an earlier wait of this rank gave up, so this call stopped waiting
     kErrEarlierError = 10,    // hierarchical: a rank reported an error in an earlier call
     kErrPeerGaveUp = 11,      // hierarchical: a rank gave this call up
+    kErrComputeTimeout = 12,  // low latency: the expert GEMM did not raise a combine's overlap signal in time
 };
 
 // The call a record or a barrier signal names (ranks that disagree on the call are told so).
