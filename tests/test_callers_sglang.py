@@ -35,23 +35,49 @@ from epcomm.fp8 import pack_ue8m0, quantize_groups
 EXPERTS, TOPK, TOKENS, LL_MAX_TOKENS = 8, 3, 40, 16
 
 
+# --deepep-config as SGLang reads it (DeepEP's tuned configs): one Config per direction, the same num_sms.
+DEEPEP_CONFIG = {"normal_dispatch": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 8,
+                                     "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
+                                     "num_max_rdma_chunked_recv_tokens": 128},
+                 "normal_combine": {"num_sms": 24, "num_max_nvl_chunked_send_tokens": 4,
+                                    "num_max_nvl_chunked_recv_tokens": 128, "num_max_rdma_chunked_send_tokens": 6,
+                                    "num_max_rdma_chunked_recv_tokens": 128}}
+
+
+class DeepEPConfig:
+    """DeepEPConfig: the configs of --deepep-config (Config(**entry)), else None and Buffer.num_sms."""
+
+    def __init__(self, parsed: dict | None) -> None:
+        Buffer, Config = deep_ep().Buffer, deep_ep().Config
+        if parsed:
+            self.normal_dispatch_config = Config(**parsed["normal_dispatch"])
+            self.normal_combine_config = Config(**parsed["normal_combine"])
+            assert parsed["normal_dispatch"]["num_sms"] == parsed["normal_combine"]["num_sms"]
+            self.num_sms = parsed["normal_dispatch"]["num_sms"]
+        else:
+            self.normal_dispatch_config = self.normal_combine_config = None
+            self.num_sms = Buffer.num_sms
+
+
 def sglang_buffer(group, hidden: int, param_bytes: int, mode: str, num_max_dispatch_tokens_per_rank: int,
-                  num_experts: int):
+                  num_experts: int, deepep_config: DeepEPConfig | None = None):
     """DeepEPBuffer.get_deepep_buffer: normal sizing from the dispatch and combine configs at
     hidden * param_bytes, the low-latency RDMA hint, num_qps_per_rank by mode, allow_mnnvl=True."""
     Buffer = deep_ep().Buffer
+    deepep_config = deepep_config or DeepEPConfig(None)
     num_nvl_bytes, num_rdma_bytes = 0, 0
     if mode in ("normal", "auto"):
         hidden_bytes = hidden * param_bytes
-        for config in (Buffer.get_dispatch_config(group.size()), Buffer.get_combine_config(group.size())):
+        for config in (deepep_config.normal_dispatch_config or Buffer.get_dispatch_config(group.size()),
+                       deepep_config.normal_combine_config or Buffer.get_combine_config(group.size())):
             num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, group.size()), num_nvl_bytes)
             num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, group.size()), num_rdma_bytes)
     if mode in ("low_latency", "auto"):
         assert num_experts % group.size() == 0
         num_rdma_bytes = max(Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden,
                                                                     group.size(), num_experts), num_rdma_bytes)
-    num_qps_per_rank = {"normal": Buffer.num_sms, "low_latency": num_experts // group.size(),
-                        "auto": max(Buffer.num_sms, num_experts // group.size())}[mode]
+    num_qps_per_rank = {"normal": deepep_config.num_sms, "low_latency": num_experts // group.size(),
+                        "auto": max(deepep_config.num_sms, num_experts // group.size())}[mode]
     return Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=mode != "normal",
                   num_qps_per_rank=num_qps_per_rank, allow_mnnvl=True)
 
@@ -85,8 +111,9 @@ class NormalDispatcher:
     """_DeepEPDispatcherImplNormal: dispatch_a/_dispatch_core/dispatch_b and combine_a/_combine_core/
     combine_b as SGLang sequences them, the handle kept as a member."""
 
-    def __init__(self, buffer, num_experts: int, async_finish: bool, deepgemm: bool = True):
-        self.buffer, self.num_experts, self.async_finish, self.deepgemm = buffer, num_experts, async_finish, deepgemm
+    def __init__(self, buffer, num_experts: int, async_finish: bool, deepep_config: DeepEPConfig | None = None):
+        self.buffer, self.num_experts, self.async_finish = buffer, num_experts, async_finish
+        self.config = deepep_config or DeepEPConfig(None)
         self.handle = None
 
     def dispatch(self, hidden_states, topk_ids, topk_weights):
@@ -103,7 +130,7 @@ class NormalDispatcher:
             num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, previous_event=previous_event,
             async_finish=self.async_finish, allocate_on_comm_stream=(previous_event is not None) and self.async_finish,
-            expert_alignment=128 if self.deepgemm else 1, config=None)
+            expert_alignment=128, config=self.config.normal_dispatch_config)
         event.current_stream_wait() if self.async_finish else ()
         return recv_x, recv_topk_ids, recv_topk_weights, num_recv_tokens_per_expert
 
@@ -111,7 +138,8 @@ class NormalDispatcher:
         previous_event = deep_ep().Buffer.capture() if self.async_finish else None
         combined_x, _, event = self.buffer.combine(output, self.handle, async_finish=self.async_finish,
                                                    previous_event=previous_event,
-                                                   allocate_on_comm_stream=previous_event is not None, config=None)
+                                                   allocate_on_comm_stream=previous_event is not None,
+                                                   config=self.config.normal_combine_config)
         event.current_stream_wait() if self.async_finish else ()
         self.handle = None
         return combined_x
@@ -135,15 +163,18 @@ def _normal_round(dispatcher: NormalDispatcher, inputs, hidden: int, fp8: str, t
     assert_bits(f"{tag} combined", combined, want[rank]["combined"])
 
 
-def rank_sglang_normal(name: str, fp8: str, async_finish: bool):
+def rank_sglang_normal(name: str, fp8: str, async_finish: bool, tuned: bool):
     """SGLang python/sglang/srt/layers/moe/token_dispatcher/deepep.py, _DeepEPDispatcherImplNormal with
-    DeepEPBuffer.get_deepep_buffer (mode NORMAL, param_bytes 1 for FP8 output): two layers' rounds on one
-    Buffer, BF16 or FP8 with fp32 (Hopper) or UE8M0 column-major TMA-aligned (Blackwell) scales."""
+    DeepEPBuffer.get_deepep_buffer (mode NORMAL, param_bytes 1 for FP8 output) and DeepEPConfig (default or
+    --deepep-config): two layers' rounds on one Buffer, BF16 or FP8 with fp32 (Hopper) or UE8M0 column-major
+    TMA-aligned (Blackwell) scales."""
     hidden = 1024
+    deepep_config = DeepEPConfig(DEEPEP_CONFIG if tuned else None)
     with backend(name):
-        buf = sglang_buffer(dist.group.WORLD, hidden, 2 if fp8 == "bf16" else 1, "normal", -1, EXPERTS)
+        buf = sglang_buffer(dist.group.WORLD, hidden, 2 if fp8 == "bf16" else 1, "normal", -1, EXPERTS,
+                            deepep_config)
     assert not buf.low_latency_mode and buf.group_size == dist.get_world_size()
-    dispatcher = NormalDispatcher(buf, EXPERTS, async_finish)
+    dispatcher = NormalDispatcher(buf, EXPERTS, async_finish, deepep_config)
     for layer in range(2):
         inputs = rank_inputs(300 + layer, TOKENS, hidden, EXPERTS, TOPK)
         _normal_round(dispatcher, inputs, hidden, fp8, f"{name} {fp8} async={async_finish} layer {layer}")
@@ -152,9 +183,10 @@ def rank_sglang_normal(name: str, fp8: str, async_finish: bool):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("fp8, async_finish", [("bf16", False), ("bf16", True), ("fp32", True), ("ue8m0", False)])
-def test_sglang_normal_dispatcher(name, fp8, async_finish):
-    cluster(2).run(rank_sglang_normal, name, fp8, async_finish)
+@pytest.mark.parametrize("fp8, async_finish, tuned", [("bf16", False, False), ("bf16", True, True),
+                                                      ("fp32", True, False), ("ue8m0", False, True)])
+def test_sglang_normal_dispatcher(name, fp8, async_finish, tuned):
+    cluster(2).run(rank_sglang_normal, name, fp8, async_finish, tuned)
 
 
 class LowLatencyDispatcher:

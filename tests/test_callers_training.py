@@ -181,6 +181,45 @@ def test_megatron_fused_a2a(name, async_finish, allocate_on_comm_stream):
     cluster(2).run(rank_megatron, name, async_finish, allocate_on_comm_stream)
 
 
+def rank_megatron_rebuilt_buffer(name: str):
+    """Megatron-LM megatron/core/transformer/moe/fused_a2a.py, get_buffer growing the Buffer between layers (a
+    later layer's hidden_bytes needs more): the earlier layer's backward then runs on the new Buffer with the
+    handle the old one made. DeepEP's handles are plain tensors, valid on any Buffer of the group; returns
+    "refused: ..." where epcomm refuses them."""
+    global _megatron_buffer
+    rank, per_rank = dist.get_rank(), EXPERTS // dist.get_world_size()
+    _megatron_buffer = None
+    deep_ep()
+    outputs, uids = [], []
+    with backend(name):
+        for layer, hidden in enumerate((HIDDEN, 2 * HIDDEN)):
+            x, token_indices, probs = rank_inputs(530 + layer, TOKENS, hidden, EXPERTS, TOPK)[rank]
+            x.requires_grad_()
+            recv_x, recv_idx, recv_probs, _, handle = FusedDispatch.apply(x, token_indices, probs, EXPERTS,
+                                                                          dist.group.WORLD)
+            combined, _ = FusedCombine.apply(normal_experts(recv_x, recv_idx, recv_probs, rank, per_rank),
+                                             dist.group.WORLD, handle)
+            outputs.append(combined)
+            uids.append(_megatron_buffer.uid)
+    assert uids[0] != uids[1], "get_buffer did not grow the Buffer"
+    try:
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+        result = True
+    except ValueError as e:
+        result = f"refused: {e}"
+    _megatron_buffer.destroy()
+    _megatron_buffer = None
+    return result
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a handle is refused by a Buffer other than the one "
+                   "that made it; DeepEP's handles work on any Buffer of the group (Megatron/torchtitan get_buffer)")
+@pytest.mark.parametrize("name", BACKENDS)
+def test_megatron_backward_after_buffer_growth(name):
+    results = cluster(2).run(rank_megatron_rebuilt_buffer, name)
+    assert results == [True, True], results
+
+
 # -------------------------------------------------------------------------------------------- torchtitan
 _titan_buffer = None
 _handle_cache: dict = {}
