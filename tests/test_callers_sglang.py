@@ -259,6 +259,43 @@ def test_sglang_low_latency_dispatcher(name, use_fp8, return_recv_hook):
     cluster(2).run(rank_sglang_low_latency, name, use_fp8, return_recv_hook)
 
 
+def rank_sglang_two_batch_overlap(name: str, use_fp8: bool):
+    """SGLang python/sglang/srt/layers/moe/token_dispatcher/deepep.py with two-batch overlap (two
+    DeepEPDispatcher instances on the one DeepEPBuffer, return_recv_hook=True), in the order the decode
+    operations strategy interleaves them: dispatch and combine_a of batch A, dispatch_a of batch B while
+    A's combine is pending, A's combine_b, then B's. Two layers, each batch checked against the oracle."""
+    rank, hidden = dist.get_rank(), 256
+    with backend(name):
+        buf = sglang_buffer(dist.group.WORLD, hidden, 1 if use_fp8 else 2, "low_latency", LL_MAX_TOKENS, EXPERTS)
+    a, b = (LowLatencyDispatcher(buf, EXPERTS, LL_MAX_TOKENS, use_fp8, return_recv_hook=True) for _ in range(2))
+    for layer in range(2):
+        ins_a = rank_inputs(340 + 2 * layer, 12, hidden, EXPERTS, TOPK)
+        ins_b = rank_inputs(341 + 2 * layer, 7, hidden, EXPERTS, TOPK)
+        (xa, ida, wa), (xb, idb, wb) = ins_a[rank], ins_b[rank]
+        recv_a, count_a, _, event, hook = a.dispatch_a(xa, ida)
+        handle_a = a.handle
+        a.dispatch_b(event, hook)
+        pending_a = a.combine_a(ll_experts(recv_a, rank), ida, wa)
+        recv_b, count_b, _, event_b, hook_b = b.dispatch_a(xb, idb)
+        handle_b = b.handle
+        combined_a = a.combine_b(*pending_a)
+        b.dispatch_b(event_b, hook_b)
+        combined_b = b.combine_b(*b.combine_a(ll_experts(recv_b, rank), idb, wb))
+        for tag, ins, recv, count, handle, combined in (("A", ins_a, recv_a, count_a, handle_a, combined_a),
+                                                         ("B", ins_b, recv_b, count_b, handle_b, combined_b)):
+            want, want_combined = oracle_ll(ins, EXPERTS, LL_MAX_TOKENS, use_fp8)
+            check_ll_dispatch(f"{name} TBO layer {layer} batch {tag}", recv, count, handle, want)
+            check_ll_combined(f"{name} TBO layer {layer} batch {tag}", combined, want_combined)
+    buf.destroy()
+    return True
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_sglang_two_batch_overlap(name, use_fp8):
+    cluster(2).run(rank_sglang_two_batch_overlap, name, use_fp8)
+
+
 def rank_sglang_auto():
     """SGLang python/sglang/srt/layers/moe/token_dispatcher/deepep.py, DeepEPDispatcher in AUTO mode: one
     Buffer sized for both modes; prefill batches take the normal dispatcher, decode batches the low-latency

@@ -121,7 +121,7 @@ class HTPrepareAndFinalize:
             return None
         return deep_ep.Buffer.get_combine_config(self.num_dispatchers_)
 
-    def prepare(self, tokens, token_scales, rank_topk_ids, rank_topk_weights, num_experts):
+    def prepare(self, tokens, token_scales, rank_topk_ids, rank_topk_weights, num_experts, ubatch: int = 0):
         previous_event = self.buffer.capture() if self.dbo else None
         (num_tokens_per_rank, num_tokens_per_rdma_rank, dispatch_expert_num_tokens, is_token_in_rank,
          event) = self.buffer.get_dispatch_layout(topk_idx=rank_topk_ids, num_experts=num_experts,
@@ -135,7 +135,7 @@ class HTPrepareAndFinalize:
             num_tokens_per_expert=dispatch_expert_num_tokens, topk_idx=rank_topk_ids, topk_weights=rank_topk_weights,
             expert_alignment=1, config=self._get_dispatch_config(), previous_event=previous_event,
             async_finish=self.async_prepare and not self.dbo, allocate_on_comm_stream=False)
-        self.handles[0] = handle
+        self.handles[ubatch] = handle  # dbo_current_ubatch_id()
         # _receiver
         if event.event is not None:
             event.current_stream_wait()
@@ -146,8 +146,8 @@ class HTPrepareAndFinalize:
         return token_data, raw_ids, expert_topk_ids, expert_topk_weights, expert_num_tokens, \
             expert_num_tokens_per_expert_list
 
-    def finalize(self, output, fused_expert_output, do_async: bool) -> None:
-        handle = self.handles[0]
+    def finalize(self, output, fused_expert_output, do_async: bool, ubatch: int = 0) -> None:
+        handle = self.handles[ubatch]
         assert handle is not None and fused_expert_output.dtype == torch.bfloat16
         previous_event = self.buffer.capture() if self.dbo else None
         combined_x, _, event = self.buffer.combine(
@@ -159,11 +159,24 @@ class HTPrepareAndFinalize:
         output.copy_(combined_x, non_blocking=True)
 
 
+def _ht_micro_batch(quant: str, seed: int, routing: str, hidden: int):
+    """A micro-batch's every-rank inputs and its quantized tokens (moe_kernel_quantize_input with block
+    shape [128, 128]: fp32 scales, column-major where the experts read DeepGEMM's layout)."""
+    inputs = rank_inputs(seed, TOKENS, hidden, EXPERTS, TOPK, routing)
+    xs = None
+    if quant != "bf16":
+        xs = [quantize_groups(i[0]) for i in inputs]
+        if quant == "fp8-column-major":
+            xs = [(d, s.t().contiguous().t()) for d, s in xs]
+    return inputs, xs
+
+
 def rank_vllm_high_throughput(name: str, quant: str, dbo: bool, routing: str):
     """vLLM vllm/distributed/device_communicators/all2all.py DeepEPHTAll2AllManager and
     vllm/model_executor/layers/fused_moe/deepep_ht_prepare_finalize.py DeepEPHTPrepareAndFinalize:
     block-quantized FP8 dispatched with its scales (row- or column-major) or BF16; the expert layer's
-    reduced output combined into vLLM's output tensor; an EP rank that receives nothing still combines."""
+    reduced output combined into vLLM's output tensor; an EP rank that receives nothing still combines.
+    Under DBO two micro-batches are in flight: both prepared, then both finalized, a handle each."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     hidden, per_rank = 512, EXPERTS // num_ranks
     saved_sms = epcomm.Buffer.num_sms
@@ -177,29 +190,28 @@ def rank_vllm_high_throughput(name: str, quant: str, dbo: bool, routing: str):
     try:
         pf = HTPrepareAndFinalize(buffer, num_ranks, rank * per_rank, dbo)
         for layer in range(2):
-            tag = f"{name} {quant} dbo={dbo} {routing} layer {layer}"
-            inputs = rank_inputs(400 + layer, TOKENS, hidden, EXPERTS, TOPK, routing)
-            a1, topk_ids, topk_weights = inputs[rank]
-            xs = None
-            if quant != "bf16":  # moe_kernel_quantize_input with block_shape [128, 128]
-                xs = [quantize_groups(i[0]) for i in inputs]
-                if quant == "fp8-column-major":
-                    xs = [(d, s.t().contiguous().t()) for d, s in xs]
-            tokens, scales = xs[rank] if xs is not None else (a1, None)
-            data, raw_ids, ids, weights, num_tokens, counts = pf.prepare(tokens, scales, topk_ids, topk_weights,
-                                                                         EXPERTS)
-            check_normal_dispatch(tag, data, raw_ids, weights, counts, inputs, EXPERTS, xs=xs)
-            assert torch.equal(num_tokens.cpu(), torch.tensor(counts, dtype=torch.int32))
-            assert bool(((ids >= rank * per_rank) & (ids < (rank + 1) * per_rank) | (raw_ids == -1)).all()), tag
-            # The experts' reduced output; zero rows when no token reached this EP rank.
-            fused_expert_output = torch.empty((0, hidden), dtype=torch.bfloat16, device=a1.device)
-            if (data[0] if isinstance(data, tuple) else data).numel() != 0:
-                fused_expert_output = vllm_ht_experts(data, raw_ids, weights, rank, per_rank)
-            output = torch.empty_like(a1)
-            pf.finalize(output, fused_expert_output, do_async=layer == 0)
-            want = oracle_pipeline(inputs, EXPERTS, lambda rx, ri, rw, d: vllm_ht_experts(rx, ri, rw, d, per_rank),
-                                   xs=xs)
-            assert_bits(f"{tag} output", output, want[rank]["combined"])
+            batches = [_ht_micro_batch(quant, 400 + 2 * layer + ub, routing, hidden) for ub in range(2 if dbo else 1)]
+            prepared = []
+            for ub, (inputs, xs) in enumerate(batches):
+                tag = f"{name} {quant} dbo={dbo} {routing} layer {layer} ubatch {ub}"
+                a1, topk_ids, topk_weights = inputs[rank]
+                tokens, scales = xs[rank] if xs is not None else (a1, None)
+                data, raw_ids, ids, weights, num_tokens, counts = pf.prepare(tokens, scales, topk_ids, topk_weights,
+                                                                             EXPERTS, ub)
+                check_normal_dispatch(tag, data, raw_ids, weights, counts, inputs, EXPERTS, xs=xs)
+                assert torch.equal(num_tokens.cpu(), torch.tensor(counts, dtype=torch.int32))
+                assert bool(((ids >= rank * per_rank) & (ids < (rank + 1) * per_rank) | (raw_ids == -1)).all()), tag
+                # The experts' reduced output; zero rows when no token reached this EP rank.
+                fused_expert_output = torch.empty((0, hidden), dtype=torch.bfloat16, device=a1.device)
+                if (data[0] if isinstance(data, tuple) else data).numel() != 0:
+                    fused_expert_output = vllm_ht_experts(data, raw_ids, weights, rank, per_rank)
+                prepared.append((tag, fused_expert_output))
+            for ub, ((inputs, xs), (tag, fused_expert_output)) in enumerate(zip(batches, prepared, strict=True)):
+                output = torch.empty_like(inputs[rank][0])
+                pf.finalize(output, fused_expert_output, do_async=layer == 0, ubatch=ub)
+                want = oracle_pipeline(inputs, EXPERTS,
+                                       lambda rx, ri, rw, d: vllm_ht_experts(rx, ri, rw, d, per_rank), xs=xs)
+                assert_bits(f"{tag} output", output, want[rank]["combined"])
     finally:
         manager.destroy()
         epcomm.Buffer.set_num_sms(saved_sms)
