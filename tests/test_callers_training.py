@@ -146,6 +146,12 @@ def rank_megatron(name: str, async_finish: bool, allocate_on_comm_stream: bool):
     deep_ep()  # the framework's module-level imports: `from deep_ep import Buffer`, `from deep_ep.utils import ...`
     from deep_ep.utils import EventOverlap
     assert EventOverlap is deep_ep().EventOverlap
+    try:  # fused_a2a's probe for DeepEP's HybridEP: an ImportError means HAVE_HYBRIDEP = False
+        from deep_ep import HybridEPBuffer  # noqa: F401
+        have_hybridep = True
+    except ImportError:
+        have_hybridep = False
+    assert not have_hybridep
     with backend(name):
         megatron_get_buffer(dist.group.WORLD, HIDDEN * 2)
     layers = []
