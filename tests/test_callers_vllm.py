@@ -1,13 +1,15 @@
 """vLLM's DeepEP calls replayed as vLLM makes them, ``import deep_ep`` through the shim: the all2all managers
 (vllm/distributed/device_communicators/all2all.py: DeepEPHTAll2AllManager, DeepEPLLAll2AllManager, on vLLM's
 gloo CPU group, found by find_spec) and the prepare/finalize modules
-(vllm/model_executor/layers/fused_moe/deepep_ht_prepare_finalize.py, deepep_ll_prepare_finalize.py).
+(vllm/model_executor/layers/fused_moe/deepep_ht_prepare_finalize.py, deepep_ll_prepare_finalize.py), the Buffers
+built under the model loader's default dtype and device.
 Results are checked against epcomm/oracle.py bit for bit; on GPUs (EPCOMM_TEST_BACKEND=nccl) the CUDA kernels
 run them too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -45,6 +47,19 @@ def cpu_group():
     if _cpu_group is None:
         _cpu_group = dist.new_group(backend="gloo")
     return _cpu_group
+
+
+@contextlib.contextmanager
+def model_init_defaults():
+    """What vLLM's model loader sets while the model (and with it the MoE layers' all2all handles) is built:
+    the model dtype as torch's default dtype, the target device as the default device."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device()):
+            yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 class HandleCache:
@@ -181,7 +196,7 @@ def rank_vllm_high_throughput(name: str, quant: str, dbo: bool, routing: str):
     hidden, per_rank = 512, EXPERTS // num_ranks
     saved_sms = epcomm.Buffer.num_sms
     deep_ep()
-    with backend(name):
+    with backend(name), model_init_defaults():
         manager = HTManager(cpu_group())
         buffer = manager.get_handle({})
     assert manager.get_handle({}) is buffer
@@ -324,7 +339,7 @@ class LLPrepareAndFinalize:
 def _ll_setup(name: str, hidden: int, num_tokens: int, fault_tolerance: bool = False):
     num_ranks = dist.get_world_size()
     deep_ep()
-    with backend(name):
+    with backend(name), model_init_defaults():
         manager = LLManager(cpu_group(), fault_tolerance)
         buffer = manager.get_handle(dict(max_num_tokens_per_dp_rank=num_tokens, token_hidden_size=hidden,
                                          num_ep_ranks=num_ranks, num_global_experts=EXPERTS,
