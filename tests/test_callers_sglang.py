@@ -296,19 +296,19 @@ def test_sglang_two_batch_overlap(name, use_fp8):
     cluster(2).run(rank_sglang_two_batch_overlap, name, use_fp8)
 
 
-def rank_sglang_auto():
+def rank_sglang_auto(name: str):
     """SGLang python/sglang/srt/layers/moe/token_dispatcher/deepep.py, DeepEPDispatcher in AUTO mode: one
     Buffer sized for both modes; prefill batches take the normal dispatcher, decode batches the low-latency
     one, DeepEPBuffer.set_dispatch_mode_as_low_latency cleaning the buffer (clean_low_latency_buffer) only
     when the mode was normal."""
     hidden = 256
-    with backend("reference"):
+    with backend(name):
         buf = sglang_buffer(dist.group.WORLD, hidden, 2, "auto", LL_MAX_TOKENS, EXPERTS)
     normal = NormalDispatcher(buf, EXPERTS, async_finish=False)
     low_latency = LowLatencyDispatcher(buf, EXPERTS, LL_MAX_TOKENS, use_fp8=True, return_recv_hook=False)
     mode = None
     for step, kind in enumerate(("normal", "low_latency", "low_latency", "normal", "low_latency")):
-        tag = f"auto step {step} {kind}"
+        tag = f"{name} auto step {step} {kind}"
         if kind == "normal":
             mode = "normal"
             _normal_round(normal, rank_inputs(320 + step, TOKENS, hidden, EXPERTS, TOPK), hidden, "bf16", tag)
@@ -321,14 +321,15 @@ def rank_sglang_auto():
     return True
 
 
-def test_sglang_auto_mode():
-    cluster(2).run(rank_sglang_auto)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sglang_auto_mode(name):
+    cluster(2).run(rank_sglang_auto, name)
 
 
 def rank_sglang_ll_graph(use_fp8: bool):
-    """SGLang's CUDA graph runner captures a decode step whose MoE layers run the low-latency dispatcher
-    (return_recv_hook False: async_finish events inside the capture); replays with new inputs copied into
-    the captured ones match the oracle."""
+    """SGLang python/sglang/srt/model_executor/cuda_graph_runner.py, CudaGraphRunner: a decode step captured
+    with its MoE layers on _DeepEPDispatcherImplLowLatency (return_recv_hook False: async_finish events inside
+    the capture); replays with new inputs copied into the captured ones match the oracle."""
     rank = dist.get_rank()
     hidden = 256
     dev = device()

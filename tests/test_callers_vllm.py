@@ -397,9 +397,10 @@ def test_vllm_low_latency(name, use_fp8, use_ue8m0, block_k):
 
 
 def rank_vllm_fault_tolerance(name: str):
-    """DeepEPLLAll2AllManager with enable_fault_tolerance: enable_shrink=True, query_fault between steps, and
-    clean_buffers (get_local_buffer_tensor(torch.int8, use_rdma_buffer=True).zero_() then
-    low_latency_clean_mask_buffer) with every rank idle; the steps after it still match the oracle."""
+    """vLLM vllm/distributed/device_communicators/all2all.py, DeepEPLLAll2AllManager with enable_fault_tolerance:
+    enable_shrink=True, query_fault between steps, and clean_buffers (get_local_buffer_tensor(torch.int8,
+    use_rdma_buffer=True).zero_() then low_latency_clean_mask_buffer) with every rank idle; the steps after it
+    still match the oracle."""
     hidden, n = 2048, 8
     manager, buffer = _ll_setup(name, hidden, n, fault_tolerance=True)
     try:
@@ -424,8 +425,9 @@ def test_vllm_fault_tolerance_reset(name):
 
 
 def rank_vllm_ll_graph():
-    """vLLM captures decode steps in CUDA graphs with the DeepEP low-latency kernels: prepare's hook and
-    finalize inside the capture; replays with new inputs copied in match the oracle."""
+    """vLLM vllm/v1/worker/gpu_model_runner.py, GPUModelRunner.capture_model: decode steps captured in CUDA
+    graphs with DeepEPLLPrepareAndFinalize (prepare's hook and finalize inside the capture); replays with new
+    inputs copied in match the oracle."""
     rank, dev = dist.get_rank(), device()
     hidden, n = 2048, 8
     manager, buffer = _ll_setup("cuda", hidden, n)
