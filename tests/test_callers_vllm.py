@@ -347,15 +347,20 @@ def _ll_setup(name: str, hidden: int, num_tokens: int, fault_tolerance: bool = F
     return manager, buffer
 
 
-def _ll_step(pf: LLPrepareAndFinalize, inputs, do_async: bool):
-    """One MoE layer: prepare (hook, then the receiver), the batched experts, finalize."""
+def _ll_step(pf: LLPrepareAndFinalize, inputs, do_async: bool, apply_router_weight_on_input: bool = False):
+    """One MoE layer: prepare (hook, then the receiver), the batched experts, finalize. With
+    apply_router_weight_on_input (top-1 only) prepare scales a1 by the weights and finalize combines with ones."""
     rank = dist.get_rank()
     a1, topk_ids, topk_weights = inputs[rank]
+    if apply_router_weight_on_input:
+        assert topk_ids.size(1) == 1
+        a1 = a1 * topk_weights.to(a1.dtype)
     hook, receiver = pf.prepare_async(a1, topk_ids, EXPERTS)
     hook()
     expert_x, expert_num_tokens = receiver()
     output = torch.empty_like(a1)
-    recv_hook, finish = pf.finalize(output, ll_experts(expert_x, rank), topk_weights, topk_ids, do_async)
+    combine_topk_weights = torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights
+    recv_hook, finish = pf.finalize(output, ll_experts(expert_x, rank), combine_topk_weights, topk_ids, do_async)
     if do_async:
         recv_hook()
     else:
@@ -364,19 +369,22 @@ def _ll_step(pf: LLPrepareAndFinalize, inputs, do_async: bool):
     return expert_x, expert_num_tokens, output
 
 
-def rank_vllm_low_latency(name: str, use_fp8: bool, use_ue8m0: bool, block_k: int | None):
+def rank_vllm_low_latency(name: str, use_fp8: bool, use_ue8m0: bool, block_k: int | None, weight_on_input: bool):
     """vLLM vllm/distributed/device_communicators/all2all.py DeepEPLLAll2AllManager and
     vllm/model_executor/layers/fused_moe/deepep_ll_prepare_finalize.py DeepEPLLPrepareAndFinalize: BF16,
     FP8 kept for block-128 experts (UE8M0-packed scales where the experts take them) or dequantized by
-    dequant_fp8; finalize sync and async (the recv hook)."""
+    dequant_fp8; finalize sync and async (the recv hook); apply_router_weight_on_input with top-1 routing."""
     hidden, n = 2048, 8
+    topk = 1 if weight_on_input else TOPK
     manager, buffer = _ll_setup(name, hidden, n)
     try:
         pf = LLPrepareAndFinalize(buffer, n, use_fp8, use_ue8m0, block_k)
         for step, tokens in enumerate((n, 3)):
-            tag = f"{name} fp8={use_fp8} ue8m0={use_ue8m0} block_k={block_k} step {step}"
-            inputs = rank_inputs(410 + step, tokens, hidden, EXPERTS, TOPK)
-            expert_x, counts, output = _ll_step(pf, inputs, do_async=step == 1)
+            tag = f"{name} fp8={use_fp8} ue8m0={use_ue8m0} block_k={block_k} on_input={weight_on_input} step {step}"
+            inputs = rank_inputs(410 + step, tokens, hidden, EXPERTS, topk)
+            expert_x, counts, output = _ll_step(pf, inputs, step == 1, weight_on_input)
+            if weight_on_input:  # what the ranks dispatch and combine with
+                inputs = [(x * w.to(x.dtype), i, torch.ones_like(w)) for x, i, w in inputs]
             want, want_combined = oracle_ll(inputs, EXPERTS, n, use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0)
             if use_fp8 and block_k != 128:
                 assert expert_x.dtype == torch.bfloat16, tag
@@ -390,10 +398,11 @@ def rank_vllm_low_latency(name: str, use_fp8: bool, use_ue8m0: bool, block_k: in
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("use_fp8, use_ue8m0, block_k", [(False, False, None), (True, False, 128), (True, True, 128),
-                                                         (True, False, None)])
-def test_vllm_low_latency(name, use_fp8, use_ue8m0, block_k):
-    cluster(2).run(rank_vllm_low_latency, name, use_fp8, use_ue8m0, block_k)
+@pytest.mark.parametrize("use_fp8, use_ue8m0, block_k, weight_on_input", [
+    (False, False, None, False), (True, False, 128, False), (True, True, 128, False), (True, False, None, False),
+    (False, False, None, True)])
+def test_vllm_low_latency(name, use_fp8, use_ue8m0, block_k, weight_on_input):
+    cluster(2).run(rank_vllm_low_latency, name, use_fp8, use_ue8m0, block_k, weight_on_input)
 
 
 def rank_vllm_fault_tolerance(name: str):
