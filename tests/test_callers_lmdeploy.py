@@ -14,6 +14,7 @@ import torch.distributed as dist
 from conftest import cluster
 from replay import (
     BACKENDS,
+    ON_GPUS,
     assert_bits,
     backend,
     check_ll_combined,
@@ -160,3 +161,10 @@ def rank_lmdeploy(name: str, return_recv_hook: bool):
 @pytest.mark.parametrize("return_recv_hook", [False, True])
 def test_lmdeploy_common_buffer(name, return_recv_hook):
     cluster(2).run(rank_lmdeploy, name, return_recv_hook)
+
+
+@pytest.mark.gpu
+@ON_GPUS
+def test_lmdeploy_on_one_rank():
+    """The common Buffer on the kernels with a single EP rank."""
+    cluster(1).run(rank_lmdeploy, "cuda", True)

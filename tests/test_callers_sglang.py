@@ -363,3 +363,14 @@ def rank_sglang_ll_graph(use_fp8: bool):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_sglang_low_latency_cuda_graph(use_fp8, ranks):
     cluster(ranks).run(rank_sglang_ll_graph, use_fp8)
+
+
+@pytest.mark.gpu
+@ON_GPUS
+def test_sglang_on_one_rank():
+    """The dispatchers on the kernels with a single EP rank (every token stays home)."""
+    ranks = cluster(1)
+    ranks.run(rank_sglang_normal, "cuda", "fp32", True, False)
+    ranks.run(rank_sglang_low_latency, "cuda", True, True)
+    ranks.run(rank_sglang_two_batch_overlap, "cuda", True)
+    ranks.run(rank_sglang_auto, "cuda")

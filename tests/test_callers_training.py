@@ -14,6 +14,7 @@ import torch.distributed as dist
 from conftest import cluster
 from replay import (
     BACKENDS,
+    ON_GPUS,
     assert_bits,
     backend,
     check_normal_dispatch,
@@ -404,3 +405,12 @@ def rank_torchtitan(name: str):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_torchtitan_deepep_ops(name):
     cluster(2).run(rank_torchtitan, name)
+
+
+@pytest.mark.gpu
+@ON_GPUS
+def test_training_on_one_rank():
+    """Megatron's and torchtitan's replays on the kernels with a single EP rank."""
+    ranks = cluster(1)
+    ranks.run(rank_megatron, "cuda", True, True)
+    ranks.run(rank_torchtitan, "cuda")

@@ -468,3 +468,13 @@ def rank_vllm_ll_graph():
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_vllm_low_latency_cuda_graph(ranks):
     cluster(ranks).run(rank_vllm_ll_graph)
+
+
+@pytest.mark.gpu
+@ON_GPUS
+def test_vllm_on_one_rank():
+    """The managers and prepare/finalize modules on the kernels with a single EP rank."""
+    ranks = cluster(1)
+    ranks.run(rank_vllm_high_throughput, "cuda", "fp8-column-major", True, "random")
+    ranks.run(rank_vllm_low_latency, "cuda", True, False, 128, False)
+    ranks.run(rank_vllm_fault_tolerance, "cuda")
