@@ -35,8 +35,11 @@ class ArgumentChecks:
     def _check_handle(self, handle: object, kind: type) -> None:
         if not isinstance(handle, kind):
             raise TypeError(f"handle must be the {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
-        if handle.buffer_uid != self.uid:  # type: ignore[attr-defined]
-            raise ValueError("handle was created by another Buffer; pass the handle of this Buffer's dispatch")
+        scope = getattr(handle, "scope", "")  # normal-mode handles: the Buffers that take them too
+        if handle.buffer_uid != self.uid and not (scope and scope == self.handle_scope):  # type: ignore[attr-defined]
+            raise ValueError("handle was created by another Buffer, of another group, backend or strategy (or on "
+                             "the hierarchical kernels, whose handles serve their own Buffer alone); pass the "
+                             "handle of a dispatch of this Buffer")
 
     def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config):

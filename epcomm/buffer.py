@@ -62,7 +62,7 @@ class Buffer(ArgumentChecks):
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Any = None, *, backend: str | None = None, strategy: str = "alltoall",
                  device: torch.device | str | None = None) -> None:
-        # Collective: sets group, rank, group_size, device, uid, the sizes and flags, ranks_per_domain,
+        # Collective: sets group, rank, group_size, device, uid, handle_scope, the sizes and flags, ranks_per_domain,
         # backends, and the ops of each mode (_normal_ops, _ll_ops), or raises on every rank.
         self._normal_ops: NormalOps
         self._ll_ops: LowLatencyOps
@@ -429,7 +429,7 @@ class Buffer(ArgumentChecks):
         if handle is not None:  # DeepEP hands no handle back from a cached dispatch
             return result[0], None, None, None, None, event
         new_handle = result[4]
-        new_handle.rank, new_handle.num_domains = self.rank, self.num_domains  # DeepEP's tuple layout
+        new_handle.rank, new_handle.num_domains, new_handle.scope = self.rank, self.num_domains, self.handle_scope
         return (*result, event)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,

@@ -159,6 +159,11 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, strategy, on_kernels[NORMAL],
                                             on_kernels[LOW_LATENCY], buf.num_nvl_bytes, buf.num_rdma_bytes,
                                             buf.ranks_per_domain, _env.timeout_s())
+    # The normal-mode handles a later Buffer of the same group, device and kind takes (DeepEP's do).
+    buf.handle_scope = ""
+    if buf._normal_ops.handles_outlive_buffer:
+        ranks = dist.get_process_group_ranks(buf.group)
+        buf.handle_scope = f"{ranks}|{buf.device}|{buf.backends[NORMAL]}|{strategy}|{buf.ranks_per_domain}"
 
 
 def _ranks_per_domain_from_env(buf: Any) -> int:

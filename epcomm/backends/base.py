@@ -45,6 +45,9 @@ class NormalOps(Protocol):
 
     on_kernels: bool
     frees_after_meeting: bool  # (on_kernels) destroy meets every rank before close(), not after a barrier
+    # A handle's state holds none of the Buffer's memory: a later Buffer of the same group and kind takes
+    # it (DeepEP's handles are plain tensors; Megatron-LM's get_buffer replaces a Buffer mid-step).
+    handles_outlive_buffer: bool
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_domain: int) -> tuple:
         """(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [domains] int32 or None,

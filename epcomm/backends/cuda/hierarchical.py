@@ -159,6 +159,7 @@ class CudaHierarchical:
 
     on_kernels = True
     frees_after_meeting = True  # Buffer.destroy meets every rank (bounded) before close()
+    handles_outlive_buffer = False  # a handle's plan names regions of this Buffer's NVSHMEM memory
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_rdma_bytes: int,
                  ranks_per_domain: int, timeout_s: float) -> None:

@@ -115,6 +115,7 @@ class CudaIntranode:
 
     on_kernels = True
     frees_after_meeting = False  # destroy: a barrier (no peer writes into the buffer any more), then close()
+    handles_outlive_buffer = True  # row places are counted from the rows area's fixed start
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()

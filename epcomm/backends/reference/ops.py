@@ -21,6 +21,7 @@ class ReferenceNormalOps:
 
     on_kernels = False
     frees_after_meeting = False
+    handles_outlive_buffer = True
 
     def __init__(self, backend: ReferenceBackend, strategy: str) -> None:
         self.backend = backend
