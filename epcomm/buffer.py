@@ -416,6 +416,7 @@ class Buffer(ArgumentChecks):
         except _REFUSALS as error:
             self._refuse(Op.DISPATCH, error)
         data, scales, num_experts = args
+        self._flight.note("dispatch", data.shape, data.dtype, topk_idx is not None and topk_idx.shape, handle is None)
 
         def run():
             return self._normal_ops.dispatch(data, scales, handle, num_tokens_per_rank, is_token_in_rank,
@@ -456,6 +457,7 @@ class Buffer(ArgumentChecks):
             biases = self._check_combine(x, handle, topk_weights, bias, config)
         except _REFUSALS as error:
             self._refuse(Op.COMBINE, error)
+        self._flight.note("combine", x.shape, x.dtype, handle.num_recv_tokens)
         result, event = self._run(
             lambda: self._normal_ops.combine(x, handle, topk_weights, biases,
                                              (config or self._default_config(False)).num_sms),
@@ -470,9 +472,9 @@ class Buffer(ArgumentChecks):
                                f"{self._ll_pending[slot]} whose hook() was not called; at most two "
                                "low-latency results may be pending at once")
 
-    def _take_ll_slot(self) -> int:
-        slot = self._ll_counter % 2
-        self._ll_counter += 1
+    def _take_ll_slot(self, op: str, *values: Any) -> int:
+        slot, self._ll_counter = self._ll_counter % 2, self._ll_counter + 1
+        self._flight.note(op, slot, *values)  # the call, for the flight recorder (values: its FIELDS)
         return slot
 
     def _make_hook(self, slot: int, what: str, finish: Callable[[], None]) -> Callable[[], None]:
@@ -528,7 +530,8 @@ class Buffer(ArgumentChecks):
                                     round_scale, use_ue8m0, async_finish, return_recv_hook)
         except _REFUSALS as error:
             self._refuse(Op.LL_DISPATCH, error)
-        slot = self._take_ll_slot()
+        slot = self._take_ll_slot("low_latency_dispatch", x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8, return_recv_hook)
 
         def run():
             # Without a hook the receive is launched already (on the communication stream too, with
@@ -579,7 +582,7 @@ class Buffer(ArgumentChecks):
                                    return_recv_hook, out, combine_wait_recv_cost_stats)
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
-        slot = self._take_ll_slot()
+        slot = self._take_ll_slot("low_latency_combine", x.shape, topk_idx.shape, zero_copy, return_recv_hook)
 
         def run():  # without a hook the receive is launched already (the event covers it)
             return self._ll_ops.combine(x, topk_idx, topk_weights, handle, out, slot,
@@ -685,8 +688,7 @@ def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
     """The tensors in a call's result: the tensors among its items, and in (data, scales) pairs. A list
     is walked only if it starts with a tensor (num_recv_tokens_per_expert_list is E_local ints). A
     list filled in place, not a generator: this runs in every call's host path."""
-    if out is None:
-        out = []
+    out = [] if out is None else out
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, tuple) or (isinstance(obj, list) and obj and isinstance(obj[0], torch.Tensor)):

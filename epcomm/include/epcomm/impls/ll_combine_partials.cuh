@@ -67,7 +67,7 @@ __device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulo
             give_up(gave_up);
             return true;
         });
-    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, kOpLowLatencyCombine, src, mask);
+    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, kOpLowLatencyCombine, src, mask, kPhaseSend);
     return end == WaitEnd::kReady;
 }
 

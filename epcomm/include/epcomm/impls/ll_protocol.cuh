@@ -92,12 +92,13 @@ __device__ __forceinline__ bool abandoned(int* info, int* gave_up, int op) {
     return true;
 }
 // A wait for rank `src` timed out: with failed-rank masking src is masked from then on (not waited
-// for again), else the timeout is reported and this rank gives up (its other waits stop).
-__device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int src, int* mask) {
+// for again), else the timeout is reported, with the wait's phase, and this rank gives up (its
+// other waits stop).
+__device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int src, int* mask, int phase) {
     if (mask != nullptr) {
         atomicExch(mask + src, 1);
     } else {
-        record_error(info, kErrTimeout, op, src);
+        record_error(info, kErrTimeout, op, src, phase);
         give_up(gave_up);
     }
 }
@@ -120,7 +121,7 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
         [&] { return masked(mask, src) || abandoned(info, gave_up, op); });
     if (end == WaitEnd::kStopped) return masked(mask, src) ? -1 : -2;
     if (end == WaitEnd::kTimedOut) {
-        timed_out(info, gave_up, op, src, mask);
+        timed_out(info, gave_up, op, src, mask, op == kOpLowLatencyDispatch ? kPhaseReceive : kPhaseReduce);
         return mask != nullptr ? -1 : -2;
     }
     if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
@@ -144,7 +145,7 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
     const WaitEnd end = bounded_wait<64>(
         global_timer_ns(), timeout_ns, [&] { return ld_acquire_sys(ack) >= prev; },
         [&] { return masked(mask, dst) || abandoned(info, gave_up, op); });
-    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, op, dst, mask);
+    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, op, dst, mask, kPhaseSend);
     return end == WaitEnd::kReady;
 }
 
