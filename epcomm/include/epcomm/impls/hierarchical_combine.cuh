@@ -45,7 +45,8 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     const bool own = d == c.my_domain, direct = own || c.mates[d] != nullptr;
     if (threadIdx.x == 0) {  // the mate's area is free; a given-up call sends no sums, says so (mate_to_send)
         const uint64_t start = global_timer_ns();
-        s_ok = own ? !c.aborted() : mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d), kPhaseSend), start);
+        s_ok = own ? !c.aborted()
+                   : mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d), kPhaseSend), start);
     }
     __syncthreads();
     if (!s_ok) {

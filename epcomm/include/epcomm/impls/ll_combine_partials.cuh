@@ -175,7 +175,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         if (!skip_dst[src]) {
             const uint64_t left = a.timeout_ns - min(a.timeout_ns, global_timer_ns() - waits_start);
             count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, left, a.info, gave_up_word(mine),
-                                kOpLowLatencyCombine, nullptr);
+                                kOpLowLatencyCombine, nullptr, true, kPhaseSend);
             count = count < 0 ? -1 : min(count, N);
         }
         src_tokens[src] = count;

@@ -107,9 +107,11 @@ __device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int s
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
 // `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
 // relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land,
-// so the counts, sent before the data, would be read only after it (docs/TUNING.md).
+// so the counts, sent before the data, would be read only after it (docs/TUNING.md). `phase`: the
+// timeout's; kPhaseNone: a dispatch's wait receives, a combine's reduces.
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
-                           int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
+                           int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true,
+                           int phase = kPhaseNone) {
     const uint64_t start = global_timer_ns();
     int64_t v = 0;
     const WaitEnd end = bounded_wait<64>(
@@ -121,7 +123,8 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
         [&] { return masked(mask, src) || abandoned(info, gave_up, op); });
     if (end == WaitEnd::kStopped) return masked(mask, src) ? -1 : -2;
     if (end == WaitEnd::kTimedOut) {
-        timed_out(info, gave_up, op, src, mask, op == kOpLowLatencyDispatch ? kPhaseReceive : kPhaseReduce);
+        if (phase == kPhaseNone) phase = op == kOpLowLatencyDispatch ? kPhaseReceive : kPhaseReduce;
+        timed_out(info, gave_up, op, src, mask, phase);
         return mask != nullptr ? -1 : -2;
     }
     if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;

@@ -26,9 +26,10 @@ constexpr int kRowTrailerBytes = 16;  // flag (int64) + padding, at the end of e
 constexpr int64_t kFlagMagic = 0x5e9c0a11f1a90000LL;
 
 // Pinned host words written by the kernels and read by the CPU at its sync points.
-// kInfoError, kInfoErrorOp, kInfoErrorPhase, kInfoErrorRanks [kMaxRanks]: the error record (common/protocol.cuh; a
-// mismatched op writes the peer's op code into its rank word).
+// kInfoError, kInfoErrorOp, kInfoErrorPhase, kInfoErrorRanks [kMaxRanks]: the error record
+// (common/protocol.cuh; a mismatched op writes the peer's op code into its rank word).
 constexpr int kInfoNumRecv = 16;
+static_assert(kInfoErrorRanks + kMaxRanks <= kInfoNumRecv, "the error record outgrew its words");
 constexpr int kInfoRecvCounts = 17;  // [kMaxRanks]
 constexpr int kInfoMaxRecv = 25;     // most rows any rank receives (the host's one-pass check)
 constexpr int kInfoMaxSend = 26;     // most rows any rank sends
