@@ -491,3 +491,70 @@ def rank_shrink_after_silent_peer(timeout_s: str):
 
 def test_shrink_masks_a_silent_peer():
     cluster(2).run(rank_shrink_after_silent_peer, "3")
+
+
+def rank_silent_peer_recorded(mode: str, silent: int, tag: str, records: str):
+    """Rank ``silent`` stops calling (it hangs, alive) after a round trip every rank made; the others'
+    next calls give up within the timeout, and each one's error and flight record name that rank
+    alone, the operation and the phase. Returns the survivors' records."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    store = dist.distributed_c10d._get_default_store()
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    with peer_timeout(2), env_var("EPCOMM_FLIGHT_RECORDER_DIR", records):
+        if mode == "intranode":
+            buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+            x, idx, w, num_experts = _inputs(9)
+            _round_trip(buf, x, idx, w, num_experts)
+        else:
+            buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                         low_latency_mode=True, backend="cuda")
+            x, idx, w = (t.to(dev) for t in make_inputs(73, rank, n, hidden, num_experts, 3, num_ranks, "random"))
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            buf.low_latency_combine(recv_x, idx, w, handle)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == silent:  # hangs until every other rank has raised
+            keys = [f"test/{tag}/raised/{r}" for r in range(num_ranks) if r != silent]
+            deadline = time.monotonic() + 60
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return None
+        error = None
+        try:
+            if mode == "intranode":
+                buf.dispatch(x, **_dispatch_kwargs(buf, idx, w, num_experts))
+            else:
+                for _ in range(3):  # the error is raised by one of the next calls
+                    buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            error = str(e)
+        store.set(f"test/{tag}/raised/{rank}", "1")
+    assert error is not None and f"rank(s) [{silent}] in the " in error, error
+    return flight_record(error)
+
+
+@pytest.mark.parametrize("mode", ["intranode", "low_latency"])
+def test_silent_peer_is_named_by_every_flight_record(mode):
+    """4 ranks, rank 2 silent: all three records name rank 2, the call and the phase: a dispatch's
+    count exchange (intranode), a low-latency dispatch waiting to send into rank 2's slot (its
+    acknowledgement of the slot's last call) or for its rows."""
+    import uuid
+
+    silent = 2
+    with tempfile.TemporaryDirectory() as records:
+        with fresh_cluster(4) as c:
+            records_seen = c.run(rank_silent_peer_recorded, mode, silent, uuid.uuid4().hex, records, timeout_s=120)
+    assert records_seen[silent] is None
+    for rank, record in enumerate(records_seen):
+        if rank == silent:
+            continue
+        assert record is not None and record["missing_ranks"] == [silent] and record["mode"] == mode, record
+        counters = record["counters"]
+        if mode == "intranode":
+            assert (record["operation"], record["phase"]) == ("dispatch", "notify"), record
+            assert counters["peer_call"][silent] < counters["this_rank_call"], counters
+            assert all(c == counters["this_rank_call"] for r, c in enumerate(counters["peer_call"]) if r != silent)
+        else:
+            assert record["operation"] == "low_latency_dispatch" and record["phase"] in ("send", "receive"), record
