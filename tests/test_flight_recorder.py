@@ -112,6 +112,8 @@ def rank_silent_peer(moment: str, silent: int, tag: str, path: str) -> dict | st
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     survivors = [r for r in range(num_ranks) if r != silent]
     num_experts = 2 * num_ranks
+    if moment.startswith("low_latency"):
+        return _silent_low_latency(moment, silent, tag, survivors)
     buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks), backend="reference")
     x, idx, w = make_inputs(7, rank, TOKENS, HIDDEN, num_experts, TOPK, num_ranks, "random")
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
@@ -152,12 +154,42 @@ def rank_silent_peer(moment: str, silent: int, tag: str, path: str) -> dict | st
     return outcome
 
 
+def _silent_low_latency(moment: str, silent: int, tag: str, survivors: list[int]) -> dict | str:
+    """Low latency on the portable path: rank ``silent`` skips the dispatch, or its rows exchange."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    n, num_experts = TOKENS, 2 * num_ranks
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, HIDDEN, num_ranks, num_experts),
+                 low_latency_mode=True, backend="reference")
+    x, idx, _ = make_inputs(8, rank, n, HIDDEN, num_experts, TOPK, num_ranks, "random")
+    buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)  # every rank
+    if rank == silent:
+        try:
+            if moment == "low_latency_dispatch silent":
+                _go_silent(tag, survivors)()
+            _silence_rows(buf, tag, survivors)
+            buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+        except _Silent:
+            return "silent"
+        raise AssertionError("the silent rank's calls went through")
+    start = time.monotonic()
+    outcome: dict = {"error": None}
+    try:
+        buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+    except RuntimeError as error:
+        outcome["error"] = str(error)
+    outcome["raised_after_s"] = time.monotonic() - start
+    _store().set(f"test/{tag}/raised/{rank}", "1")
+    return outcome
+
+
 CASES = {  # moment -> (operation, phase) the survivors' records name
     "before dispatch": ("dispatch", "notify"),
     "in dispatch": ("dispatch", "receive"),
     "before combine": ("combine", "notify"),
     "in combine": ("combine", "reduce"),
     "exit before combine": ("combine", "notify"),
+    "low_latency_dispatch silent": ("low_latency_dispatch", "notify"),
+    "low_latency_dispatch rows": ("low_latency_dispatch", "receive"),
 }
 
 
@@ -205,5 +237,5 @@ def test_silent_peer_is_named_with_its_phase(num_ranks, silent, moment):
         arrived = record["counters"]["arrived_call"]
         assert len(arrived) == num_ranks, record
         ops = [call["op"] for call in record["last_calls"]]
-        assert ops[-1] == operation and ops[0] == "dispatch", ops
+        assert ops[-1] == operation and ops[0] == operation.replace("combine", "dispatch"), ops
         assert record["last_calls"][0]["x"] == [TOKENS, HIDDEN], record["last_calls"]

@@ -21,6 +21,12 @@ class PeerTimeoutError(RuntimeError):
     """A peer did not arrive within the timeout."""
 
 
+# The Buffer method an exchange's op tag stands for, where the two differ (the handshakes tag by
+# backend.Op): the error and its flight record name the call the caller made.
+_CALLS = {"ll_dispatch": "low_latency_dispatch", "ll_combine": "low_latency_combine",
+          "clean_ll": "clean_low_latency_buffer"}
+
+
 class Transport:
     recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
 
@@ -99,7 +105,7 @@ class Transport:
     def _positions(self, seq: int, here: list, grace_s: float) -> dict[int, list]:
         """Say where this rank gave up (``here``: [seq, phase]) and collect where its peers did, waiting
         up to ``grace_s`` for the peers of call ``seq`` (they give up about when this rank does); a
-        rank that never says is silent or gone."""
+        rank that never says is silent or gone (a word of an earlier call counts as none)."""
         positions: dict[int, list] = {}
         if self._store is None:
             return positions
@@ -108,20 +114,23 @@ class Transport:
         while True:
             for r in range(self.num_ranks):
                 if r not in positions and self._store.check([self._position_key(r)]):
-                    positions[r] = json.loads(self._store.get(self._position_key(r)))
+                    position = json.loads(self._store.get(self._position_key(r)))
+                    if position[0] >= seq:
+                        positions[r] = position
             if len(positions) == self.num_ranks or time.monotonic() > end:
                 return positions
             time.sleep(0.01)
 
     def _give_up(self, op: str, seq: int, phase: str | None, error: Exception | None) -> None:
         """Raise PeerTimeoutError naming the ranks this exchange waited for, with the flight record."""
+        op = _CALLS.get(op, op)
         phase = phase or ("reduce" if "combine" in op else "receive")
         missing = self.missing_ranks(seq)
         arrived: dict[int, int] = {}
         positions: dict[int, list] = {}
         if missing == []:  # every rank reached the call: the ones that never reached this exchange
             positions = self._positions(seq, [seq, phase], min(1.0, self.timeout_s / 4))
-            missing = [r for r in range(self.num_ranks) if r not in positions or positions[r][0] < seq]
+            missing = [r for r in range(self.num_ranks) if r not in positions]
         if self._store is not None:
             for r in range(self.num_ranks):
                 key = self._key(r)
