@@ -44,11 +44,11 @@ class RecordLayout:
     #                      may still be writing the others)
 
     @classmethod
-    def protocol(cls, clear: str, with_op: bool = True) -> RecordLayout:
+    def protocol(cls, clear: str) -> RecordLayout:
         """The record at the start of the info words, as common/protocol.cuh places it."""
         words = record_words()
-        return cls(code=words["kInfoError"], op=words["kInfoErrorOp"] if with_op else None,
-                   phase=words["kInfoErrorPhase"], ranks=words["kInfoErrorRanks"], clear=clear)
+        return cls(code=words["kInfoError"], op=words["kInfoErrorOp"], phase=words["kInfoErrorPhase"],
+                   ranks=words["kInfoErrorRanks"], clear=clear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,8 @@ HIERARCHICAL = Family(
         DeviceError("kErrPeerGaveUp", RuntimeError, "rank(s) {ranks} gave this call up (another operation or "
                     "shape seen there or at a rank it waits for, or an error of its own: see its message)", True),
     ),
-    ops={},
+    # The failed call, for the flight record (the message names the call that raises it).
+    ops={"kOpDispatch": "dispatch", "kOpCachedDispatch": "cached dispatch", "kOpCombine": "combine"},
     head="{op} (hierarchical)",
     unknown_op="call",
     fatal_tail=". Destroy the Buffer and the process group.",

@@ -66,9 +66,9 @@ ALIGN = 256
 # The calls' op codes (common/protocol.cuh), hashed into each call's shape tag.
 _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = (device_codes()[name] for name in ("kOpDispatch", "kOpCachedDispatch",
                                                                             "kOpCombine"))
-# The error record: the code, the phase, then a word per rank (only the words read are cleared: a
-# kernel may still be writing the others). The host names the call itself: no op word is read.
-_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout.protocol(clear="flagged", with_op=False))
+# The error record: the code, the failed call's op, the phase, then a word per rank (only the words
+# read are cleared: a kernel may still be writing the others).
+_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout.protocol(clear="flagged"))
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
@@ -280,7 +280,7 @@ class CudaHierarchical:
             peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
             mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
             values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd,
-                      self.local, 0, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
+                      self.local, op, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
             call = self.calls[key] = (ctypes.c_int64 * len(values))(*values)
         return call
 

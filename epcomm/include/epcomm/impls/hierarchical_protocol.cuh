@@ -14,6 +14,7 @@ struct Call {
     uint8_t* mates[kMaxDomains];  // each mate's NVSHMEM buffer where NVLink maps it here (stores), else null (puts)
     int num_ranks, num_domains, my_domain, ranks_per_domain, local;
     int shape_tag;
+    int op;  // the Op of the call (its error record names it)
     int chunks, num_forwarders;
     int64_t stage_offset;  // of the staging area in the NVSHMEM buffer (the receive area follows it)
     int* info;
@@ -28,7 +29,7 @@ struct Call {
     // Record an error for the host (`rank`: the rank involved; a timeout: the wait's Phase) and for
     // the next notify.
     __device__ void report(int code, int rank, int phase = kPhaseNone) const {
-        epcomm::hierarchical::report(info, code, rank, phase);
+        epcomm::hierarchical::report(info, code, op, rank, phase);
         *sym_sticky_error(sym) = code;
     }
     // Give up the call: every other wait of this rank's stops at its next look.
