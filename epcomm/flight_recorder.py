@@ -41,8 +41,8 @@ def directory() -> str | None:
     return os.path.expanduser(raw) if raw else os.path.join(tempfile.gettempdir(), "epcomm-flight-records")
 
 
-# What each op's ring entry holds (Buffer passes them in this order; shapes as torch.Size, None
-# for an absent tensor).
+# What each op's ring entry holds (Buffer passes them in this order; shapes as torch.Size, False
+# for a dispatch without top-k ids).
 FIELDS = {
     "dispatch": ("x", "dtype", "topk_idx", "fresh"),
     "combine": ("x", "dtype", "num_recv_tokens"),
