@@ -232,8 +232,7 @@ class Buffer(ArgumentChecks):
     # interface of backends/base.py. Their attributes beyond that interface are the implementation's.
     @property
     def normal_ops(self) -> NormalOps:
-        """The implementation normal-mode calls run on (CudaIntranode, CudaHierarchical or
-        ReferenceNormalOps)."""
+        """The implementation normal-mode calls run on (CudaIntranode, CudaHierarchical, ReferenceNormalOps)."""
         return self._normal_ops
 
     @property
@@ -243,8 +242,7 @@ class Buffer(ArgumentChecks):
 
     @property
     def agreement(self) -> ReferenceBackend:
-        """The per-Buffer state of the ranks' agreement: the store transport of every exchange, the
-        handshake count (``seq``) and ``handshake``, the zero-copy combine buffers."""
+        """The ranks' agreement: the store transport of every exchange, the handshakes, zero-copy buffers."""
         return self._backend
 
     # ------------------------------------------------------------------ helpers
@@ -417,6 +415,7 @@ class Buffer(ArgumentChecks):
         except _REFUSALS as error:
             self._refuse(Op.DISPATCH, error)
         data, scales, num_experts = args
+        self._flight.note("dispatch", data.shape, data.dtype, topk_idx is not None and topk_idx.shape, handle is None)
 
         def run():
             return self._normal_ops.dispatch(data, scales, handle, num_tokens_per_rank, is_token_in_rank,
@@ -457,6 +456,7 @@ class Buffer(ArgumentChecks):
             biases = self._check_combine(x, handle, topk_weights, bias, config)
         except _REFUSALS as error:
             self._refuse(Op.COMBINE, error)
+        self._flight.note("combine", x.shape, x.dtype, handle.num_recv_tokens)
         result, event = self._run(
             lambda: self._normal_ops.combine(x, handle, topk_weights, biases,
                                              (config or self._default_config(False)).num_sms),
@@ -471,9 +471,9 @@ class Buffer(ArgumentChecks):
                                f"{self._ll_pending[slot]} whose hook() was not called; at most two "
                                "low-latency results may be pending at once")
 
-    def _take_ll_slot(self) -> int:
-        slot = self._ll_counter % 2
-        self._ll_counter += 1
+    def _take_ll_slot(self, op: str, *values: Any) -> int:
+        slot, self._ll_counter = self._ll_counter % 2, self._ll_counter + 1
+        self._flight.note(op, slot, *values)  # the call, for the flight recorder (values: its FIELDS)
         return slot
 
     def _make_hook(self, slot: int, what: str, finish: Callable[[], None]) -> Callable[[], None]:
@@ -529,7 +529,8 @@ class Buffer(ArgumentChecks):
                                     round_scale, use_ue8m0, async_finish, return_recv_hook)
         except _REFUSALS as error:
             self._refuse(Op.LL_DISPATCH, error)
-        slot = self._take_ll_slot()
+        slot = self._take_ll_slot("low_latency_dispatch", x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8, return_recv_hook)
 
         def run():
             # Without a hook the receive is launched already (on the communication stream too, with
@@ -596,7 +597,7 @@ class Buffer(ArgumentChecks):
                                                 num_sms, src_signals, src_signal_expect_value)
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
-        slot = self._take_ll_slot()
+        slot = self._take_ll_slot("low_latency_combine", x.shape, topk_idx.shape, zero_copy, return_recv_hook)
 
         def run():  # without a hook the receive is launched already (the event covers it)
             return self._ll_ops.combine(x, topk_idx, topk_weights, handle, out, slot,

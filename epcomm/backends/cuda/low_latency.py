@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _env
+from ...flight_recorder import hook, low_latency_counters
 from ...handle import LowLatencyHandle
 from ...tuning import partials_asked, receive_together
 from ..base import CombineOverlap
@@ -52,8 +53,9 @@ from .ipc import SharedBuffer
 
 _INFO_INTS = 16
 _MAX_BUFFER_BYTES = 32 << 30  # plan_message (low_latency.cuh): message offsets in 16-byte units, int32
-# One error record per slot: the code, the failed call's op, a word per rank (zeroed whole once read).
-_ERROR_TABLE = ErrorTable(LOW_LATENCY, RecordLayout(code=0, op=1, ranks=2, clear="record"))
+# One error record per slot: the code, the failed call's op, its phase, a word per rank (zeroed whole
+# once read).
+_ERROR_TABLE = ErrorTable(LOW_LATENCY, RecordLayout.protocol(clear="record"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -159,6 +161,7 @@ class CudaLowLatency:
     """Low-latency mode on the CUDA kernels (the LowLatencyOps of backends/base.py)."""
 
     on_kernels = True
+    recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -188,6 +191,7 @@ class CudaLowLatency:
         # One error record per slot; the event marks the end of the receive of the slot's last call.
         self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
+        self._flight = hook(self, "low_latency", lambda: low_latency_counters(self))
         # Per slot: whether the receive of its last call was recorded in _received_events (the host
         # waits on it before reading the slot's error record), and the event the hook's receive waits
         # on (the send). Reused: a slot's next call starts only after these were consumed. CUDA
@@ -326,7 +330,7 @@ class CudaLowLatency:
             self._raise(op, 1 - slot)
 
     def _raise(self, op: str, slot: int) -> None:
-        _ERROR_TABLE.check(self.info_np[slot], op, self.rank, self.num_ranks)
+        _ERROR_TABLE.check(self.info_np[slot], op, self.rank, self.num_ranks, flight=self._flight)
 
     def check_dispatch_args(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
                             num_experts: int) -> None:

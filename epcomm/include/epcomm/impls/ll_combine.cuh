@@ -89,7 +89,7 @@ __device__ bool wait_computed(const CombineArgs& a, int local_e, int begin, int 
             start, a.timeout_ns, [&] { return ld_acquire_gpu_u32(words + b) >= a.threshold; },
             [&] { return abandoned(a.info, gave_up, kOpLowLatencyCombine); });
         if (waited == WaitEnd::kTimedOut) {
-            record_error(a.info, kErrComputeTimeout, kOpLowLatencyCombine, a.rank);
+            record_error(a.info, kErrComputeTimeout, kOpLowLatencyCombine, a.rank, kPhaseSend);
             give_up(gave_up);
         }
         if (waited != WaitEnd::kReady) return false;
