@@ -18,7 +18,7 @@ from ...utils.tensors import dense
 from .transport import Transport
 
 _MAGIC = 0x45504331
-_HEADER_FIELDS = 16
+_HEADER_FIELDS = 18
 
 
 class Op(enum.IntEnum):
@@ -46,6 +46,7 @@ class F(enum.IntEnum):
     ARRIVAL_NS = 12
     MAX_TOKENS = 13
     FLAGS = 14
+    NUM_EXTRA = 15
 
 
 # Fields every rank must agree on, per operation.
@@ -76,10 +77,13 @@ class ReferenceBackend:
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
-                  refused: bool = False) -> torch.Tensor:
-        """Exchange headers; return them as int64 [R, 16 + R]. Raises on refusal or mismatch."""
+                  refused: bool = False, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Exchange headers; return them as int64 [R, 18 + R + len(extra)] on the host. Raises on
+        refusal or mismatch. ``extra`` (int64 values, the same length on every rank) travels with the
+        header, so counts a call needs (per-expert counts) cost no collective of their own."""
         self.seq += 1
         seq = self.seq
+        num_extra = 0 if extra is None else extra.numel()
         header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64, device="cpu")
         header[F.MAGIC], header[F.OP], header[F.SEQ] = _MAGIC, int(op), seq
         header[F.STATUS] = 1 if refused else 0
@@ -88,10 +92,15 @@ class ReferenceBackend:
             header[key] = int(value)
         if counts is not None:
             header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64, device="cpu")
+        header[F.NUM_EXTRA] = num_extra
+        header = header.to(self.device)
+        if num_extra:
+            header = torch.cat([header, extra.to(device=self.device, dtype=torch.int64).flatten()])
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
-        gathered = self.transport.all_gather(header.to(self.device), op.name.lower(), seq, deadline)
-        headers = torch.stack(gathered).cpu()
+        gathered = header.new_empty((self.num_ranks, header.numel()))
+        headers = self.transport.all_gather_into(gathered, header.unsqueeze(0), op.name.lower(), seq,
+                                                 deadline).cpu()
         if refused:
             return headers  # the caller raises its own, more precise error
         self._check_agreement(op, headers)
@@ -109,11 +118,19 @@ class ReferenceBackend:
         if refused:
             raise ValueError(f"epcomm {name}: rank(s) {refused} refused their arguments (see the error on "
                              "those ranks); no data was exchanged")
-        for f in _AGREE[op]:
+        for f in (*_AGREE[op], F.NUM_EXTRA):
             values = headers[:, f].tolist()
             if len(set(values)) > 1:
                 raise RuntimeError(f"epcomm {name}: ranks disagree on {f.name.lower()}: "
                                    + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
+
+    def count_matrix(self, headers: torch.Tensor) -> torch.Tensor:
+        """The handshake's per-rank counts: [src, dst] int64 on the host."""
+        return headers[:, _HEADER_FIELDS:_HEADER_FIELDS + self.num_ranks]
+
+    def extra(self, headers: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``extra`` values of the handshake: [R, n] int64 on the host."""
+        return headers[:, _HEADER_FIELDS + self.num_ranks:]
 
     def arrival_wait_ns(self, headers: torch.Tensor) -> torch.Tensor:
         """Per source rank, how long this rank waited for it to arrive (ns, >= 0)."""

@@ -56,7 +56,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
         F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.NUM_TOPK: num_topk, F.MAX_TOKENS: num_max_tokens,
         F.FLAGS: flags, F.NUM_TOKENS: num_tokens,
     }, counts=rows_per_dest)
-    count_matrix = headers[:, 16:]
+    count_matrix = be.count_matrix(headers)
     wait_ns = be.arrival_wait_ns(headers)
     everyone_empty = int(count_matrix.sum()) == 0
     recv_rows = count_matrix[:, rank].tolist()
@@ -138,7 +138,7 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         F.HIDDEN: hidden, F.NUM_EXPERTS: handle.num_experts, F.NUM_TOPK: handle.num_topk,
         F.MAX_TOKENS: handle.num_max_dispatch_tokens_per_rank, F.NUM_TOKENS: handle.num_tokens,
     }, counts=send_rows)
-    count_matrix = headers[:, 16:]
+    count_matrix = be.count_matrix(headers)
     wait_ns = be.arrival_wait_ns(headers)
     everyone_empty = int(count_matrix.sum()) == 0
     blocks = []

@@ -136,9 +136,12 @@ class Transport:
         """Variable-size all-to-all of the rows of a 2-D byte tensor; rows of rank j land in block j."""
         return self.start_all_to_all(send, send_rows, recv_rows).wait(op, seq, deadline)
 
-    def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> PendingExchange:
-        """Issue the all-to-all; ``.wait()`` on the result completes it and returns the received rows."""
-        recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
+    def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                         out: torch.Tensor | None = None) -> PendingExchange:
+        """Issue the all-to-all (into ``out`` if given: the caller's output, so no copy follows);
+        ``.wait()`` on the result completes it and returns the received rows."""
+        recv = out if out is not None else \
+            torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group, async_op=True)
         return PendingExchange(self, work, recv, keep_alive=send)
 
