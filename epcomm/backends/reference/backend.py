@@ -29,6 +29,12 @@ class Op(enum.IntEnum):
     CLEAN_LL = 5
 
 
+def api_name(op: Op) -> str:
+    """The API's name of an operation, as errors name it."""
+    return {Op.LL_DISPATCH: "low_latency_dispatch", Op.LL_COMBINE: "low_latency_combine",
+            Op.CLEAN_LL: "clean_low_latency_buffer"}.get(op, op.name.lower())
+
+
 class F(enum.IntEnum):
     """Header field positions."""
     MAGIC = 0
@@ -99,7 +105,7 @@ class ReferenceBackend:
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
         gathered = header.new_empty((self.num_ranks, header.numel()))
-        headers = self.transport.all_gather_into(gathered, header.unsqueeze(0), op.name.lower(), seq,
+        headers = self.transport.all_gather_into(gathered, header.unsqueeze(0), api_name(op), seq,
                                                  deadline).cpu()
         if refused:
             return headers  # the caller raises its own, more precise error
@@ -107,7 +113,7 @@ class ReferenceBackend:
         return headers
 
     def _check_agreement(self, op: Op, headers: torch.Tensor) -> None:
-        name = op.name.lower()
+        name = api_name(op)
         ops = headers[:, F.OP].tolist()
         seqs = headers[:, F.SEQ].tolist()
         if any(h != _MAGIC for h in headers[:, F.MAGIC].tolist()) or len(set(ops)) > 1 or len(set(seqs)) > 1:
@@ -143,7 +149,7 @@ class ReferenceBackend:
         if everyone_empty:
             return send.new_empty((0, send.shape[1]))
         deadline = time.monotonic() + self.transport.timeout_s
-        return self.transport.all_to_all(send, send_rows, recv_rows, op.name.lower(), self.seq, deadline)
+        return self.transport.all_to_all(send, send_rows, recv_rows, api_name(op), self.seq, deadline)
 
 
 # Normal-mode strategies mark their handshakes, so ranks using different ones find out (0 = the
@@ -173,7 +179,7 @@ def check_strategy(headers: torch.Tensor, strategy: str, name: str) -> None:
 
 def _op_name(code: int) -> str:
     try:
-        return Op(code).name.lower()
+        return api_name(Op(code))
     except ValueError:
         return f"unknown op {code}"
 

@@ -8,6 +8,7 @@ holds an unfinished collective: destroy the Buffer and the process group.
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -74,20 +75,51 @@ class Transport:
             pause = min(pause * 2, 0.01)
 
     def wait(self, work: dist.Work, op: str, seq: int, deadline: float) -> None:
-        """Poll ``work`` until done; on the deadline raise naming the absent ranks."""
-        pause = 2e-5
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                missing = self.missing_ranks(seq)
-                who = (f"rank(s) {missing} did not arrive" if missing
-                       else "every rank arrived, so a peer failed during the exchange" if missing == []
-                       else "the ranks that did not arrive are unknown (no store)")
-                raise PeerTimeoutError(
-                    f"epcomm {op}: rank {self.rank} timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S) "
-                    f"waiting for its peers; {who}. Destroy the Buffer and the process group.")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
-        work.wait()
+        """Complete ``work`` by ``deadline``, or raise a RuntimeError naming ``op`` and the ranks at fault.
+
+        gloo: a blocking wait bounded by the time left (woken as soon as the data is in, no polling).
+        NCCL: the host polls, since ``wait`` there only orders the stream; while a CUDA graph is being
+        captured nothing may wait on the host, so the stream is ordered and NCCL's own watchdog rules.
+        A transport error (a peer's process gone resets its connections) becomes the same error as a
+        timeout, naming the ranks: no raw transport message reaches the caller."""
+        try:
+            if self._is_nccl():
+                if torch.cuda.is_current_stream_capturing():
+                    work.wait()
+                    return
+                pause = 2e-5
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise self._lost(op, seq, deadline, timed_out=True)
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
+                work.wait()
+            else:
+                left = max(deadline - time.monotonic(), 1e-3)  # a zero timeout would mean none
+                if not work.wait(timeout=datetime.timedelta(seconds=left)):
+                    raise self._lost(op, seq, deadline, timed_out=True)
+        except PeerTimeoutError:
+            raise
+        except Exception:  # gloo's timeout or a connection closed by a dead peer
+            raise self._lost(op, seq, deadline, timed_out=time.monotonic() > deadline) from None
+
+    def _lost(self, op: str, seq: int, deadline: float, timed_out: bool) -> PeerTimeoutError:
+        """The error of a call whose peers did not all complete it: the ranks that never reached the
+        call; if all did, the ranks that do not meet this one in the store before the deadline (a
+        peer that died during the exchange; the live ones fail alike and meet)."""
+        try:
+            missing = self.missing_ranks(seq)
+            if missing == [] and not timed_out:
+                missing = self.meet(f"lost/{seq}", deadline)
+        except Exception:  # the store itself is gone
+            missing = None
+        who = (f"rank(s) {missing} did not arrive" if missing
+               else "every rank arrived, so a peer failed during the exchange" if missing == []
+               else "the ranks that did not arrive are unknown (no store)")
+        what = f"timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S) waiting for its peers" if timed_out \
+            else "lost the connection to a peer"
+        return PeerTimeoutError(f"epcomm {op}: rank {self.rank} {what}; {who}. Destroy the Buffer and the "
+                                "process group.")
 
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
