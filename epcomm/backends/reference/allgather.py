@@ -43,7 +43,7 @@ from .normal import (
     combine_handshake,
     dispatch_prologue,
     dispatch_result,
-    expert_counts,
+    exchange_expert_counts,
     strategy_state,
 )
 
@@ -71,8 +71,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     rank, num_ranks = be.rank, be.num_ranks
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
-        be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-        topk_weights, num_worst_tokens, num_experts)
+        be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
+        num_worst_tokens, num_experts)
     tokens_per_rank = headers[:, F.NUM_TOKENS].tolist()
     if cached and tokens_per_rank != handle.backend_state["tokens_per_rank"]:
         raise RuntimeError(f"epcomm dispatch: cached handle was made with {handle.backend_state['tokens_per_rank']} "
@@ -82,7 +82,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
 
     # Per-expert counts, exchanged exactly as the all-to-all strategy does (same results).
     num_recv_tokens_per_expert_list = None if cached else \
-        expert_counts(be, headers, num_experts, expert_alignment, num_worst_tokens)
+        exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
 
     num_recv_tokens = sum(recv_counts)
     check_worst_tokens(rank, num_recv_tokens, num_worst_tokens)

@@ -18,7 +18,7 @@ from ...utils.tensors import dense
 from .transport import Transport
 
 _MAGIC = 0x45504331
-_HEADER_FIELDS = 18
+_HEADER_FIELDS = 16
 
 
 class Op(enum.IntEnum):
@@ -52,7 +52,6 @@ class F(enum.IntEnum):
     ARRIVAL_NS = 12
     MAX_TOKENS = 13
     FLAGS = 14
-    NUM_EXTRA = 15
 
 
 # Fields every rank must agree on, per operation.
@@ -83,13 +82,11 @@ class ReferenceBackend:
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
-                  refused: bool = False, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """Exchange headers; return them as int64 [R, 18 + R + len(extra)] on the host. Raises on
-        refusal or mismatch. ``extra`` (int64 values, the same length on every rank) travels with the
-        header, so counts a call needs (per-expert counts) cost no collective of their own."""
+                  refused: bool = False) -> torch.Tensor:
+        """Exchange headers; return them as int64 [R, 16 + R] on the host. Raises on refusal or
+        mismatch. The header has one size for every operation, so mismatched calls meet here."""
         self.seq += 1
         seq = self.seq
-        num_extra = 0 if extra is None else extra.numel()
         header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64, device="cpu")
         header[F.MAGIC], header[F.OP], header[F.SEQ] = _MAGIC, int(op), seq
         header[F.STATUS] = 1 if refused else 0
@@ -98,10 +95,7 @@ class ReferenceBackend:
             header[key] = int(value)
         if counts is not None:
             header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64, device="cpu")
-        header[F.NUM_EXTRA] = num_extra
         header = header.to(self.device)
-        if num_extra:
-            header = torch.cat([header, extra.to(device=self.device, dtype=torch.int64).flatten()])
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
         gathered = header.new_empty((self.num_ranks, header.numel()))
@@ -124,7 +118,7 @@ class ReferenceBackend:
         if refused:
             raise ValueError(f"epcomm {name}: rank(s) {refused} refused their arguments (see the error on "
                              "those ranks); no data was exchanged")
-        for f in (*_AGREE[op], F.NUM_EXTRA):
+        for f in _AGREE[op]:
             values = headers[:, f].tolist()
             if len(set(values)) > 1:
                 raise RuntimeError(f"epcomm {name}: ranks disagree on {f.name.lower()}: "
@@ -133,10 +127,6 @@ class ReferenceBackend:
     def count_matrix(self, headers: torch.Tensor) -> torch.Tensor:
         """The handshake's per-rank counts: [src, dst] int64 on the host."""
         return headers[:, _HEADER_FIELDS:_HEADER_FIELDS + self.num_ranks]
-
-    def extra(self, headers: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``extra`` values of the handshake: [R, n] int64 on the host."""
-        return headers[:, _HEADER_FIELDS + self.num_ranks:]
 
     def arrival_wait_ns(self, headers: torch.Tensor) -> torch.Tensor:
         """Per source rank, how long this rank waited for it to arrive (ns, >= 0)."""

@@ -37,7 +37,7 @@ from .normal import (
     combine_rows,
     dispatch_prologue,
     dispatch_result,
-    expert_counts,
+    exchange_expert_counts,
     strategy_state,
 )
 
@@ -100,11 +100,11 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     num_tokens = x.shape[0]
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
-        be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-        topk_weights, num_worst_tokens, num_experts)
+        be, STRATEGY, x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
+        num_worst_tokens, num_experts)
     everyone_empty = int(count_matrix.sum()) == 0
     num_recv_tokens_per_expert_list = None if cached else \
-        expert_counts(be, headers, num_experts, expert_alignment, num_worst_tokens)
+        exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
     num_recv_tokens = sum(recv_counts)
     check_worst_tokens(rank, num_recv_tokens, num_worst_tokens)
     plan = handle.backend_state if cached else _plan(be, dom, is_token_in_rank, count_matrix)

@@ -1,9 +1,10 @@
 """Normal mode on torch.distributed: layout, dispatch and combine as a variable-size all-to-all.
 
-A call is one handshake (an all-gather of a small header: shapes, per-rank counts and, for a fresh
-dispatch, the per-expert counts) and then the rows: x moves as it is, gathered by one
+A call is one handshake (an all-gather of a small header: shapes and per-rank counts, which size
+the exchanges) and then the rows, in flight together: x moves as it is, gathered by one
 ``index_select`` into destination order and received straight into the output, and the 4-byte words
-of scales, top-k ids and weights move beside it in a second all-to-all issued at once. Rows travel
+of scales, top-k ids and weights move beside it in a second all-to-all (a fresh dispatch's
+per-expert counts in a third, tiny one). Rows travel
 in ascending token order per destination, so received rows are ordered by source rank, then source
 token index, exactly as the kernels order them. The combine sends x's rows back unchanged (they are
 already grouped by source) and sums each source's block with one ``index_add_`` in fp32.
@@ -42,33 +43,42 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     return num_tokens_per_rank, num_tokens_per_domain, num_tokens_per_expert.to(torch.int32), is_token_in_rank
 
 
-def expert_counts(be: ReferenceBackend, headers: torch.Tensor, num_experts: int, expert_alignment: int,
-                  num_worst_tokens: int) -> list[int] | None:
-    """This rank's received entries per local expert, rounded up to ``expert_alignment``, from every
-    rank's per-expert counts that travelled with the handshake (None with ``num_worst_tokens``: the
-    API returns no list then)."""
+def start_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int):
+    """Issue the exchange that tells each destination how many of this rank's entries target each of
+    its experts ([R, E_local] int32 rows, one per rank): in flight beside the rows of a dispatch."""
+    per_expert = num_tokens_per_expert.to(device=be.device, dtype=torch.int32).view(be.num_ranks, -1)
+    ones = [1] * be.num_ranks
+    return be.transport.start_all_to_all(per_expert, ones, ones)
+
+
+def expert_list(recv_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
+    """This rank's received entries per local expert, rounded up to ``expert_alignment`` (None with
+    ``num_worst_tokens``: the API returns no list then, but the exchange still happens)."""
     if num_worst_tokens:
         return None
-    experts_per_rank = num_experts // be.num_ranks
-    lo = be.rank * experts_per_rank
-    totals = be.extra(headers)[:, lo:lo + experts_per_rank].sum(0).tolist()
     a = expert_alignment
-    return [(c + a - 1) // a * a for c in totals]
+    return [(c + a - 1) // a * a for c in recv_per_expert.sum(0).tolist()]
+
+
+def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int,
+                           expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
+    """``start_expert_counts`` and ``expert_list`` in one blocking call."""
+    recv = start_expert_counts(be, num_tokens_per_expert, num_experts).wait(
+        "dispatch", be.seq, time.monotonic() + be.transport.timeout_s)
+    return expert_list(recv, expert_alignment, num_worst_tokens)
 
 
 def dispatch_handshake(be: ReferenceBackend, strategy: str, x: torch.Tensor, scales: torch.Tensor | None,
                        topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, cached: bool,
-                       num_experts: int, send_counts: list[int],
-                       num_tokens_per_expert: torch.Tensor | None) -> torch.Tensor:
-    """The dispatch handshake of every normal-mode strategy, carrying a fresh dispatch's per-expert
-    counts; returns the headers (``be.count_matrix`` and ``be.extra`` read them)."""
-    extra = None if cached else num_tokens_per_expert.to(torch.int64)
+                       num_experts: int, send_counts: list[int]) -> torch.Tensor:
+    """The dispatch handshake of every normal-mode strategy; returns the headers (``be.count_matrix``
+    reads the counts)."""
     headers = be.handshake(Op.DISPATCH, mark_strategy({
         F.HIDDEN: x.shape[1], F.NUM_EXPERTS: num_experts, F.X_KIND: scale_kind(scales),
         F.SCALE_COLS: scales.shape[1] if scales is not None else 0,
         F.NUM_TOPK: topk_idx.shape[1] if topk_idx is not None else -1,
         F.HAS_WEIGHTS: int(topk_weights is not None), F.CACHED: int(cached), F.NUM_TOKENS: x.shape[0],
-    }, strategy), counts=send_counts, extra=extra)
+    }, strategy), counts=send_counts)
     check_strategy(headers, strategy, "dispatch")  # a peer of another strategy would wait for other rows
     return headers
 
@@ -125,11 +135,10 @@ def dispatch_result(outputs: tuple, expert_list: list[int] | None, buffer_uid: s
 
 def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scales: torch.Tensor | None,
                       handle: DispatchHandle | None, num_tokens_per_rank: torch.Tensor | None,
-                      is_token_in_rank: torch.Tensor | None, num_tokens_per_expert: torch.Tensor | None,
-                      topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_worst_tokens: int,
-                      num_experts: int):
+                      is_token_in_rank: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                      topk_weights: torch.Tensor | None, num_worst_tokens: int, num_experts: int):
     """The start of every strategy's dispatch: routing from the handle when cached, the handshake
-    (with the per-expert counts), the counts. Returns (headers, count_matrix [src, dst], recv_counts,
+    and the counts. Returns (headers, count_matrix [src, dst], recv_counts,
     is_token_in_rank, send_counts, num_worst_tokens)."""
     cached = handle is not None
     if cached:
@@ -138,8 +147,7 @@ def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scal
         num_worst_tokens = handle.num_worst_tokens
     else:
         send_counts = num_tokens_per_rank.tolist()
-    headers = dispatch_handshake(be, strategy, x, scales, topk_idx, topk_weights, cached, num_experts, send_counts,
-                                 num_tokens_per_expert)
+    headers = dispatch_handshake(be, strategy, x, scales, topk_idx, topk_weights, cached, num_experts, send_counts)
     count_matrix = be.count_matrix(headers)
     recv_counts = count_matrix[:, be.rank].tolist()
     if cached:
@@ -177,27 +185,28 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
              num_tokens_per_expert: torch.Tensor | None, topk_idx: torch.Tensor | None,
              topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int, num_experts: int,
              buffer_uid: str):
-    """One handshake (shapes, counts, per-expert counts), then the rows of x straight into the output
-    and, beside them, the 4-byte words of scales, top-k ids and weights: two all-to-alls in flight."""
+    """One handshake (shapes and counts), then in flight together: the rows of x straight into the
+    output, the 4-byte words of scales, top-k ids and weights, and a fresh call's per-expert counts."""
     rank = be.rank
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
-        be, "alltoall", x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-        topk_weights, num_worst_tokens, num_experts)
+        be, "alltoall", x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
+        num_worst_tokens, num_experts)
     everyone_empty = int(count_matrix.sum()) == 0
-    expert_list = None if cached else expert_counts(be, headers, num_experts, expert_alignment, num_worst_tokens)
     num_recv = sum(recv_counts)
-    check_worst_tokens(rank, num_recv, num_worst_tokens)
     num_rows = num_worst_tokens or num_recv
     order = handle.backend_state["order"] if cached else send_order(is_token_in_rank)
 
     x = dense(x)
-    recv_x = x.new_empty((num_rows, x.shape[1]))
+    # Room for every row even past num_worst_tokens: the rank that overflows raises after the
+    # exchange, so its peers, whose counts fit, never wait for it.
+    recv_x = x.new_empty((max(num_rows, num_recv), x.shape[1]))
     if num_rows > num_recv:
         recv_x[num_recv:].view(torch.uint8).zero_()
     meta = _meta_words(scales, None if cached else topk_idx, None if cached else topk_weights)
     recv_meta = None
     pending = []
+    counts_exchange = None if cached else start_expert_counts(be, num_tokens_per_expert, num_experts)
     if not everyone_empty:
         send_x = _rows_as_bytes(x).index_select(0, order)
         pending.append(be.transport.start_all_to_all(send_x, send_counts, recv_counts,
@@ -207,6 +216,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     deadline = time.monotonic() + be.transport.timeout_s
     for p in pending:
         p.wait("dispatch", be.seq, deadline)
+    check_worst_tokens(rank, num_recv, num_worst_tokens)
+    experts = None if cached else \
+        expert_list(counts_exchange.wait("dispatch", be.seq, deadline), expert_alignment, num_worst_tokens)
     if meta is not None:
         recv_meta = pending[1].recv if len(pending) > 1 else meta.new_empty((0, meta.shape[1]))
     recv_x_out, recv_topk_idx, recv_topk_weights = _split_meta(
@@ -215,7 +227,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
 
     if cached:
         return recv_x_out, None, None, None, handle
-    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), expert_list, buffer_uid, x, num_recv,
+    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), experts, buffer_uid, x, num_recv,
                            num_worst_tokens, is_token_in_rank, send_counts, recv_counts, count_matrix,
                            {"order": order})
 
