@@ -1,8 +1,9 @@
 """Normal mode on torch.distributed: layout, dispatch and combine as a variable-size all-to-all.
 
 A call is one handshake (an all-gather of a small header: shapes and per-rank counts, which size
-the exchanges) and then the rows, in flight together: x moves as it is, gathered by one
-``index_select`` into destination order and received straight into the output, and the 4-byte words
+the exchanges) and then the rows, in flight together: x moves as it is (as 8-byte words:
+gloo has no FP8, and row gathers run fastest on them), gathered by one ``index_select`` into
+destination order and received straight into the output, and the 4-byte words
 of scales, top-k ids and weights move beside it in a second all-to-all (a fresh dispatch's
 per-expert counts in a third, tiny one). Rows travel
 in ascending token order per destination, so received rows are ordered by source rank, then source
@@ -17,7 +18,7 @@ import time
 import torch
 
 from ...handle import DispatchHandle
-from ...utils.tensors import dense
+from ...utils.tensors import dense, row_words
 from ..rows import check_worst_tokens, scale_kind
 from .backend import F, Op, ReferenceBackend, check_strategy, mark_strategy, to_bytes
 
@@ -161,11 +162,6 @@ def send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(is_token_in_rank.t())[:, 1]
 
 
-def _rows_as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A dense 2-D tensor's rows as bytes, a view (every dtype travels as bytes: gloo has no FP8)."""
-    return t.view(torch.uint8) if t.shape[1] else t.view(torch.uint8).reshape(t.shape[0], 0)
-
-
 def _meta_words(scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                 topk_weights: torch.Tensor | None) -> torch.Tensor | None:
     """[T, S + K + K] int32: a token's scales, top-k ids and weights as 4-byte words (one small
@@ -208,9 +204,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     pending = []
     counts_exchange = None if cached else start_expert_counts(be, num_tokens_per_expert, num_experts)
     if not everyone_empty:
-        send_x = _rows_as_bytes(x).index_select(0, order)
+        send_x = row_words(x).index_select(0, order)
         pending.append(be.transport.start_all_to_all(send_x, send_counts, recv_counts,
-                                                     out=_rows_as_bytes(recv_x[:num_recv])))
+                                                     out=row_words(recv_x[:num_recv])))
         if meta is not None:
             pending.append(be.transport.start_all_to_all(meta.index_select(0, order), send_counts, recv_counts))
     deadline = time.monotonic() + be.transport.timeout_s
@@ -282,8 +278,8 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     recv_w = None
     pending = []
     if not everyone_empty:
-        pending.append(be.transport.start_all_to_all(_rows_as_bytes(dense(x[:num_recv])), handle.recv_counts,
-                                                     handle.send_counts, out=_rows_as_bytes(recv)))
+        pending.append(be.transport.start_all_to_all(row_words(dense(x[:num_recv])), handle.recv_counts,
+                                                     handle.send_counts, out=row_words(recv)))
         if k:
             pending.append(be.transport.start_all_to_all(dense(topk_weights[:num_recv]), handle.recv_counts,
                                                          handle.send_counts))

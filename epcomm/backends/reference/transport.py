@@ -126,6 +126,16 @@ class Transport:
         self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline)
         return out
 
+    def share(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+        """Every rank's 1-D ``t`` as rows [R, n]. On NCCL an all-gather; elsewhere one all-to-all of
+        ``t`` to every rank, which completes in one step where gloo's all-gather takes R - 1."""
+        out = t.new_empty((self.num_ranks, t.numel()))
+        if self._is_nccl():
+            return self.all_gather_into(out, t.unsqueeze(0), op, seq, deadline)
+        send = t.unsqueeze(0).expand(self.num_ranks, -1).contiguous()
+        self.wait(dist.all_to_all_single(out, send, group=self.group, async_op=True), op, seq, deadline)
+        return out
+
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
         """Gather ``t`` [n, ...] of every rank into ``out`` [R * n, ...], rank j's rows in block j.
 
