@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_int, check_tensor, check_topk_idx, split_x, topk_idx_t
+from .backends.base import CombineOverlap
 from .config import Config, low_latency_size_hint
 from .handle import DispatchHandle, LowLatencyHandle
 
@@ -34,8 +35,11 @@ class ArgumentChecks:
     def _check_handle(self, handle: object, kind: type) -> None:
         if not isinstance(handle, kind):
             raise TypeError(f"handle must be the {kind.__name__} returned by this Buffer, got {type(handle).__name__}")
-        if handle.buffer_uid != self.uid:  # type: ignore[attr-defined]
-            raise ValueError("handle was created by another Buffer; pass the handle of this Buffer's dispatch")
+        scope = getattr(handle, "scope", "")  # normal-mode handles: the Buffers that take them too
+        if handle.buffer_uid != self.uid and not (scope and scope == self.handle_scope):  # type: ignore[attr-defined]
+            raise ValueError("handle was created by another Buffer, of another group, backend or strategy (or on "
+                             "the hierarchical kernels, whose handles serve their own Buffer alone); pass the "
+                             "handle of a dispatch of this Buffer")
 
     def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config):
@@ -265,6 +269,53 @@ class ArgumentChecks:
                          device=self.device)
         self._check_ll_buffer(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         self._ll_ops.check_combine_args(x, handle, out)
+
+    def _check_ll_overlap(self, handle, overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms,
+                          src_signals, src_signal_expect_value) -> CombineOverlap | None:
+        """The single-batch-overlap keywords of low_latency_combine (DeepEP forks': SGLang's Hopper path
+        passes comp_signal, its Blackwell path src_signals), gathered; None without overlap. Then the
+        others are not used (SGLang passes its block_m, threshold, num_sms and packed_recv_count either
+        way), but a signal tensor is refused: the combine would not wait for it."""
+        if not isinstance(overlap, bool | int) or overlap not in (0, 1):
+            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__} {overlap!r}")
+        if not overlap:
+            for name, value in (("comp_signal", comp_signal), ("src_signals", src_signals)):
+                if value is not None:
+                    raise ValueError(f"{name} was given without overlap=True: the combine would not wait for it "
+                                     "(pass overlap=True to send each block once its signal is raised)")
+            return None
+        if (comp_signal is None) == (src_signals is None):
+            raise ValueError("overlap=True needs comp_signal (with packed_recv_count, block_m, threshold: a word per "
+                             "block_m rows of a local expert) or src_signals (with src_signal_expect_value: a word "
+                             "per local expert), " + ("not both" if comp_signal is not None else "got neither"))
+        check_int("num_sms", num_sms, minimum=0)
+        e_local = handle.num_experts // self.group_size
+        rows = handle.num_max_dispatch_tokens_per_rank * self.group_size
+        if packed_recv_count is not None:
+            check_tensor("packed_recv_count", packed_recv_count, dtype=torch.int32, shape=(e_local,),
+                         device=self.device, contiguous=True)
+            # The reference backend compares the counts here; the kernels on the GPU (no host sync).
+            if (not self._ll_ops.on_kernels and not self._capturing() and not torch.equal(
+                    packed_recv_count.cpu().to(torch.int64), (handle.layout_range.cpu() & 0xffffffff).sum(1))):
+                raise ValueError("packed_recv_count differs from the recv_count of this handle's dispatch (the "
+                                 "rows each local expert received)")
+        if comp_signal is not None:
+            check_int("block_m", block_m, minimum=1)
+            check_int("threshold", threshold, minimum=1, maximum=2**31 - 1)
+            if packed_recv_count is None:
+                raise ValueError("overlap=True with comp_signal needs packed_recv_count (the recv_count of the "
+                                 "dispatch: the rows the expert GEMM computes)")
+            per_expert = -(-rows // block_m)
+            check_tensor("comp_signal", comp_signal, dtype=torch.int32, device=self.device, contiguous=True)
+            if comp_signal.numel() < e_local * per_expert:
+                raise ValueError(f"comp_signal must hold a word per block of block_m={block_m} rows of each local "
+                                 f"expert: at least {e_local} * ceil({rows} / {block_m}) = {e_local * per_expert} "
+                                 f"int32, got {comp_signal.numel()}")
+            return CombineOverlap(comp_signal.view(-1), per_expert, block_m, threshold, packed_recv_count, num_sms)
+        check_tensor("src_signals", src_signals, dtype=(torch.uint32, torch.int32), shape=(e_local,),
+                     device=self.device, contiguous=True)
+        check_int("src_signal_expect_value", src_signal_expect_value, minimum=1, maximum=2**32 - 1)
+        return CombineOverlap(src_signals, 1, rows, src_signal_expect_value, packed_recv_count, num_sms)
 
 
 def _tensor_keys(*tensors: torch.Tensor | None) -> tuple | None:

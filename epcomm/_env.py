@@ -11,6 +11,10 @@ import os
 # name -> (default, meaning)
 ENV_VARS: dict[str, tuple[str, str]] = {
     "EPCOMM_TIMEOUT_S": ("100", "seconds a call waits for its peers before raising RuntimeError"),
+    "EPCOMM_FLIGHT_RECORDER_DIR": ("", "where a rank writes the flight record of a timeout (a JSON file its error "
+                                       "names: operation, phase, the ranks not arrived, every peer's call "
+                                       "counters, the last calls); unset: <temp dir>/epcomm-flight-records; off "
+                                       "or 0: no file"),
     "EPCOMM_BACKEND": ("auto", "backend used when Buffer(backend=...) is not given: auto (the CUDA kernels for "
                                "each mode every rank can run them for, else the reference backend), cuda or "
                                "reference"),

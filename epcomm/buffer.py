@@ -26,6 +26,7 @@ from .event import EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
 from .lifecycle import REFUSALS as _REFUSALS
 from .utils.streams import current_stream
+from .utils.tensors import result_tensors
 
 if TYPE_CHECKING:
     from .backends.reference import ReferenceBackend
@@ -61,7 +62,7 @@ class Buffer(ArgumentChecks):
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Any = None, *, backend: str | None = None, strategy: str = "alltoall",
                  device: torch.device | str | None = None) -> None:
-        # Collective: sets group, rank, group_size, device, uid, the sizes and flags, ranks_per_domain,
+        # Collective: sets group, rank, group_size, device, uid, handle_scope, the sizes and flags, ranks_per_domain,
         # backends, and the ops of each mode (_normal_ops, _ll_ops), or raises on every rank.
         self._normal_ops: NormalOps
         self._ll_ops: LowLatencyOps
@@ -231,8 +232,7 @@ class Buffer(ArgumentChecks):
     # interface of backends/base.py. Their attributes beyond that interface are the implementation's.
     @property
     def normal_ops(self) -> NormalOps:
-        """The implementation normal-mode calls run on (CudaIntranode, CudaHierarchical or
-        ReferenceNormalOps)."""
+        """The implementation normal-mode calls run on (CudaIntranode, CudaHierarchical, ReferenceNormalOps)."""
         return self._normal_ops
 
     @property
@@ -242,8 +242,7 @@ class Buffer(ArgumentChecks):
 
     @property
     def agreement(self) -> ReferenceBackend:
-        """The per-Buffer state of the ranks' agreement: the store transport of every exchange, the
-        handshake count (``seq``) and ``handshake``, the zero-copy combine buffers."""
+        """The ranks' agreement: the store transport of every exchange, the handshakes, zero-copy buffers."""
         return self._backend
 
     # ------------------------------------------------------------------ helpers
@@ -288,7 +287,7 @@ class Buffer(ArgumentChecks):
                 result = fn()
         event = torch.cuda.Event() if async_finish else self._comm_done
         event.record(comm)
-        outputs = _tensors(result)
+        outputs = result_tensors(result)
         if not allocate_on_comm_stream:
             for t in outputs:
                 t.record_stream(compute)
@@ -416,6 +415,7 @@ class Buffer(ArgumentChecks):
         except _REFUSALS as error:
             self._refuse(Op.DISPATCH, error)
         data, scales, num_experts = args
+        self._flight.note("dispatch", data.shape, data.dtype, topk_idx is not None and topk_idx.shape, handle is None)
 
         def run():
             return self._normal_ops.dispatch(data, scales, handle, num_tokens_per_rank, is_token_in_rank,
@@ -428,7 +428,7 @@ class Buffer(ArgumentChecks):
         if handle is not None:  # DeepEP hands no handle back from a cached dispatch
             return result[0], None, None, None, None, event
         new_handle = result[4]
-        new_handle.rank, new_handle.num_domains = self.rank, self.num_domains  # DeepEP's tuple layout
+        new_handle.rank, new_handle.num_domains, new_handle.scope = self.rank, self.num_domains, self.handle_scope
         return (*result, event)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
@@ -456,6 +456,7 @@ class Buffer(ArgumentChecks):
             biases = self._check_combine(x, handle, topk_weights, bias, config)
         except _REFUSALS as error:
             self._refuse(Op.COMBINE, error)
+        self._flight.note("combine", x.shape, x.dtype, handle.num_recv_tokens)
         result, event = self._run(
             lambda: self._normal_ops.combine(x, handle, topk_weights, biases,
                                              (config or self._default_config(False)).num_sms),
@@ -470,9 +471,9 @@ class Buffer(ArgumentChecks):
                                f"{self._ll_pending[slot]} whose hook() was not called; at most two "
                                "low-latency results may be pending at once")
 
-    def _take_ll_slot(self) -> int:
-        slot = self._ll_counter % 2
-        self._ll_counter += 1
+    def _take_ll_slot(self, op: str, *values: Any) -> int:
+        slot, self._ll_counter = self._ll_counter % 2, self._ll_counter + 1
+        self._flight.note(op, slot, *values)  # the call, for the flight recorder (values: its FIELDS)
         return slot
 
     def _make_hook(self, slot: int, what: str, finish: Callable[[], None]) -> Callable[[], None]:
@@ -528,7 +529,8 @@ class Buffer(ArgumentChecks):
                                     round_scale, use_ue8m0, async_finish, return_recv_hook)
         except _REFUSALS as error:
             self._refuse(Op.LL_DISPATCH, error)
-        slot = self._take_ll_slot()
+        slot = self._take_ll_slot("low_latency_dispatch", x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8, return_recv_hook)
 
         def run():
             # Without a hook the receive is launched already (on the communication stream too, with
@@ -552,8 +554,11 @@ class Buffer(ArgumentChecks):
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
-                            out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+                            out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None,
+                            overlap: bool = False, packed_recv_count: torch.Tensor | None = None,
+                            comp_signal: torch.Tensor | None = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 0, src_signals: torch.Tensor | None = None,
+                            src_signal_expect_value: int = 0):
         """Return the expert outputs to their tokens and sum each token's, weighted, in fp32 (slot order).
 
         Arguments:
@@ -566,6 +571,17 @@ class Buffer(ArgumentChecks):
             async_finish, return_recv_hook: as in ``low_latency_dispatch``.
             out: ``[T, H]`` bf16 to write the result into, or None to allocate it.
             combine_wait_recv_cost_stats: ``[R]`` int64 accumulating the wait for each rank (ns), or None.
+            overlap: single-batch overlap (DeepEP forks'): the combine runs beside the expert GEMM writing ``x``
+                and sends each block of rows once the GEMM raised its signal (docs/API.md). Off: the keywords
+                below are unused, and a signal tensor is refused.
+            packed_recv_count: ``[E_local]`` int32, the dispatch's ``recv_count``; needed with ``comp_signal``.
+            comp_signal: int32, the word of local expert e's rows ``[b * block_m, (b + 1) * block_m)`` at
+                ``e * ceil(N * R / block_m) + b``.
+            block_m: the rows a ``comp_signal`` word covers (>= 1).
+            threshold: the value (>= 1) a ``comp_signal`` word reaches once its rows are computed.
+            num_sms: with overlap, the most blocks (SMs) the waiting send kernel takes; 0: one per unit.
+            src_signals: ``[E_local]`` uint32 or int32, a word per local expert (instead of ``comp_signal``).
+            src_signal_expect_value: the value (>= 1) a ``src_signals`` word reaches once its expert is computed.
 
         Returns:
             combined_x: ``[T, H]`` bf16, each token's weighted sum (valid after ``hook()`` with a hook).
@@ -577,18 +593,20 @@ class Buffer(ArgumentChecks):
             self._check_ll_slot_free("low_latency_combine")
             self._check_ll_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                    return_recv_hook, out, combine_wait_recv_cost_stats)
+            overlapped = self._check_ll_overlap(handle, overlap, packed_recv_count, comp_signal, block_m, threshold,
+                                                num_sms, src_signals, src_signal_expect_value)
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
-        slot = self._take_ll_slot()
+        slot = self._take_ll_slot("low_latency_combine", x.shape, topk_idx.shape, zero_copy, return_recv_hook)
 
         def run():  # without a hook the receive is launched already (the event covers it)
             return self._ll_ops.combine(x, topk_idx, topk_weights, handle, out, slot,
                                         self._mask if self.enable_shrink else None, combine_wait_recv_cost_stats,
-                                        return_recv_hook)
+                                        return_recv_hook, overlapped)
 
         if async_finish:
             # Kept until the event is waited on: the handle's small tensors the kernels read too.
-            keep = (x, topk_idx, topk_weights, handle.backend_state.get("small"))
+            keep = (x, topk_idx, topk_weights, handle.backend_state.get("small"), overlapped)
             (combined, finish), event = self._run_low_latency(run, True, keep)
         else:  # the decode path: no closures on the way
             if self._ll_async_done is not None:
@@ -627,9 +645,7 @@ class Buffer(ArgumentChecks):
         calls diverged back in step, e.g. a masked rank that comes back (then clean the mask too).
 
         Arguments:
-            num_max_dispatch_tokens_per_rank: N of the calls to come (>= 1).
-            hidden: H of the calls to come (>= 1).
-            num_experts: E of the calls to come (>= 1).
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: N, H and E of the calls to come (each >= 1).
         """
         self._check_alive()
         if not self.low_latency_mode:
@@ -679,20 +695,6 @@ class Buffer(ArgumentChecks):
 
 
 _DEFAULT_CONFIGS: dict[tuple, Config] = {}
-
-
-def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
-    """The tensors in a call's result: the tensors among its items, and in (data, scales) pairs. A list
-    is walked only if it starts with a tensor (num_recv_tokens_per_expert_list is E_local ints). A
-    list filled in place, not a generator: this runs in every call's host path."""
-    if out is None:
-        out = []
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, tuple) or (isinstance(obj, list) and obj and isinstance(obj[0], torch.Tensor)):
-        for item in obj:
-            _tensors(item, out)
-    return out
 
 
 __all__ = ["Buffer", "same_device"]

@@ -21,7 +21,7 @@ class EventOverlap:
 
     def current_stream_wait(self) -> None:
         """Make the current CUDA stream wait for the event (a no-op on CPU)."""
-        if self.event is not None:
+        if self.event is not None and torch.cuda.is_available():
             torch.cuda.current_stream().wait_event(self.event)
         self.extra_tensors = None
 
@@ -39,9 +39,22 @@ class EventHandle(torch.cuda.Event):
     """A CUDA event recorded on the current stream when it is made, as DeepEP's ``EventHandle()``:
     ``EventOverlap(EventHandle())`` is a ``previous_event`` marking the work queued so far."""
 
+    def __new__(cls) -> EventHandle:
+        # Without CUDA (a CPU build's torch.cuda.Event cannot be made) a call has finished before it
+        # returns, so the handle marks nothing: callers' EventOverlap(EventHandle()) runs on CPU ranks.
+        if not torch.backends.cuda.is_built():
+            return object.__new__(cls)
+        return super().__new__(cls)  # a CUDA build makes its event lazily: no GPU needed here
+
     def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            return
         super().__init__()
         self.record(torch.cuda.current_stream())
 
     def current_stream_wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().wait_event(self)
+
+    def __repr__(self) -> str:
+        return "EventHandle()" if not torch.cuda.is_available() else super().__repr__()

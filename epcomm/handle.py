@@ -53,6 +53,8 @@ class DispatchHandle:
     # (DeepEP's internode tuple with more than one).
     rank: int = 0
     num_domains: int = 1
+    # Set by Buffer: the Buffers that take this handle besides its own (Buffer.handle_scope; "" for none).
+    scope: str = ""
     _rank_prefix: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _env
+from . import _env, flight_recorder
 from ._checks import check_int
 from .backends import make_ops
 from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers, modes_used, stable_id
@@ -159,6 +159,12 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, strategy, on_kernels[NORMAL],
                                             on_kernels[LOW_LATENCY], buf.num_nvl_bytes, buf.num_rdma_bytes,
                                             buf.ranks_per_domain, _env.timeout_s())
+    # The normal-mode handles a later Buffer of the same group, device and kind takes (DeepEP's do).
+    buf.handle_scope = ""
+    if buf._normal_ops.handles_outlive_buffer:
+        ranks = dist.get_process_group_ranks(buf.group)
+        buf.handle_scope = f"{ranks}|{buf.device}|{buf.backends[NORMAL]}|{strategy}|{buf.ranks_per_domain}"
+    buf._flight = flight_recorder.attach(buf)
 
 
 def _ranks_per_domain_from_env(buf: Any) -> int:

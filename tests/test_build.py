@@ -77,6 +77,49 @@ def test_search_order(machine, monkeypatch):
     assert build.find_nvcc() == cuda_path
 
 
+def test_runtime_link_flags(machine):
+    """The packages keep the runtime's static libraries in lib/, where nvcc looks in lib64/: the build names
+    lib/ then; a toolkit's nvcc finds its own."""
+    package = _nvcc(machine / "site" / "nvidia" / "cu13")
+    (machine / "site" / "nvidia" / "cu13" / "lib").mkdir()
+    (machine / "site" / "nvidia" / "cu13" / "lib" / "libcudart_static.a").write_bytes(b"")
+    assert build.runtime_link_flags(package) == [f"-L{machine / 'site' / 'nvidia' / 'cu13' / 'lib'}"]
+    assert f"-L{machine / 'site' / 'nvidia' / 'cu13' / 'lib'}" in build.compile_command(package, machine / "out.so")
+    toolkit = _nvcc(machine / "toolkit")
+    (machine / "toolkit" / "lib64").mkdir()
+    assert build.runtime_link_flags(toolkit) == []
+
+
+def test_package_toolkit_of_one_release(machine, monkeypatch):
+    """nvcc's packages must match the runtime headers PyTorch pins (nvcc refuses others) and bring CCCL's
+    headers: otherwise the error names the packages to install, before any build."""
+    from importlib import metadata
+
+    home = machine / "site" / "nvidia" / "cu13"
+    _nvcc(home)
+    versions = {"nvidia-cuda-nvcc": "13.5.37", "nvidia-cuda-runtime": "13.0.96"}
+
+    def version(name):
+        if name not in versions:
+            raise metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(RuntimeError, match=r'nvidia-cuda-nvcc==13\.0\.\*'):
+        build.check_package_toolkit(home)
+    versions["nvidia-cuda-nvcc"] = "13.0.88"
+    with pytest.raises(RuntimeError, match=r'nvidia-cuda-cccl==13\.0\.\*'):
+        build.check_package_toolkit(home)
+    (home / "include" / "nv").mkdir(parents=True)
+    (home / "include" / "nv" / "target").write_text("")
+    build.check_package_toolkit(home)
+    _nvidia_package(monkeypatch, machine / "site")
+    assert build.find_nvcc() == str(home / "bin" / "nvcc")
+    versions["nvidia-cuda-runtime"] = "13.2.1"
+    with pytest.raises(RuntimeError, match="nvidia-cuda-runtime 13.2.1"):
+        build.find_nvcc()
+
+
 def test_driver_link_flags(machine, monkeypatch):
     """A toolkit links its stub libcuda.so; the pip packages have no stub, so the driver's libcuda.so.1 is
     linked by name, from LD_LIBRARY_PATH's folders too (the linker does not search them)."""

@@ -83,7 +83,7 @@ def test_an_unknown_record_is_refused(library):
 
 def test_ll_call_records_are_built_from_the_library(ll_library):
     records = low_latency.bind_calls(ll_library)
-    assert [name for name, _ in records.LLCombineCall._fields_][-2:] == ["partials", "request_bytes"]
+    assert [name for name, _ in records.LLCombineCall._fields_][-2:] == ["threshold", "send_blocks"]
     with pytest.raises(ctypes.ArgumentError):
         ll_library.epcomm_ll_dispatch(records.LLCombineCall(), 1, None, None)
 

@@ -119,7 +119,8 @@ class _NormalCtx:
         nvl = Config().get_nvl_buffer_size_hint(2 * HIDDEN * 2, r)  # room for a 2*HIDDEN mismatch case
         self.buf = Buffer(dist.group.WORLD, nvl, num_rdma_bytes, low_latency_mode=low_latency_mode,
                           backend="reference")
-        self.other = Buffer(dist.group.WORLD, nvl, backend="reference")
+        # Another kind of Buffer (a handle serves every Buffer of its own group and kind)
+        self.other = Buffer(dist.group.WORLD, nvl, backend="reference", strategy="allgather")
         self.inputs = [make_inputs(SEED, s, _num_tokens(s), HIDDEN, self.num_experts, TOPK, r, "random")
                        for s in range(r)]
         self.x, self.topk_idx, self.topk_weights = self.inputs[self.rank]
@@ -330,7 +331,7 @@ NORMAL_CASES: dict[str, Case] = {
     "cached/with num_tokens_per_expert": Case("cached", lambda c: c.buf.dispatch(
         c.x, handle=c.handle, num_tokens_per_expert=c.per_expert), "ValueError",
         r"^num_tokens_per_expert must be None for a cached dispatch"),
-    "cached/handle of another Buffer": Case("cached", lambda c: c.buf.dispatch(c.x, handle=c.other_handle),
+    "cached/handle of a Buffer of another kind": Case("cached", lambda c: c.buf.dispatch(c.x, handle=c.other_handle),
                                             "ValueError", r"^handle was created by another Buffer"),
     "cached/handle tuple": Case("cached", lambda c: c.buf.dispatch(c.x, handle=(c.per_rank, c.in_rank)),
                                 "TypeError", r"^handle must be the DispatchHandle returned by this Buffer, got tuple"),
@@ -378,8 +379,8 @@ NORMAL_CASES: dict[str, Case] = {
                                  r"^handle must be the DispatchHandle"),
     "combine/low-latency handle": Case("combine", lambda c: c.combine(handle=_fake_ll_handle(c.buf)),
                                        "TypeError", r"^handle must be the DispatchHandle .*got LowLatencyHandle"),
-    "combine/handle of another Buffer": Case("combine", lambda c: c.combine(handle=c.other_handle), "ValueError",
-                                             r"^handle was created by another Buffer"),
+    "combine/handle of a Buffer of another kind": Case("combine", lambda c: c.combine(handle=c.other_handle),
+                                                       "ValueError", r"^handle was created by another Buffer"),
     "combine/config type": Case("combine", lambda c: c.combine(config="config"), "TypeError",
                                 r"^config must be an epcomm\.Config"),
     "combine/num_nvl_bytes below hint": Case("combine", lambda c: c.combine(config=Config(20, 6, 4096, 6, 256)),

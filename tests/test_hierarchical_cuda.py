@@ -17,7 +17,14 @@ import torch.distributed as dist
 from conftest import BACKEND, capture_graph, env_var, fresh_cluster, gpu_backend, nvshmem_found, peer_timeout
 from test_dropin import rank_fp8_scales_of_any_grouping
 from test_hierarchical import CASES, _flat, _inputs
-from test_reliability_cuda import _check_survivor, _context_is_usable, _die, _survivor_outcome
+from test_reliability_cuda import (
+    _check_survivor,
+    _context_is_usable,
+    _die,
+    _survivor_outcome,
+    check_flight_record,
+    flight_record,
+)
 
 import epcomm
 from epcomm import Buffer
@@ -222,14 +229,16 @@ def test_hierarchical_cuda_fp8_scales_of_any_grouping():
         c.run(rank_fp8_scales_of_any_grouping, "cuda-hierarchical", timeout_s=300)
 
 
-def rank_dead_peer(timeout_s: float, path: str, when: str):
+def rank_dead_peer(timeout_s: float, path: str, when: str, ranks_per_domain: int = 1):
     """Rank 1 is SIGKILLed before a dispatch or before a combine; rank 0's call gives up within the
-    timeout and raises RuntimeError naming rank 1 (no host collective waits for the dead rank)."""
+    timeout and raises RuntimeError naming rank 1 (no host collective waits for the dead rank), and
+    its flight record (next to ``path``) says where. ``ranks_per_domain`` 1: rank 1 is in another
+    domain; 2: in rank 0's."""
     rank = dist.get_rank()
     with peer_timeout(timeout_s):
-        ref, cuda = _buffers(1, 32, "auto")
+        ref, cuda = _buffers(ranks_per_domain, 32, "auto")
     ref.destroy()
-    x, idx, w = _inputs(21, 32, HIDDEN, 8, NUM_TOPK, "random", 1)
+    x, idx, w = _inputs(21, 32, HIDDEN, 8, NUM_TOPK, "random", ranks_per_domain)
 
     def dispatch():
         per_rank, per_domain, per_expert, in_rank, _ = cuda.get_dispatch_layout(idx, 8)
@@ -245,13 +254,15 @@ def rank_dead_peer(timeout_s: float, path: str, when: str):
     outcome = {"error": None}
     start = time.monotonic()
     try:
-        if when == "before combine":
-            cuda.combine(recv_x, handle, topk_weights=recv_w)
-        dispatch()  # a combine's error surfaces at the next dispatch, which syncs
-        dispatch()
+        with env_var("EPCOMM_FLIGHT_RECORDER_DIR", os.path.dirname(path)):
+            if when == "before combine":
+                cuda.combine(recv_x, handle, topk_weights=recv_w)
+            dispatch()  # a combine's error surfaces at the next dispatch, which syncs
+            dispatch()
     except RuntimeError as error:
         outcome["error"] = str(error)
     outcome["raised_after_s"] = time.monotonic() - start
+    outcome["record"] = flight_record(outcome["error"])
     outcome["context_usable"] = _context_is_usable()
     outcome["idle_after_s"] = time.monotonic() - start
     with warnings.catch_warnings():
@@ -264,17 +275,33 @@ def rank_dead_peer(timeout_s: float, path: str, when: str):
         json.dump(outcome, f)
 
 
+# Where rank 0 gives up on the dead rank 1: a dispatch in the counts exchange; a combine, with rank 1
+# in another domain, waiting to send it partial sums (its mate's receive area), with rank 1 in its
+# domain, waiting for its expert outputs to sum.
+HIERARCHICAL_PHASES = {("before dispatch", 1): ("dispatch", "notify"), ("before dispatch", 2): ("dispatch", "notify"),
+                       ("before combine", 1): ("combine", "send"), ("before combine", 2): ("combine", "reduce")}
+
+
+@pytest.mark.parametrize("ranks_per_domain", [1, 2], ids=["across-domains", "inside-domain"])
 @pytest.mark.parametrize("when", ["before dispatch", "before combine"])
-def test_hierarchical_dead_peer_is_named_within_the_timeout(when):
+def test_hierarchical_dead_peer_is_named_within_the_timeout(when, ranks_per_domain):
     _needs_gpus(2)
     timeout_s = 2.0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
         with pytest.raises(RankFailure) as failure:
             with _fresh(2) as c:
-                c.run(rank_dead_peer, timeout_s, path, when, timeout_s=60)
+                c.run(rank_dead_peer, timeout_s, path, when, ranks_per_domain, timeout_s=60)
         outcome = _survivor_outcome(failure.value, path)
     _check_survivor(outcome, timeout_s)
+    operation, phase = HIERARCHICAL_PHASES[(when, ranks_per_domain)]
+    record = check_flight_record(outcome, "hierarchical", operation, (phase,))
+    # What the survivor's buffers show of the dead rank: the counts, or its entry into the call, of
+    # the dispatch before it died, never of the call the survivor gave up.
+    counters = record["counters"]
+    seen = counters["counts_delivered_call"][1] if when == "before dispatch" else \
+        counters["mate_entered_call" if ranks_per_domain == 1 else "domain_entered_call"]["1"]
+    assert 0 < seen < counters["this_rank_call"], counters
 
 
 def rank_mismatched_shapes(what: str, ranks_per_domain: int = 1):

@@ -219,12 +219,21 @@ def test_ll_mismatched_operations_raise_on_both_ranks():
     assert max(elapsed) < 10, elapsed
 
 
+def flight_record(error: str | None) -> dict | None:
+    """The flight record an error names ("Flight record: PATH"), read back; None without one."""
+    if error is None or "Flight record: " not in error:
+        return None
+    with open(error.split("Flight record: ")[1].strip()) as f:
+        return json.load(f)
+
+
 def rank_dead_peer(timeout_s: float, path: str, how: str, when: str):
     """Rank 1 dies (``how``) before the dispatch, inside it (a timer kills it while its dispatch waits
     for rank 0, which starts 1 s late), or between the dispatch and the combine. Rank 0 raises a
     RuntimeError naming rank 1 within the timeout, no kernel of rank 0 outlives twice the timeout,
-    and rank 0's CUDA context stays usable."""
-    with peer_timeout(timeout_s):
+    and rank 0's CUDA context stays usable. Its flight record (written next to ``path``) is returned
+    in the outcome."""
+    with peer_timeout(timeout_s), env_var("EPCOMM_FLIGHT_RECORDER_DIR", os.path.dirname(path)):
         buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
     x, idx, w, num_experts = _inputs(4)
     kwargs = _dispatch_kwargs(buf, idx, w, num_experts)
@@ -254,6 +263,7 @@ def rank_dead_peer(timeout_s: float, path: str, how: str, when: str):
     outcome["raised_after_s"] = time.monotonic() - start
     outcome["context_usable"] = _context_is_usable()  # synchronizes: every kernel has ended
     outcome["idle_after_s"] = time.monotonic() - start
+    outcome["record"] = flight_record(outcome["error"])
     with open(path, "w") as f:
         json.dump(outcome, f)
 
@@ -272,8 +282,28 @@ def _check_survivor(outcome: dict, timeout_s: float) -> None:
     assert outcome["context_usable"] is True, outcome
 
 
+def check_flight_record(outcome: dict, mode: str, operation: str, phases: tuple[str, ...]) -> dict:
+    """The survivor's flight record names the dead rank 1, the operation and the phase (the error says
+    the phase too), and holds the counters read from its buffers and its last calls."""
+    record = outcome.get("record")
+    assert record is not None, outcome
+    assert (record["mode"], record["operation"], record["missing_ranks"]) == (mode, operation, [1]), record
+    assert record["phase"] in phases and f"in the {record['phase']} phase" in outcome["error"], (phases, record)
+    assert isinstance(record["counters"], dict) and "unreadable" not in record["counters"], record
+    assert record["last_calls"] and record["last_calls"][-1]["op"] in ("dispatch", "combine", "low_latency_dispatch",
+                                                                       "low_latency_combine"), record
+    return record
+
+
 DEATHS = ["clean exit", "non-zero exit", "abort", "SIGKILL"]
 MOMENTS = ["before dispatch", "in dispatch", "before combine"]
+
+
+# Where the survivor's wait gives up, and in which call (intranode): the count exchange (notify) of a
+# dispatch or of a combine's barrier, or the dispatch's receive of the rows the dead rank never sent;
+# and the last call (the Buffer's first is 1) whose signal the dead rank left in the survivor's buffer.
+INTRANODE_PHASES = {"before dispatch": ("dispatch", "notify", 0), "in dispatch": ("dispatch", "receive", 1),
+                    "before combine": ("combine", "notify", 1)}
 
 
 @pytest.mark.parametrize("when", MOMENTS)
@@ -286,6 +316,13 @@ def test_dead_peer_is_named_within_the_timeout(how, when):
             cluster(2).run(rank_dead_peer, timeout_s, path, how, when, timeout_s=60)
         outcome = _survivor_outcome(failure.value, path)
     _check_survivor(outcome, timeout_s)
+    operation, phase, dead_rank_call = INTRANODE_PHASES[when]
+    record = check_flight_record(outcome, "intranode", operation, (phase,))
+    # The dead rank never entered the call the survivor gave up in the notify of, and had entered the
+    # one whose rows it never sent. (The survivor's own counter may be further on: a call that does
+    # not sync, a combine, is raised by the next one, destroy's barrier.)
+    counters = record["counters"]
+    assert counters["peer_call"][1] == dead_rank_call <= counters["this_rank_call"], counters
 
 
 def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "ipc", n: int = 16):
@@ -298,7 +335,8 @@ def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "i
     dev = torch.device("cuda", torch.cuda.current_device())
     hidden, num_experts = 512, 4 * num_ranks
     with peer_timeout(timeout_s), env_var("EPCOMM_LL_TRANSPORT", transport), \
-            env_var("EPCOMM_LL_REMOTE_RANKS", "all" if transport == "nvshmem" else ""):
+            env_var("EPCOMM_LL_REMOTE_RANKS", "all" if transport == "nvshmem" else ""), \
+            env_var("EPCOMM_FLIGHT_RECORDER_DIR", os.path.dirname(path)):
         buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
                      low_latency_mode=True, backend="cuda")
     x, idx, w = (t.to(dev) for t in make_inputs(71, rank, n, hidden, num_experts, 3, num_ranks, "random"))
@@ -318,6 +356,7 @@ def rank_ll_dead_peer(timeout_s: float, path: str, how: str, transport: str = "i
         outcome["error"] = str(error)
     outcome["raised_after_s"] = time.monotonic() - start
     outcome["partials"] = buf.low_latency_ops.last_combine_partials
+    outcome["record"] = flight_record(outcome["error"])
     outcome["context_usable"] = _context_is_usable()  # synchronizes: every kernel has ended
     outcome["idle_after_s"] = time.monotonic() - start
     buf.destroy()  # does not wait for the dead peer
@@ -336,6 +375,9 @@ def test_ll_dead_peer_is_named_within_the_timeout(how):
         outcome = _survivor_outcome(failure.value, path)
     _check_survivor(outcome, timeout_s)
     assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
+    # The combine's receive waited for the rows the dead rank never returned.
+    record = check_flight_record(outcome, "low_latency", "low_latency_combine", ("reduce",))
+    assert record["counters"]["this_rank_call"] == 2, record  # the dispatch, then the combine
 
 
 def test_ll_dead_peer_in_a_combine_by_partial_sums_is_named_within_the_timeout():
@@ -348,6 +390,9 @@ def test_ll_dead_peer_in_a_combine_by_partial_sums_is_named_within_the_timeout()
     assert outcome["partials"], outcome  # else this would test the per-expert combine again
     _check_survivor(outcome, timeout_s)
     assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
+    # Its send role waits for the dead rank's requests, its receive role for its partial sums: the
+    # first of the two to give up names its phase.
+    check_flight_record(outcome, "low_latency", "low_latency_combine", ("send", "reduce"))
 
 
 @pytest.mark.skipif(not nvshmem_found(), reason="NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
@@ -363,6 +408,7 @@ def test_ll_dead_peer_over_nvshmem_is_named_within_the_timeout():
         outcome = _survivor_outcome(failure.value, path)
     _check_survivor(outcome, timeout_s)
     assert outcome["transport"] == "nvshmem", outcome
+    check_flight_record(outcome, "low_latency", "low_latency_combine", ("reduce",))
     assert outcome["destroyed_after_s"] < 2 * timeout_s + 10, outcome
 
 
@@ -446,3 +492,70 @@ def rank_shrink_after_silent_peer(timeout_s: str):
 
 def test_shrink_masks_a_silent_peer():
     cluster(2).run(rank_shrink_after_silent_peer, "3")
+
+
+def rank_silent_peer_recorded(mode: str, silent: int, tag: str, records: str):
+    """Rank ``silent`` stops calling (it hangs, alive) after a round trip every rank made; the others'
+    next calls give up within the timeout, and each one's error and flight record name that rank
+    alone, the operation and the phase. Returns the survivors' records."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    store = dist.distributed_c10d._get_default_store()
+    n, hidden, num_experts = 16, 512, 4 * num_ranks
+    with peer_timeout(2), env_var("EPCOMM_FLIGHT_RECORDER_DIR", records):
+        if mode == "intranode":
+            buf = Buffer(dist.group.WORLD, NVL_BYTES, backend="cuda")
+            x, idx, w, num_experts = _inputs(9)
+            _round_trip(buf, x, idx, w, num_experts)
+        else:
+            buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                         low_latency_mode=True, backend="cuda")
+            x, idx, w = (t.to(dev) for t in make_inputs(73, rank, n, hidden, num_experts, 3, num_ranks, "random"))
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            buf.low_latency_combine(recv_x, idx, w, handle)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == silent:  # hangs until every other rank has raised
+            keys = [f"test/{tag}/raised/{r}" for r in range(num_ranks) if r != silent]
+            deadline = time.monotonic() + 60
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return None
+        error = None
+        try:
+            if mode == "intranode":
+                buf.dispatch(x, **_dispatch_kwargs(buf, idx, w, num_experts))
+            else:
+                for _ in range(3):  # the error is raised by one of the next calls
+                    buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            error = str(e)
+        store.set(f"test/{tag}/raised/{rank}", "1")
+    assert error is not None and f"rank(s) [{silent}] in the " in error, error
+    return flight_record(error)
+
+
+@pytest.mark.parametrize("mode", ["intranode", "low_latency"])
+def test_silent_peer_is_named_by_every_flight_record(mode):
+    """4 ranks, rank 2 silent: all three records name rank 2, the call and the phase: a dispatch's
+    count exchange (intranode), a low-latency dispatch waiting to send into rank 2's slot (its
+    acknowledgement of the slot's last call) or for its rows."""
+    import uuid
+
+    silent = 2
+    with tempfile.TemporaryDirectory() as records:
+        with fresh_cluster(4) as c:
+            records_seen = c.run(rank_silent_peer_recorded, mode, silent, uuid.uuid4().hex, records, timeout_s=120)
+    assert records_seen[silent] is None
+    for rank, record in enumerate(records_seen):
+        if rank == silent:
+            continue
+        assert record is not None and record["missing_ranks"] == [silent] and record["mode"] == mode, record
+        counters = record["counters"]
+        if mode == "intranode":
+            assert (record["operation"], record["phase"]) == ("dispatch", "notify"), record
+            assert counters["peer_call"][silent] < counters["this_rank_call"], counters
+            assert all(c == counters["this_rank_call"] for r, c in enumerate(counters["peer_call"]) if r != silent)
+        else:
+            assert record["operation"] == "low_latency_dispatch" and record["phase"] in ("send", "receive"), record

@@ -14,6 +14,7 @@ implementations take arguments the API has already checked.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,11 +26,28 @@ from .reference.backend import Op
 Finish = Callable[[], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class CombineOverlap:
+    """low_latency_combine's single-batch overlap, checked (ArgumentChecks._check_ll_overlap): the rows of
+    local expert e in block b (rows [b * block_m, (b + 1) * block_m) of its receive layout) are sent once
+    the expert GEMM has raised ``signals[e * signals_per_expert + b]`` to at least ``threshold``."""
+
+    signals: torch.Tensor  # comp_signal (int32) or src_signals (uint32 or int32), contiguous
+    signals_per_expert: int  # ceil(N * R / block_m) with comp_signal; 1 with src_signals
+    block_m: int  # rows a word covers: N * R with src_signals (the whole expert)
+    threshold: int  # in [1, 2**31) with comp_signal, [1, 2**32) with src_signals
+    packed_recv_count: torch.Tensor | None  # [E_local] int32, the rows the GEMM computes; None: every row
+    num_sms: int  # the send kernel's blocks (0: one per (local expert, source))
+
+
 class NormalOps(Protocol):
     """Normal mode: get_dispatch_layout, dispatch (fresh or cached), combine."""
 
     on_kernels: bool
     frees_after_meeting: bool  # (on_kernels) destroy meets every rank before close(), not after a barrier
+    # A handle's state holds none of the Buffer's memory: a later Buffer of the same group and kind takes
+    # it (DeepEP's handles are plain tensors; Megatron-LM's get_buffer replaces a Buffer mid-step).
+    handles_outlive_buffer: bool
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, ranks_per_domain: int) -> tuple:
         """(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [domains] int32 or None,
@@ -98,8 +116,10 @@ class LowLatencyOps(Protocol):
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: LowLatencyHandle, out: torch.Tensor | None, slot: int, mask: torch.Tensor | None,
-                wait_stats: torch.Tensor | None, hook: bool) -> tuple[torch.Tensor, Finish]:
-        """(combined_x [T, H] bf16, finish), as dispatch."""
+                wait_stats: torch.Tensor | None, hook: bool,
+                overlap: CombineOverlap | None = None) -> tuple[torch.Tensor, Finish]:
+        """(combined_x [T, H] bf16, finish), as dispatch. With ``overlap`` the rows of ``x`` are read
+        only once the expert GEMM has raised their signals (a bounded wait: RuntimeError)."""
         ...
 
     def local_memory(self, rdma: bool) -> torch.Tensor | None:
@@ -115,4 +135,4 @@ class LowLatencyOps(Protocol):
         ...
 
 
-__all__ = ["Finish", "LowLatencyOps", "NormalOps", "Op"]
+__all__ = ["CombineOverlap", "Finish", "LowLatencyOps", "NormalOps", "Op"]

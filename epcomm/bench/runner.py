@@ -350,16 +350,12 @@ def _time_ll_kernels(call: Callable[[], Any], case: Case, device: torch.device) 
     """Median seconds of the device time of a low-latency call's own kernels (those of
     epcomm::ll; a combine's two are summed), from torch.profiler over ``case.iters`` calls with the
     L2 flushed before each: how DeepEP's test reports its per-operation times (bench_kineto), so
-    they compare directly. The event spans (``dispatch_us``) add the launch floor to them: ~4 us
-    of a tiny kernel's span on one H100 (tools/profile/launch_floor.py).
+    they compare directly. The event spans (``dispatch_us``) add the launch floor to them.
 
-    The GPU first sleeps long enough for the host to queue every call (~1.1 ms a call allowed):
-    otherwise a rank whose host queued its calls more slowly (the profiler's overhead) made the
-    peers' kernels wait for its data inside their span, which then timed the hosts (EP4, 4 x H100,
-    72b7c05: a 274 us median for a 35 us dispatch, 54 us at 32 tokens for 26). The sleep is queued
-    right after the barrier, before the profiler starts: started inside it, the ranks' sleeps began
-    as far apart as their profilers' start-up (milliseconds), and with ~0.5 ms a call the median
-    still timed the hosts (35de328: 51-94 us for 25-34 us dispatches at 1-128 tokens)."""
+    The GPU first sleeps long enough for the host to queue every call, queued right after the
+    barrier and before the profiler starts: otherwise a rank whose host queues more slowly (the
+    profiler's overhead, or its start-up) makes the peers' kernels wait for its data inside their
+    span, which then times the hosts (docs/PERFORMANCE.md, Method)."""
     flush = l2_flush_buffer(device)
     for _ in range(case.warmup):
         call()

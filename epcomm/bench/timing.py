@@ -3,10 +3,8 @@
 GPU: CUDA events around each call, with L2 flushed before every timed call (a 256 MB write), so a
 call never finds the previous call's data in cache. The GPU then spins for a while before the
 start event (HEAD_START_CYCLES), so that the host has queued the call by the time the GPU reaches
-it: otherwise a host slower than the flush (an eager low-latency call takes ~85 us of Python on
-one H100 host, the flush ~80 us of GPU) leaks its own time into the span, by how much depending
-on the host's jitter (one H100, one rank, 1 token: 15.6, 29.4 and 40.2 us for the same ~16 us of
-GPU work in three runs of one session). A call that waits for the GPU on the host (a normal
+it: otherwise a host slower than the flush leaks its own time into the span, by how much depending
+on the host's jitter (docs/PERFORMANCE.md, Method). A call that waits for the GPU on the host (a normal
 dispatch reading its counts) still counts that wait: it is the call's. CPU: ``time.perf_counter`` around each call,
 with a barrier before every iteration so no rank starts its clock while a peer is still in the
 previous call (gloo has no device timeline to measure on). ``time_call`` returns the median,

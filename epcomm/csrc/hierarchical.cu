@@ -8,7 +8,7 @@ namespace hierarchical {
 
 // ------------------------------------------------------------------ host side of the entry points
 // The call's common part, from `call_params`: sym, num_ranks, num_domains, my_domain,
-// ranks_per_domain, local, call, shape_tag, chunks, num_forwarders, timeout_ns, stage_offset, then each domain
+// ranks_per_domain, local, op, shape_tag, chunks, num_forwarders, timeout_ns, stage_offset, then each domain
 // rank's IPC buffer (kMaxLocal entries), then each domain's mate's mapped NVSHMEM buffer or 0
 // (kMaxDomains entries).
 inline int make_call(const int64_t* p, int* info, Call* c) {
@@ -18,7 +18,7 @@ inline int make_call(const int64_t* p, int* info, Call* c) {
     c->my_domain = static_cast<int>(p[3]);
     c->ranks_per_domain = static_cast<int>(p[4]);
     c->local = static_cast<int>(p[5]);
-    // p[6]: unused (the call number lives on the GPU: advance_kernel)
+    c->op = static_cast<int>(p[6]);  // for error records (the call number lives on the GPU: advance_kernel)
     c->shape_tag = static_cast<int>(p[7] & ((1 << kTagBits) - 1));
     c->chunks = static_cast<int>(p[8]);
     c->num_forwarders = static_cast<int>(p[9]);

@@ -50,7 +50,10 @@ EPCOMM_RECORD(LLDispatchCall, EPCOMM_LL_DISPATCH_CALL)
     X(int64_t, area_tag) /* the shape tag of the slot layout's dispatch area (ArrivalKeyUpdate) */             \
     X(int32_t, num_tokens) X(int32_t, hidden) X(int32_t, num_topk) X(int32_t, num_experts)                     \
     X(int32_t, num_max_tokens) X(int32_t, shape_tag)                                                           \
-    X(int32_t, partials) /* by partial sums (combine_partials_send) */ X(int32_t, request_bytes)
+    X(int32_t, partials) /* by partial sums (combine_partials_send) */ X(int32_t, request_bytes)               \
+    X(uint64_t, computed) /* single-batch overlap's signal words (0: no overlap; combine_send_overlap) */      \
+    X(uint64_t, packed_recv_count) X(int32_t, block_m) X(int32_t, signals_per_expert) X(uint32_t, threshold)   \
+    X(int32_t, send_blocks) /* overlap: the send kernel's blocks (0: one per unit) */
 EPCOMM_RECORD(LLCombineCall, EPCOMM_LL_COMBINE_CALL)
 
 }  // namespace epcomm
@@ -236,6 +239,19 @@ static int launch_combine(const LLCombineCall* call, int phase, cudaStream_t str
     a.area_tag = static_cast<uint32_t>(c.area_tag);
     a.defer_acks = phase == 0;
     const int num_experts = c.num_experts;
+    if (c.computed != 0) {
+        // Single-batch overlap: the send kernel waits for the expert GEMM on the blocks it is left
+        // (the GEMM holds the other SMs); the receive is the usual one, after it or in the hook.
+        set_ptr(a.computed, c.computed);
+        set_ptr(a.packed_recv_count, c.packed_recv_count);
+        a.block_m = c.block_m;
+        a.signals_per_expert = c.signals_per_expert;
+        a.threshold = c.threshold;
+        const int blocks = c.send_blocks > 0 && c.send_blocks < num_experts ? c.send_blocks : num_experts;
+        if (phase != 2) ll::combine_send_overlap<<<blocks > 0 ? blocks : 1, ll::kUnitThreads, 0, stream>>>(a);
+        if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+        return static_cast<int>(cudaGetLastError());
+    }
     if (c.partials != 0) {
         // Its blocks wait for each other through the peers: all resident at once, or not launched
         // (the host then raises; fewer SMs than the device has, under MPS or green contexts).

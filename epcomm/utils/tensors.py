@@ -35,3 +35,17 @@ def row_words(t: torch.Tensor) -> torch.Tensor:
                 return torch.empty((t.shape[0], row_bytes // dtype.itemsize), dtype=dtype, device=t.device)
             return t.view(dtype)
     return t.view(torch.uint8)
+
+
+def result_tensors(obj: object, out: list | None = None) -> list[torch.Tensor]:
+    """The tensors in a call's result: the tensors among its items, and in (data, scales) pairs. A list
+    is walked only if it starts with a tensor (num_recv_tokens_per_expert_list is E_local ints). A
+    list filled in place, not a generator: this runs in every call's host path."""
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, tuple) or (isinstance(obj, list) and obj and isinstance(obj[0], torch.Tensor)):
+        for item in obj:
+            result_tensors(item, out)
+    return out

@@ -48,6 +48,8 @@ def find_nvcc() -> str:
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *nvcc_package_homes(), SYSTEM_CUDA_HOME]
     for home in homes:
         if home and (Path(home) / "bin" / "nvcc").exists():
+            if Path(home) in nvcc_package_homes():
+                check_package_toolkit(Path(home))
             return str(Path(home) / "bin" / "nvcc")
     found = shutil.which("nvcc")
     if found:
@@ -56,6 +58,39 @@ def find_nvcc() -> str:
                        "/usr/local/cuda and PATH). The CUDA backend compiles its kernels on first use: "
                        'pip install "epcomm[cuda]" (nvcc and NVSHMEM as packages), or install the CUDA toolkit and '
                        "set CUDA_HOME, or use Buffer(..., backend='reference')")
+
+
+def check_package_toolkit(home: Path) -> None:
+    """A CUDA 13 toolkit that pip assembled from packages builds only when nvcc and the runtime's headers
+    (the version PyTorch pins) are of one release, since nvcc's headers refuse others, and CCCL's headers
+    are there: say which package to install rather than let the build fail on a header."""
+    from importlib import metadata
+
+    try:
+        nvcc_version = metadata.version("nvidia-cuda-nvcc")
+    except metadata.PackageNotFoundError:
+        return  # another layout (CUDA 12's nvidia/cuda_nvcc): its headers live in other packages
+    try:
+        runtime_version: str | None = metadata.version("nvidia-cuda-runtime")
+    except metadata.PackageNotFoundError:
+        runtime_version = None
+    release = ".".join((runtime_version or nvcc_version).split(".")[:2])
+    if runtime_version is not None and nvcc_version.split(".")[:2] != runtime_version.split(".")[:2]:
+        raise RuntimeError(f"epcomm: nvidia-cuda-nvcc {nvcc_version} cannot build against the CUDA headers of "
+                           f"nvidia-cuda-runtime {runtime_version} (PyTorch's): pip install "
+                           f'"nvidia-cuda-nvcc=={release}.*" "nvidia-nvvm=={release}.*" "nvidia-cuda-crt=={release}.*"')
+    if not (home / "include" / "nv" / "target").exists():
+        raise RuntimeError(f"epcomm: the CUDA headers beside {home / 'bin' / 'nvcc'} lack CCCL's (nv/target): "
+                           f'pip install "nvidia-cuda-cccl=={release}.*"')
+
+
+def runtime_link_flags(nvcc: str) -> list[str]:
+    """Where the CUDA runtime's static libraries are when nvcc does not look there itself: the packages
+    put them in lib/, where a toolkit's nvcc.profile names lib64/."""
+    top = Path(nvcc).resolve().parent.parent
+    if (top / "lib" / "libcudart_static.a").exists() and not (top / "lib64").exists():
+        return [f"-L{top / 'lib'}"]
+    return []
 
 
 # Where toolkits keep the stub libcuda.so that -lcuda links against (the real one comes with the driver).
@@ -76,7 +111,8 @@ def driver_link_flags(nvcc: str) -> list[str]:
 
 
 def compile_command(nvcc: str, output: Path) -> list[str]:
-    return [nvcc, *NVCC_FLAGS, "-shared", "-o", str(output), *map(str, KERNEL_SOURCES), *driver_link_flags(nvcc)]
+    return [nvcc, *NVCC_FLAGS, "-shared", "-o", str(output), *map(str, KERNEL_SOURCES), *runtime_link_flags(nvcc),
+            *driver_link_flags(nvcc)]
 
 
 def cache_dir() -> Path:
@@ -169,9 +205,10 @@ def nvshmem_build_commands(nvcc: str, nvshmem: Path, workdir: Path, output: Path
     flags = [*NVCC_FLAGS, "-rdc=true", f"-I{nvshmem / 'include'}", "-DEPCOMM_NVSHMEM"]
     commands = [[nvcc, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(NVSHMEM_SOURCES, objects)]
     dlink = workdir / "dlink.o"
-    commands.append([nvcc, *ARCH_FLAGS, "-Xcompiler", "-fPIC", "-dlink", *map(str, objects),
+    runtime = runtime_link_flags(nvcc)
+    commands.append([nvcc, *ARCH_FLAGS, "-Xcompiler", "-fPIC", "-dlink", *runtime, *map(str, objects),
                      str(nvshmem / "lib" / "libnvshmem_device.a"), "-o", str(dlink)])
-    commands.append([nvcc, *ARCH_FLAGS, "-shared", "-o", str(output), *map(str, objects), str(dlink),
+    commands.append([nvcc, *ARCH_FLAGS, "-shared", *runtime, "-o", str(output), *map(str, objects), str(dlink),
                      str(nvshmem / "lib" / "libnvshmem_device.a"),  # its host-side stubs of the device code
                      f"-L{nvshmem / 'lib'}", "-l:libnvshmem_host.so.3", f"-Xlinker=-rpath={nvshmem / 'lib'}"])
     return commands

@@ -1,10 +1,12 @@
 """The errors the CUDA kernels report, and what the host raises for each: one table for every mode.
 
 The kernels write an error record into pinned host memory (an error code, the failed call's op
-code, and a word per rank involved: include/epcomm/common/protocol.cuh); the host reads it at its
-sync points and raises. Each code appears here by name with its exception type, its message and
-whether it leaves the Buffer unusable (fatal). Their values are read from protocol.cuh, the one
-place that defines them (``device_codes``).
+code, the phase of the wait that gave up, and a word per rank involved:
+include/epcomm/common/protocol.cuh); the host reads it at its sync points and raises. Each code
+appears here by name with its exception type, its message and whether it leaves the Buffer unusable
+(fatal). Their values, and the record's word offsets, are read from protocol.cuh, the one place that
+defines them (``device_codes``, ``record_words``). A timeout also hands the flight recorder its
+facts (``ErrorTable.check``'s ``flight``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +37,18 @@ class RecordLayout:
     """Where an error record's words lie in the pinned info words (offsets in int32 words)."""
     code: int
     op: int | None       # the failed call's op code; None where the record has none
+    phase: int           # the Phase of the wait that recorded a timeout
     ranks: int           # first of one word per rank: nonzero where that rank is involved
     clear: str           # after reading: "record" zeroes the whole record, "ranks" the code and every
     #                      rank word, "flagged" the code and the flagged rank words only (a kernel
     #                      may still be writing the others)
+
+    @classmethod
+    def protocol(cls, clear: str) -> RecordLayout:
+        """The record at the start of the info words, as common/protocol.cuh places it."""
+        words = record_words()
+        return cls(code=words["kInfoError"], op=words["kInfoErrorOp"], phase=words["kInfoErrorPhase"],
+                   ranks=words["kInfoErrorRanks"], clear=clear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +62,7 @@ class Family:
     fatal_tail: str                   # appended to a RuntimeError's message
 
 
-_TIMED_OUT = "timed out waiting for rank(s) {ranks} (EPCOMM_TIMEOUT_S)"
+_TIMED_OUT = "timed out waiting for rank(s) {ranks}{phase} (EPCOMM_TIMEOUT_S)"
 
 INTRANODE = Family(
     name="intranode",
@@ -92,7 +103,11 @@ LOW_LATENCY = Family(
                     "[-1, num_experts), or one expert named more often than num_max_dispatch_tokens_per_rank (a token "
                     "naming an expert twice); those entries were not sent", False),
         DeviceError("kErrIdsDiffer", ValueError, "rank(s) {ranks} passed low_latency_combine a topk_idx that "
-                    "differs from the one of its dispatch (the dispatch's was used)", False),
+                    "differs from the one of its dispatch (the dispatch's was used), or with overlap=True a "
+                    "packed_recv_count other than its dispatch's recv_count (that combine's output is invalid)", False),
+        DeviceError("kErrComputeTimeout", RuntimeError, "the expert GEMM of rank(s) {ranks} did not raise "
+                    "low_latency_combine's comp_signal (or src_signals) words to the threshold within "
+                    "EPCOMM_TIMEOUT_S (overlap=True)", True),
         DeviceError("kErrShapes", RuntimeError, "rank(s) {ranks} made this call with another shape (hidden, "
                     "num_experts, num_max_dispatch_tokens_per_rank or FP8 format differ across ranks); their rows were "
                     "not read", True),
@@ -122,7 +137,8 @@ HIERARCHICAL = Family(
         DeviceError("kErrPeerGaveUp", RuntimeError, "rank(s) {ranks} gave this call up (another operation or "
                     "shape seen there or at a rank it waits for, or an error of its own: see its message)", True),
     ),
-    ops={},
+    # The failed call, for the flight record (the message names the call that raises it).
+    ops={"kOpDispatch": "dispatch", "kOpCachedDispatch": "cached dispatch", "kOpCombine": "combine"},
     head="{op} (hierarchical)",
     unknown_op="call",
     fatal_tail=". Destroy the Buffer and the process group.",
@@ -134,9 +150,36 @@ _PROTOCOL = Path(__file__).resolve().parents[2] / "include" / "epcomm" / "common
 
 @functools.cache
 def device_codes() -> dict[str, int]:
-    """Every ErrorCode and Op of common/protocol.cuh by name (the library is built from the same file)."""
-    found = dict(re.findall(r"^\s*(k(?:Err|Op)\w+) = (\d+),", _PROTOCOL.read_text(), re.MULTILINE))
+    """Every ErrorCode, Op and Phase of common/protocol.cuh by name (the library is built from the same file)."""
+    found = dict(re.findall(r"^\s*(k(?:Err|Op|Phase)\w+) = (\d+),", _PROTOCOL.read_text(), re.MULTILINE))
     return {name: int(value) for name, value in found.items()}
+
+
+@functools.cache
+def record_words() -> dict[str, int]:
+    """The error record's word offsets (kInfoError...) of common/protocol.cuh by name."""
+    found = dict(re.findall(r"^constexpr int (kInfoError\w*) = (\d+);", _PROTOCOL.read_text(), re.MULTILINE))
+    return {name: int(value) for name, value in found.items()}
+
+
+@functools.cache
+def phase_names() -> dict[int, str]:
+    """Each Phase's value -> its name in messages and flight records (kPhaseReceive: "receive")."""
+    return {value: name[len("kPhase"):].lower() for name, value in device_codes().items()
+            if name.startswith("kPhase") and value}
+
+
+# What the flight recorder is told of a timeout: (the failed call's name, the call that reported it,
+# the phase or None, the ranks waited for) -> text appended to the error's message.
+FlightHook = Callable[[str, str, "str | None", "list[int]"], str]
+
+
+@functools.cache
+def header_constants(name: str) -> dict[str, int]:
+    """The integer constants (``constexpr int kX = N;``) of include/epcomm/``name``, by name: the
+    host reads buffer words where the kernels' headers place them."""
+    text = (_PROTOCOL.parents[1] / name).read_text()
+    return {k: int(v) for k, v in re.findall(r"^constexpr int (k\w+) = (\d+);", text, re.MULTILINE)}
 
 
 class ErrorTable:
@@ -153,15 +196,16 @@ class ErrorTable:
         """The value of the error named ``name`` (DeviceError.name)."""
         return next(code for code, e in self.by_code.items() if e.name == name)
 
-    def take(self, info: np.ndarray, num_ranks: int) -> tuple[int, int | None, list[int]]:
-        """Read the record in ``info`` (code, op code or None, the rank words) and clear it as the layout
-        says; code 0: nothing reported (nothing cleared)."""
+    def take(self, info: np.ndarray, num_ranks: int) -> tuple[int, int | None, int, list[int]]:
+        """Read the record in ``info`` (code, op code or None, phase, the rank words) and clear it as
+        the layout says; code 0: nothing reported (nothing cleared)."""
         lay = self.layout
         code = int(info[lay.code])
         if code == 0:
-            return 0, None, []
+            return 0, None, 0, []
         flags = [int(v) for v in info[lay.ranks:lay.ranks + num_ranks]]
         op = int(info[lay.op]) if lay.op is not None else None
+        phase = int(info[lay.phase])
         if lay.clear == "record":
             info[:] = 0
         elif lay.clear == "ranks":
@@ -172,16 +216,18 @@ class ErrorTable:
             for r, flag in enumerate(flags):
                 if flag:
                     info[lay.ranks + r] = 0
-        return code, op, flags
+        return code, op, phase, flags
 
     def error(self, code: int, op: str, rank: int, failed_op: int | None, flags: list[int],
-              refusals: list[int] | None = None) -> Exception:
+              refusals: list[int] | None = None, phase: int = 0, flight: FlightHook | None = None) -> Exception:
         """The exception for a reported ``code``: raised by the call ``op`` on ``rank``; ``failed_op`` is
-        the record's op code, ``flags`` its rank words, ``refusals`` each rank's refusal bits."""
+        the record's op code, ``flags`` its rank words, ``refusals`` each rank's refusal bits, ``phase``
+        the Phase of a timeout, which ``flight`` (if given) records."""
         family = self.family
         entry = self.by_code.get(code)
         ranks = [r for r, flag in enumerate(flags) if flag]
-        fields = {"ranks": ranks}
+        phase_name = phase_names().get(phase)
+        fields = {"ranks": ranks, "phase": f" in the {phase_name} phase" if phase_name else ""}
         if entry is not None and "{mismatch}" in entry.message:
             fields["mismatch"] = ", ".join(f"rank {r}: {self.op_names.get(flags[r], '?')}" for r in ranks)
         if entry is not None and "{refusals}" in entry.message:
@@ -195,13 +241,17 @@ class ErrorTable:
         failed = self.op_names.get(failed_op, family.unknown_op) if failed_op is not None else family.unknown_op
         head = family.head.format(failed=failed, op=op)
         tail = family.fatal_tail if exception is RuntimeError else ""
+        if flight is not None and entry is not None and entry.name == "kErrTimeout":
+            tail += flight(failed if failed_op is not None else op, op, phase_name, ranks)
         return exception(f"epcomm {head} on rank {rank}: {text}{tail}")
 
-    def check(self, info: np.ndarray, op: str, rank: int, num_ranks: int, refusals_at: int | None = None) -> None:
+    def check(self, info: np.ndarray, op: str, rank: int, num_ranks: int, refusals_at: int | None = None,
+              flight: FlightHook | None = None) -> None:
         """Raise what the record in ``info`` reports, clearing it; nothing if it reports nothing.
-        ``refusals_at``: where each rank's refusal bits lie in ``info`` (the intranode family)."""
+        ``refusals_at``: where each rank's refusal bits lie in ``info`` (the intranode family);
+        ``flight``: called on a timeout (the flight recorder), its text ends the message."""
         if int(info[self.layout.code]) == 0:  # the common case, on every call's host path
             return
-        code, failed_op, flags = self.take(info, num_ranks)
+        code, failed_op, phase, flags = self.take(info, num_ranks)
         refusals = [int(v) for v in info[refusals_at:refusals_at + num_ranks]] if refusals_at is not None else None
-        raise self.error(code, op, rank, failed_op, flags, refusals)
+        raise self.error(code, op, rank, failed_op, flags, refusals, phase, flight)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _env
+from ...flight_recorder import hierarchical_counters, hook
 from ...handle import DispatchHandle
 from ...tuning import hierarchical_roles
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
@@ -65,9 +66,9 @@ ALIGN = 256
 # The calls' op codes (common/protocol.cuh), hashed into each call's shape tag.
 _OP_DISPATCH, _OP_CACHED, _OP_COMBINE = (device_codes()[name] for name in ("kOpDispatch", "kOpCachedDispatch",
                                                                             "kOpCombine"))
-# The error record: the code, then a word per rank (only the words read are cleared: a kernel may
-# still be writing the others).
-_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout(code=0, op=None, ranks=2, clear="flagged"))
+# The error record: the code, the failed call's op, the phase, then a word per rank (only the words
+# read are cleared: a kernel may still be writing the others).
+_ERROR_TABLE = ErrorTable(HIERARCHICAL, RecordLayout.protocol(clear="flagged"))
 _MAX_EXPERTS = 12 * 1024  # the layout kernel's limit: the per-expert totals are summed over this width
 _SYM_HEADER = 4096    # mirrors kSymHeaderBytes (checked when the library loads)
 DOMAIN_HEADER = 16384  # mirrors kDomainHeaderBytes
@@ -158,7 +159,9 @@ class CudaHierarchical:
     """Normal mode across domains on the CUDA kernels (the NormalOps of backends/base.py)."""
 
     on_kernels = True
+    recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
     frees_after_meeting = True  # Buffer.destroy meets every rank (bounded) before close()
+    handles_outlive_buffer = False  # a handle's plan names regions of this Buffer's NVSHMEM memory
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, num_rdma_bytes: int,
                  ranks_per_domain: int, timeout_s: float) -> None:
@@ -205,6 +208,7 @@ class CudaHierarchical:
         self.stage_mask = sum(1 << d for d in self.put_domains)
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
+        self._flight = hook(self, "hierarchical", lambda: hierarchical_counters(self))
         # What a dispatch's host read needs (counts_kernel writes it, host-mapped): every rank's
         # tokens, the count matrix, this rank's experts' totals.
         self.summary = torch.zeros(self.num_ranks * (1 + self.num_ranks) + _MAX_EXPERTS, dtype=torch.int32,
@@ -245,7 +249,7 @@ class CudaHierarchical:
                                    "before; destroy it and the process group")
             return
         self.failed = True
-        _ERROR_TABLE.check(self.info_np, op, self.rank, self.num_ranks)
+        _ERROR_TABLE.check(self.info_np, op, self.rank, self.num_ranks, flight=self._flight)
 
     def _capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -277,7 +281,7 @@ class CudaHierarchical:
             peers = list(self.shared.ptrs) + [0] * (self.c["max_local"] - self.rpd)
             mates = self.mates + [0] * (self.c["max_domains"] - self.num_domains)
             values = [self.sym.tensor.data_ptr(), self.num_ranks, self.num_domains, self.my_domain, self.rpd,
-                      self.local, 0, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
+                      self.local, op, tag, chunks, forwarders, self.timeout_ns, self.stage_offset, *peers, *mates]
             call = self.calls[key] = (ctypes.c_int64 * len(values))(*values)
         return call
 

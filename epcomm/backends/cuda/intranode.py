@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _env
+from ...flight_recorder import hook, intranode_counters
 from ...handle import DispatchHandle
 from ...tuning import ROW_ALIGN, dispatch_work, own_rows_by_receivers, send_blocks
 from ..rounds import cached_dispatch_in_rounds, combine_in_rounds, dispatch_in_rounds
@@ -115,6 +116,8 @@ class CudaIntranode:
 
     on_kernels = True
     frees_after_meeting = False  # destroy: a barrier (no peer writes into the buffer any more), then close()
+    handles_outlive_buffer = True  # row places are counted from the rows area's fixed start
+    recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_nvl_bytes: int, timeout_s: float) -> None:
         self.lib = load_library()
@@ -125,13 +128,15 @@ class CudaIntranode:
         self.timeout_ns = int(timeout_s * 1e9)
         self.c = library_constants(self.lib, "epcomm_constant", (
             "rows_offset row_trailer_bytes max_ranks max_experts_per_rank info_ints layout_ints info_error "
-            "info_error_op info_error_ranks info_num_recv info_recv_counts info_matrix info_max_recv info_max_send "
-            "info_refusal info_experts op_dispatch op_cached_dispatch op_combine op_barrier"))
+            "info_error_op info_error_phase info_error_ranks info_num_recv info_recv_counts info_matrix info_max_recv "
+            "info_max_send info_refusal info_experts op_dispatch op_cached_dispatch op_combine op_barrier"))
         if (self.c["rows_offset"], self.c["row_trailer_bytes"], self.c["layout_ints"]) != \
                 (ROWS_OFFSET, ROW_TRAILER_BYTES, LAYOUT_INTS):
             raise RuntimeError(f"epcomm: kernel library constants {self.c} disagree with intranode.py")
         self.errors = ErrorTable(INTRANODE, RecordLayout(code=self.c["info_error"], op=self.c["info_error_op"],
+                                                         phase=self.c["info_error_phase"],
                                                          ranks=self.c["info_error_ranks"], clear="ranks"))
+        self._flight = hook(self, "intranode", lambda: intranode_counters(self))
         if self.num_ranks > self.c["max_ranks"]:
             raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
                                f"has {self.num_ranks}")
@@ -193,7 +198,7 @@ class CudaIntranode:
         Refused inputs raise ValueError (every rank gets the same list of refusing ranks); timeouts,
         mismatched calls and capacity overruns raise RuntimeError.
         """
-        self.errors.check(self.info_np, op, self.rank, self.num_ranks, self.c["info_refusal"])
+        self.errors.check(self.info_np, op, self.rank, self.num_ranks, self.c["info_refusal"], self._flight)
 
     def _sync_and_check(self, op: str) -> None:
         event = torch.cuda.Event()

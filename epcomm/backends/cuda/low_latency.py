@@ -41,8 +41,10 @@ import torch
 import torch.distributed as dist
 
 from ... import _env
+from ...flight_recorder import hook, low_latency_counters
 from ...handle import LowLatencyHandle
 from ...tuning import partials_asked, receive_together
+from ..base import CombineOverlap
 from ..rows import low_latency_scales_layout, round_up, shape_digest
 from .build import load_library, load_nvshmem_library
 from .capi import addr, check, check_aligned, load_records, raw_stream
@@ -51,8 +53,9 @@ from .ipc import SharedBuffer
 
 _INFO_INTS = 16
 _MAX_BUFFER_BYTES = 32 << 30  # plan_message (low_latency.cuh): message offsets in 16-byte units, int32
-# One error record per slot: the code, the failed call's op, a word per rank (zeroed whole once read).
-_ERROR_TABLE = ErrorTable(LOW_LATENCY, RecordLayout(code=0, op=1, ranks=2, clear="record"))
+# One error record per slot: the code, the failed call's op, its phase, a word per rank (zeroed whole
+# once read).
+_ERROR_TABLE = ErrorTable(LOW_LATENCY, RecordLayout.protocol(clear="record"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,6 +161,7 @@ class CudaLowLatency:
     """Low-latency mode on the CUDA kernels (the LowLatencyOps of backends/base.py)."""
 
     on_kernels = True
+    recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_rdma_bytes: int, timeout_s: float) -> None:
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -187,6 +191,7 @@ class CudaLowLatency:
         # One error record per slot; the event marks the end of the receive of the slot's last call.
         self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
+        self._flight = hook(self, "low_latency", lambda: low_latency_counters(self))
         # Per slot: whether the receive of its last call was recorded in _received_events (the host
         # waits on it before reading the slot's error record), and the event the hook's receive waits
         # on (the send). Reused: a slot's next call starts only after these were consumed. CUDA
@@ -325,7 +330,7 @@ class CudaLowLatency:
             self._raise(op, 1 - slot)
 
     def _raise(self, op: str, slot: int) -> None:
-        _ERROR_TABLE.check(self.info_np[slot], op, self.rank, self.num_ranks)
+        _ERROR_TABLE.check(self.info_np[slot], op, self.rank, self.num_ranks, flight=self._flight)
 
     def check_dispatch_args(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
                             num_experts: int) -> None:
@@ -423,11 +428,15 @@ class CudaLowLatency:
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None,
-                hook: bool) -> tuple[torch.Tensor, Callable[[], None]]:
+                hook: bool, overlap: CombineOverlap | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
+        """With ``overlap`` (single-batch overlap): a send kernel on at most ``overlap.num_sms`` blocks
+        that sends each (local expert, source) unit's rows once the GEMM has raised the words of their
+        blocks (combine_send_overlap), then the usual receive; never by partial sums."""
         capturing = _capturing()
         self.check_errors("low_latency_combine", slot, capturing)
         num_tokens, hidden = handle.num_tokens, handle.hidden
-        key = (hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.num_topk, hook)
+        key = (hidden, handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.num_topk, hook,
+               overlap is not None)
         shape = self._combine_shapes.get(key)
         if shape is None:
             shape = self._combine_shapes[key] = _CombineShape(self, *key)
@@ -452,8 +461,12 @@ class CudaLowLatency:
         call.caller_topk_idx, call.topk_weights = caller_topk_idx.data_ptr(), topk_weights.data_ptr()
         call.out = combined.data_ptr()
         call.held = (x, mask, wait_stats, trace, state["small"], handle.layout_range, caller_topk_idx, topk_weights,
-                     combined)
+                     combined, overlap)
         call.written = (combined,)
+        if overlap is not None:
+            call.computed, call.packed_recv_count = overlap.signals.data_ptr(), addr(overlap.packed_recv_count)
+            call.block_m, call.signals_per_expert = overlap.block_m, overlap.signals_per_expert
+            call.threshold, call.send_blocks = overlap.threshold, overlap.num_sms
         entry = self.lib.epcomm_ll_combine
         if not hook:
             self._launch(entry, call, 0, slot, capturing, "low_latency_combine")
@@ -548,13 +561,15 @@ class _DispatchShape:
 
 
 class _CombineShape:
-    """What every combine of one shape (hidden, E, N, K, with a hook or not) shares: whether it goes by
-    partial sums, and per slot a call record with every field but the call's own tensors filled."""
+    """What every combine of one shape (hidden, E, N, K, with a hook or not, with overlap or not) shares:
+    whether it goes by partial sums (never with overlap: its rows go unit by unit as the GEMM computes
+    them), and per slot a call record with every field but the call's own tensors filled."""
 
     def __init__(self, backend: CudaLowLatency, hidden: int, num_experts: int, num_max_tokens: int, num_topk: int,
-                 hook: bool) -> None:
+                 hook: bool, overlap: bool) -> None:
         # Tagged with K, which sizes its records.
-        self.partials = partials = backend.combine_by_partials(num_experts, hidden, num_max_tokens, num_topk, hook)
+        self.partials = partials = not overlap and backend.combine_by_partials(num_experts, hidden, num_max_tokens,
+                                                                               num_topk, hook)
         self.records = []
         for record in backend._combine_calls:
             call = backend.record_types.LLCombineCall.from_buffer_copy(record)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...utils.tensors import dense
-from .transport import Transport
+from .transport import CALLS, Transport
 
 _MAGIC = 0x45504331
 _HEADER_FIELDS = 16
@@ -31,8 +31,7 @@ class Op(enum.IntEnum):
 
 def api_name(op: Op) -> str:
     """The API's name of an operation, as errors name it."""
-    return {Op.LL_DISPATCH: "low_latency_dispatch", Op.LL_COMBINE: "low_latency_combine",
-            Op.CLEAN_LL: "clean_low_latency_buffer"}.get(op, op.name.lower())
+    return CALLS.get(op.name.lower(), op.name.lower())
 
 
 class F(enum.IntEnum):

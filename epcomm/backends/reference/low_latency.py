@@ -202,3 +202,25 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         combined.copy_(acc)
 
     return combined, finish, arrived_ns
+
+
+def wait_computed(overlap, handle: LowLatencyHandle, timeout_s: float) -> None:
+    """Single-batch overlap (backends/base.py, CombineOverlap): return once the expert GEMM has raised
+    the signal word of every block that holds rows of a local expert to the threshold, polling from the
+    host (this path syncs anyway); RuntimeError after ``timeout_s``. The counts are the handle's (the
+    argument checks compared packed_recv_count with them)."""
+    counts = (handle.layout_range.cpu() & 0xffffffff).sum(1)  # rows per local expert
+    blocks = (counts + overlap.block_m - 1) // overlap.block_m
+    words = torch.cat([e * overlap.signals_per_expert + torch.arange(int(n)) for e, n in enumerate(blocks.tolist())]
+                      + [torch.zeros(0, dtype=torch.int64)])
+    signals = overlap.signals.view(-1).view(torch.int32)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = signals[words.to(signals.device)].cpu().to(torch.int64) & 0xffffffff  # compared unsigned
+        if bool((values >= overlap.threshold).all()):
+            return
+        if time.monotonic() > deadline:
+            late = words[values < overlap.threshold].tolist()[:8]
+            raise RuntimeError(f"epcomm low_latency_combine: the expert GEMM did not raise signal words {late} to "
+                               f"{overlap.threshold} within {timeout_s} s (overlap=True; EPCOMM_TIMEOUT_S)")
+        time.sleep(0.0002)

@@ -21,6 +21,7 @@ class ReferenceNormalOps:
 
     on_kernels = False
     frees_after_meeting = False
+    handles_outlive_buffer = True
 
     def __init__(self, backend: ReferenceBackend, strategy: str) -> None:
         self.backend = backend
@@ -98,7 +99,9 @@ class ReferenceLowLatencyOps:
 
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None,
-                hook: bool):
+                hook: bool, overlap=None):
+        if overlap is not None:  # x is read once the expert GEMM has computed it
+            low_latency.wait_computed(overlap, handle, self.backend.transport.timeout_s)
         combined, finish, wait_ns = low_latency.combine(self.backend, x, topk_idx, topk_weights, handle, out,
                                                         defer_receive=hook)
 

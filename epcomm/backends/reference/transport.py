@@ -1,14 +1,17 @@
 """Collectives with a deadline: every wait is bounded and names the ranks that did not arrive.
 
 Each call first publishes "rank r reached call #seq" in the process group's store, then runs an
-asynchronous torch.distributed collective and polls it. If the deadline passes, the store tells
-which ranks never reached this call, and the error names them. After such a timeout the group
-holds an unfinished collective: destroy the Buffer and the process group.
+asynchronous torch.distributed collective and polls it. If the deadline passes (or the collective
+fails: a peer that exited), the store tells which ranks never reached this call, or, of those that
+did, which never reached this exchange (each rank that gives up says where it is, ``_positions``),
+and the error names them with the phase and the flight recorder's file. After such a timeout the
+group holds an unfinished collective: destroy the Buffer and the process group.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import time
 
 import torch
@@ -19,7 +22,15 @@ class PeerTimeoutError(RuntimeError):
     """A peer did not arrive within the timeout."""
 
 
+# The Buffer method an exchange's op tag stands for, where the two differ (the handshakes tag by
+# backend.Op): the error and its flight record name the call the caller made.
+CALLS = {"ll_dispatch": "low_latency_dispatch", "ll_combine": "low_latency_combine",
+          "clean_ll": "clean_low_latency_buffer"}
+
+
 class Transport:
+    recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
+
     def __init__(self, group: dist.ProcessGroup, uid: str, timeout_s: float) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -74,56 +85,89 @@ class Transport:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
-    def wait(self, work: dist.Work, op: str, seq: int, deadline: float) -> None:
+    def wait(self, work: dist.Work, op: str, seq: int, deadline: float, phase: str | None = None) -> None:
         """Complete ``work`` by ``deadline``, or raise a RuntimeError naming ``op`` and the ranks at fault.
 
         gloo: a blocking wait bounded by the time left (woken as soon as the data is in, no polling).
         NCCL: the host polls, since ``wait`` there only orders the stream; while a CUDA graph is being
         captured nothing may wait on the host, so the stream is ordered and NCCL's own watchdog rules.
-        A transport error (a peer's process gone resets its connections) becomes the same error as a
-        timeout, naming the ranks: no raw transport message reaches the caller."""
+        A transport error (a peer's process gone resets its connections) gives the same kind of error
+        as a timeout, naming the ranks. ``phase``: the flight recorder's (default: a combine's exchange
+        reduces, any other receives)."""
+        if self._is_nccl():
+            if torch.cuda.is_current_stream_capturing():
+                work.wait()
+                return
+            pause = 2e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self._give_up(op, seq, phase, None)
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
+        done = True
         try:
             if self._is_nccl():
-                if torch.cuda.is_current_stream_capturing():
-                    work.wait()
-                    return
-                pause = 2e-5
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise self._lost(op, seq, deadline, timed_out=True)
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
                 work.wait()
             else:
                 left = max(deadline - time.monotonic(), 1e-3)  # a zero timeout would mean none
-                if not work.wait(timeout=datetime.timedelta(seconds=left)):
-                    raise self._lost(op, seq, deadline, timed_out=True)
-        except PeerTimeoutError:
-            raise
-        except Exception:  # gloo's timeout or a connection closed by a dead peer
-            raise self._lost(op, seq, deadline, timed_out=time.monotonic() > deadline) from None
+                done = work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as error:  # gloo's own timeout, or a peer gone (its connection closed)
+            self._give_up(op, seq, phase, None if time.monotonic() > deadline else error)
+        if not done:
+            self._give_up(op, seq, phase, None)
 
-    def _lost(self, op: str, seq: int, deadline: float, timed_out: bool) -> PeerTimeoutError:
-        """The error of a call whose peers did not all complete it: the ranks that never reached the
-        call; if all did, the ranks that do not meet this one in the store before the deadline (a
-        peer that died during the exchange; the live ones fail alike and meet)."""
-        try:
-            missing = self.missing_ranks(seq)
-            if missing == [] and not timed_out:
-                missing = self.meet(f"lost/{seq}", deadline)
-        except Exception:  # the store itself is gone
-            missing = None
+    def _position_key(self, rank: int) -> str:
+        return f"epcomm/{self.uid}/gave-up-at/{rank}"
+
+    def _positions(self, seq: int, here: list, grace_s: float) -> dict[int, list]:
+        """Say where this rank gave up (``here``: [seq, phase]) and collect where its peers did, waiting
+        up to ``grace_s`` for the peers of call ``seq`` (they give up about when this rank does); a
+        rank that never says is silent or gone (a word of an earlier call counts as none)."""
+        positions: dict[int, list] = {}
+        if self._store is None:
+            return positions
+        self._store.set(self._position_key(self.rank), json.dumps(here))
+        end = time.monotonic() + grace_s
+        while True:
+            for r in range(self.num_ranks):
+                if r not in positions and self._store.check([self._position_key(r)]):
+                    position = json.loads(self._store.get(self._position_key(r)))
+                    if position[0] >= seq:
+                        positions[r] = position
+            if len(positions) == self.num_ranks or time.monotonic() > end:
+                return positions
+            time.sleep(0.01)
+
+    def _give_up(self, op: str, seq: int, phase: str | None, error: Exception | None) -> None:
+        """Raise PeerTimeoutError naming the ranks this exchange waited for, with the flight record."""
+        op = CALLS.get(op, op)
+        phase = phase or ("reduce" if "combine" in op else "receive")
+        missing = self.missing_ranks(seq)
+        arrived: dict[int, int] = {}
+        positions: dict[int, list] = {}
+        if missing == []:  # every rank reached the call: the ones that never reached this exchange
+            positions = self._positions(seq, [seq, phase], min(1.0, self.timeout_s / 4))
+            missing = [r for r in range(self.num_ranks) if r not in positions]
+        if self._store is not None:
+            for r in range(self.num_ranks):
+                key = self._key(r)
+                arrived[r] = int(self._store.get(key)) if self._store.check([key]) else None
         who = (f"rank(s) {missing} did not arrive" if missing
                else "every rank arrived, so a peer failed during the exchange" if missing == []
                else "the ranks that did not arrive are unknown (no store)")
-        what = f"timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S) waiting for its peers" if timed_out \
-            else "lost the connection to a peer"
-        return PeerTimeoutError(f"epcomm {op}: rank {self.rank} {what}; {who}. Destroy the Buffer and the "
-                                "process group.")
+        what = (f"timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S)" if error is None
+                else "lost a peer (the exchange failed)")
+        flight = ""
+        if self.recorder is not None:
+            counters = {"this_rank_call": seq, "arrived_call": arrived, "gave_up_at": dict(sorted(positions.items()))}
+            flight = self.recorder.timeout("reference", op, phase, missing, counters)
+        raise PeerTimeoutError(
+            f"epcomm {op}: rank {self.rank} {what} waiting for its peers in the {phase} phase; {who}. "
+            f"Destroy the Buffer and the process group.{flight}") from None  # no transport message reaches the caller
 
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
-        self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline)
+        self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline, "notify")
         return out
 
     def share(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
@@ -131,12 +175,13 @@ class Transport:
         ``t`` to every rank, which completes in one step where gloo's all-gather takes R - 1."""
         out = t.new_empty((self.num_ranks, t.numel()))
         if self._is_nccl():
-            return self.all_gather_into(out, t.unsqueeze(0), op, seq, deadline)
+            return self.all_gather_into(out, t.unsqueeze(0), op, seq, deadline, "notify")
         send = t.unsqueeze(0).expand(self.num_ranks, -1).contiguous()
-        self.wait(dist.all_to_all_single(out, send, group=self.group, async_op=True), op, seq, deadline)
+        self.wait(dist.all_to_all_single(out, send, group=self.group, async_op=True), op, seq, deadline, "notify")
         return out
 
-    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float,
+                        phase: str | None = None) -> torch.Tensor:
         """Gather ``t`` [n, ...] of every rank into ``out`` [R * n, ...], rank j's rows in block j.
 
         NCCL gathers into ``out`` directly; other backends use the list form into views of ``out``,
@@ -147,7 +192,7 @@ class Transport:
             work = gather(out, t, group=self.group, async_op=True)
         else:
             work = dist.all_gather(list(out.chunk(self.num_ranks)), t, group=self.group, async_op=True)
-        self.wait(work, op, seq, deadline)
+        self.wait(work, op, seq, deadline, phase)
         return out
 
     def reduce_scatter(self, send: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:

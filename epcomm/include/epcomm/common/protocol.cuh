@@ -19,6 +19,7 @@ enum ErrorCode : int {
     kErrAbandoned = 9,        // an earlier wait of this rank gave up, so this call stopped waiting
     kErrEarlierError = 10,    // hierarchical: a rank reported an error in an earlier call
     kErrPeerGaveUp = 11,      // hierarchical: a rank gave this call up
+    kErrComputeTimeout = 12,  // low latency: the expert GEMM did not raise a combine's overlap signal in time
 };
 
 // The call a record or a barrier signal names (ranks that disagree on the call are told so).
@@ -32,10 +33,20 @@ enum Op : int {
     kOpLowLatencyCombine = 6,
 };
 
+// Where in its call a wait gave up (the flight recorder's phase; written only with an error).
+enum Phase : int {
+    kPhaseNone = 0,
+    kPhaseNotify = 1,   // the count exchange or the call's barrier: the peer has not entered the call
+    kPhaseSend = 2,     // waiting for room at the peer (its acknowledgement, or its receive area)
+    kPhaseReceive = 3,  // waiting for the peer's rows or counts of a dispatch
+    kPhaseReduce = 4,   // waiting for the rows a combine sums
+};
+
 // The record's words at the start of a Buffer's pinned info area.
 constexpr int kInfoError = 0;       // 0, or an ErrorCode
 constexpr int kInfoErrorOp = 1;     // the Op of the call that failed
-constexpr int kInfoErrorRanks = 2;  // [ranks]: nonzero for each rank involved
+constexpr int kInfoErrorPhase = 2;  // the Phase of the wait that recorded it
+constexpr int kInfoErrorRanks = 3;  // [ranks]: nonzero for each rank involved
 
 // Input errors leave the Buffer usable; a call abandoned because of another wait names no cause of
 // its own; everything else is fatal and names its cause.
@@ -46,11 +57,13 @@ __device__ __forceinline__ int error_severity(int code) {
 }
 
 // Record an error of this call: the most severe wins, so the host never takes a fatal call for a
-// refused one and a wait that gave up first keeps its cause over the waits it stopped.
-__device__ __forceinline__ void record_error(int* info, int code, int op, int rank) {
+// refused one and a wait that gave up first keeps its cause over the waits it stopped. A timeout
+// names the phase of the wait that gave up.
+__device__ __forceinline__ void record_error(int* info, int code, int op, int rank, int phase = kPhaseNone) {
     if (rank >= 0) info[kInfoErrorRanks + rank] = 1;
     if (error_severity(code) > error_severity(ld_volatile_int(info + kInfoError))) {
         info[kInfoErrorOp] = op;
+        info[kInfoErrorPhase] = phase;
         info[kInfoError] = code;
     }
 }

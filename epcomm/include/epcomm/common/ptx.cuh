@@ -26,6 +26,14 @@ __device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* ptr) {
     return value;
 }
 
+// A word another kernel of this GPU raises once the data it covers is written (an acquire: reads
+// after it see that data).
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* ptr) {
+    uint32_t value;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ int64_t ld_volatile(const int64_t* ptr) {
     int64_t value;
     asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");

@@ -45,7 +45,8 @@ __device__ void reduce_chunk(const CombineArgs& a, int d, int j) {
     const bool own = d == c.my_domain, direct = own || c.mates[d] != nullptr;
     if (threadIdx.x == 0) {  // the mate's area is free; a given-up call sends no sums, says so (mate_to_send)
         const uint64_t start = global_timer_ns();
-        s_ok = own ? !c.aborted() : mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d)), start);
+        s_ok = own ? !c.aborted()
+                   : mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d), kPhaseSend), start);
     }
     __syncthreads();
     if (!s_ok) {
@@ -136,14 +137,14 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     }
     // Every chunk is visited even when the domain's entry failed (the call is then given up): its
     // mate still gets the done word that says so (reduce_chunk, mate_to_send).
-    domain_entered(c);
+    domain_entered(c, kPhaseReduce);
     for (int k = b; k < num_chunks; k += c.num_forwarders) reduce_chunk(a, k / c.chunks, k % c.chunks);
-    leave_domain(c, b);  // no domain rank reads this rank's expert outputs any more
+    leave_domain(c, b, kPhaseReduce);  // no domain rank reads this rank's expert outputs any more
     // The partial sums of this rank's tokens have arrived (the blocks share the chunks to wait for;
     // this rank's own domain's were written by this kernel).
     if (threadIdx.x == 0)
         for (int k = b; k < num_chunks; k += c.num_forwarders)
-            if (k / c.chunks != c.my_domain && !c.aborted()) wait_chunk(c, k / c.chunks, k % c.chunks);
+            if (k / c.chunks != c.my_domain && !c.aborted()) wait_chunk(c, k / c.chunks, k % c.chunks, kPhaseReduce);
 }
 
 __global__ void __launch_bounds__(256) reduce_kernel(ReduceArgs a) {

@@ -154,7 +154,7 @@ __device__ void send_chunk(const DispatchArgs& a, int d, int j) {
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_ready(c.sym, c.my_domain)),
                                static_cast<uint64_t>(c.entered()), NVSHMEM_SIGNAL_SET, c.mate(d));
         const uint64_t start = global_timer_ns();
-        s_ok = mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d)), start);
+        s_ok = mate_to_send(c, d, j, wait_entered(c, sym_ready(c.sym, d), c.mate(d), kPhaseSend), start);
     }
     __syncthreads();
     if (!s_ok) return;
@@ -186,7 +186,7 @@ __device__ void forward_chunk(const DispatchArgs& a, int d, int j) {
     __shared__ int s_count;
     const bool own = d == c.my_domain;  // this rank's own tokens: read from the caller's tensors
     if (threadIdx.x == 0) {
-        s_count = own ? a.send_counts[d] : wait_chunk(c, d, j);
+        s_count = own ? a.send_counts[d] : wait_chunk(c, d, j, kPhaseReceive);
         if (c.aborted()) s_count = -1;  // a given-up call forwards nothing (its counts may be zeros)
         if (j == 0 && s_count >= 0) a.recv_counts[d] = s_count;
     }
@@ -276,11 +276,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     const int b = blockIdx.x - num_senders;
     if (b == 0 && threadIdx.x == 0) enter_domain(c);
     pad_rows(a, b);
-    if (domain_entered(c)) {
+    if (domain_entered(c, kPhaseReceive)) {
         const int num_chunks = c.num_domains * c.chunks;
         for (int k = b; k < num_chunks; k += c.num_forwarders) forward_chunk(a, k / c.chunks, k % c.chunks);
     }
-    leave_domain(c, b);
+    leave_domain(c, b, kPhaseReceive);
 }
 
 __global__ void __launch_bounds__(256) stage_kernel(StageArgs a) {

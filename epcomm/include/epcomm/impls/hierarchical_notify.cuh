@@ -95,7 +95,7 @@ __global__ void notify_kernel(Call c, int64_t counts_offset, int width, int row_
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sym_notified(c.sym, me)), static_cast<uint64_t>(c.call()),
                            NVSHMEM_SIGNAL_SET, r);
         int64_t seen = 0;
-        ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen);
+        ok = wait_for(c, sym_notified(c.sym, r), [&](int64_t v) { return v >= c.call(); }, r, &seen, kPhaseNotify);
         const int digest = ok ? ld_volatile_int(incoming + r * width + 1) : 0;
         const int mine = ld_volatile_int(outgoing + 1);
         if (ok && mine == kPendingError) {  // this rank's own earlier error: give up this call too

@@ -14,6 +14,7 @@ struct Call {
     uint8_t* mates[kMaxDomains];  // each mate's NVSHMEM buffer where NVLink maps it here (stores), else null (puts)
     int num_ranks, num_domains, my_domain, ranks_per_domain, local;
     int shape_tag;
+    int op;  // the Op of the call (its error record names it)
     int chunks, num_forwarders;
     int64_t stage_offset;  // of the staging area in the NVSHMEM buffer (the receive area follows it)
     int* info;
@@ -25,9 +26,10 @@ struct Call {
     __device__ int64_t call() const { return ld_volatile(sym_seq(sym)); }
     __device__ int64_t entered() const { return (call() << kTagBits) | shape_tag; }
     __device__ bool aborted() const { return ld_volatile(sym_abort(sym)) == call(); }
-    // Record an error for the host (`rank`: the rank involved) and for the next notify.
-    __device__ void report(int code, int rank) const {
-        epcomm::hierarchical::report(info, code, rank);
+    // Record an error for the host (`rank`: the rank involved; a timeout: the wait's Phase) and for
+    // the next notify.
+    __device__ void report(int code, int rank, int phase = kPhaseNone) const {
+        epcomm::hierarchical::report(info, code, op, rank, phase);
         *sym_sticky_error(sym) = code;
     }
     // Give up the call: every other wait of this rank's stops at its next look.
@@ -35,16 +37,16 @@ struct Call {
         *sym_abort(sym) = call();
         __threadfence_system();
     }
-    __device__ void abort(int code, int rank) const {
-        report(code, rank);
+    __device__ void abort(int code, int rank, int phase = kPhaseNone) const {
+        report(code, rank, phase);
         give_up();
     }
 };
 
 // Spin until `word` satisfies `ok`; false (after marking the call aborted, `rank` named) on timeout
-// or when another wait gave up first.
+// or when another wait gave up first. `phase`: where in the call the wait is (the timeout's record).
 template <typename Ok>
-__device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int rank, int64_t* seen) {
+__device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int rank, int64_t* seen, int phase) {
     const WaitEnd end = bounded_wait<64>(
         global_timer_ns(), c.timeout_ns,
         [&] {
@@ -52,7 +54,7 @@ __device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int r
             return ok(*seen);
         },
         [&] { return c.aborted(); });
-    if (end == WaitEnd::kTimedOut) c.abort(kErrTimeout, rank);
+    if (end == WaitEnd::kTimedOut) c.abort(kErrTimeout, rank, phase);
     return end == WaitEnd::kReady;
 }
 
@@ -60,9 +62,9 @@ __device__ inline bool wait_for(const Call& c, const int64_t* word, Ok ok, int r
 // later call: `rank` cannot end this call without this rank past this wait (it waits for this
 // rank's rows, which are sent after it), so it gave the call up (another shape seen there, or an
 // error of its own) and went on; its next call's word hides this call's tag.
-__device__ inline bool wait_entered(const Call& c, const int64_t* word, int rank) {
+__device__ inline bool wait_entered(const Call& c, const int64_t* word, int rank, int phase) {
     int64_t seen = 0;
-    if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call() << kTagBits); }, rank, &seen)) return false;
+    if (!wait_for(c, word, [&](int64_t v) { return v >= (c.call() << kTagBits); }, rank, &seen, phase)) return false;
     if (c.aborted()) return false;  // given up here already: its report stands (a mate gone on is its echo)
     if ((seen >> kTagBits) != c.call()) {
         c.abort(kErrPeerGaveUp, rank);
@@ -80,9 +82,10 @@ constexpr int64_t kGaveUpCount = 0xffffffff;
 
 // The count that came with chunk j of domain d's region for this call, or -1 (aborted; also when
 // the mate sent word that it gave the call up, which this rank then gives up too, naming it).
-__device__ inline int wait_chunk(const Call& c, int d, int j) {
+__device__ inline int wait_chunk(const Call& c, int d, int j, int phase) {
     int64_t seen = 0;
-    if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call(); }, c.mate(d), &seen))
+    if (!wait_for(c, sym_done(c.sym, d, j), [&](int64_t v) { return (v >> 32) == c.call(); }, c.mate(d), &seen,
+                  phase))
         return -1;
     if ((seen & 0xffffffff) == kGaveUpCount) {
         if (!c.aborted()) c.abort(kErrPeerGaveUp, c.mate(d));
@@ -177,12 +180,12 @@ __device__ inline void enter_domain(const Call& c) {
 }
 
 // Wait until every domain rank entered the call (thread i < L waits for rank i); false: aborted.
-__device__ inline bool domain_entered(const Call& c) {
+__device__ inline bool domain_entered(const Call& c, int phase) {
     __shared__ int s_ok;
     if (threadIdx.x == 0) s_ok = 1;
     __syncthreads();
     if (threadIdx.x < c.ranks_per_domain &&
-        !wait_entered(c, dom_ready(c.peers[c.local], threadIdx.x), c.domain_rank(threadIdx.x)))
+        !wait_entered(c, dom_ready(c.peers[c.local], threadIdx.x), c.domain_rank(threadIdx.x), phase))
         s_ok = 0;
     __syncthreads();
     return s_ok != 0;
@@ -192,7 +195,7 @@ __device__ inline bool domain_entered(const Call& c) {
 // rank gave the call up: what it forwarded may be incomplete); then wait until every domain rank's
 // block b is done with this rank's (so the caller may reuse its area after the kernel). A domain
 // rank that gave the call up is named (7): this rank's outputs may lack the rows it forwards.
-__device__ inline void leave_domain(const Call& c, int b) {
+__device__ inline void leave_domain(const Call& c, int b, int phase) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
@@ -203,7 +206,7 @@ __device__ inline void leave_domain(const Call& c, int b) {
         int64_t seen = 0;
         const int rank = c.domain_rank(threadIdx.x);
         if (wait_for(c, dom_flag(c.peers[c.local], threadIdx.x, b), [&](int64_t v) { return v >= 2 * c.call(); },
-                     rank, &seen) &&
+                     rank, &seen, phase) &&
             seen == 2 * c.call() + 1 && !c.aborted())
             c.abort(kErrPeerGaveUp, rank);
     }

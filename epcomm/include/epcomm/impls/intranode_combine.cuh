@@ -163,7 +163,7 @@ __device__ void combine_reduce(const CombineArgs& a, const int* s_layout, int64_
             } else {
                 const uint8_t* r = mine + kRowsOffset + (s_layout[kLayCombBase + lane] + s) * a.row_stride;
                 ok = wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value,
-                                   mine, seq, a.timeout_ns, a.info, kOpCombine, lane);
+                                   mine, seq, a.timeout_ns, a.info, kOpCombine, lane, kPhaseReduce);
                 row_lane = reinterpret_cast<const int4*>(r);
                 if (K > 0) w_lane = reinterpret_cast<const float*>(r + a.hidden * 2);
             }

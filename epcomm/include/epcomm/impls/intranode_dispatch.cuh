@@ -302,7 +302,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, const int* s_layout, int64_
         }
         const uint8_t* r = mine + kRowsOffset + p * a.row_stride;
         if (!wait_row_flag(reinterpret_cast<const int64_t*>(r + a.row_stride - kRowTrailerBytes), flag_value, mine,
-                           seq, a.timeout_ns, a.info, a.op, src))
+                           seq, a.timeout_ns, a.info, a.op, src, kPhaseReceive))
             return;
         // The row's top-k ids and weights are loaded with its first words, stored after them (its
         // scales too would be registers held through the copy: see load_token_meta).

@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs a)
         int64_t v;
         while ((v = ld_acquire_sys(signal)) < seq * 16) {
             if (global_timer_ns() - start > a.timeout_ns) {
-                record_error(a.info, kErrTimeout, a.op, tid);
+                record_error(a.info, kErrTimeout, a.op, tid, kPhaseNotify);
                 *abort_word(mine) = seq;
                 break;
             }

@@ -33,6 +33,12 @@ struct CombineArgs {
     int request_bytes;
     uint32_t area_tag;  // the shape tag of the slot layout's dispatch area (arrival_key's high half)
     bool defer_acks;    // a call without a hook: its next call acknowledges it (pay_owed_acks)
+    // Single-batch overlap (combine_send_overlap; unused elsewhere): a unit's rows go once the expert
+    // GEMM has raised the words of their blocks (block_m rows of a local expert each) to `threshold`.
+    const uint32_t* computed;      // [E_local][signals_per_expert]: comp_signal, or src_signals (one an expert)
+    const int* packed_recv_count;  // [E_local] the rows the GEMM computes (comp_signal), or nullptr
+    int block_m, signals_per_expert;
+    uint32_t threshold;
 };
 
 // {begin, count} of a (local expert, source) unit's rows from its layout word, clamped to the
@@ -52,8 +58,49 @@ __device__ __forceinline__ bool topk_differs(const CombineArgs& a, int tid, int 
     return differs;
 }
 
+// Single-batch overlap: whether the caller's packed_recv_count differs from the rows the dispatch
+// gave each local expert (the end of its last source's rows), compared by `num_threads` threads from
+// `tid`. Carried like topk_differs' verdict: a GEMM told other counts computes other rows.
+__device__ __forceinline__ bool counts_differ(const CombineArgs& a, int tid, int num_threads) {
+    bool differs = false;
+    const int R = a.num_ranks, N = a.num_max_tokens;
+    if (a.packed_recv_count != nullptr)
+        for (int e = tid; e < a.num_experts / R; e += num_threads) {
+            const int2 last = unit_rows(a.layout_range[static_cast<int64_t>(e) * R + R - 1], N, R);
+            differs |= a.packed_recv_count[e] != last.x + last.y;
+        }
+    return differs;
+}
+
+// Single-batch overlap, by one thread: wait until the expert GEMM has raised the word of every block
+// of block_m rows that holds some of local expert local_e's rows [begin, begin + count) to the
+// threshold (with comp_signal only the blocks it computes: below packed_recv_count). The word is
+// read with an acquire, so the rows it covers are read after it (the block's barrier passes that on).
+// Bounded: a GEMM that never raises one is reported (kErrComputeTimeout) and this rank gives up;
+// false then, or when another wait of this rank gave up.
+__device__ bool wait_computed(const CombineArgs& a, int local_e, int begin, int count) {
+    int end = begin + count;
+    if (a.packed_recv_count != nullptr) end = min(end, a.packed_recv_count[local_e]);
+    const uint32_t* words = a.computed + static_cast<int64_t>(local_e) * a.signals_per_expert;
+    int* gave_up = gave_up_word(a.peers.bufs[a.rank]);
+    const uint64_t start = global_timer_ns();
+    for (int b = begin / a.block_m; b * a.block_m < end && b < a.signals_per_expert; ++b) {
+        const WaitEnd waited = bounded_wait<64>(
+            start, a.timeout_ns, [&] { return ld_acquire_gpu_u32(words + b) >= a.threshold; },
+            [&] { return abandoned(a.info, gave_up, kOpLowLatencyCombine); });
+        if (waited == WaitEnd::kTimedOut) {
+            record_error(a.info, kErrComputeTimeout, kOpLowLatencyCombine, a.rank, kPhaseSend);
+            give_up(gave_up);
+        }
+        if (waited != WaitEnd::kReady) return false;
+    }
+    return true;
+}
+
 // The send role of a combine for one (local expert, source) unit, run by a whole block (any number
-// of warps): the expert's outputs for that source's rows go back to it.
+// of warps): the expert's outputs for that source's rows go back to it. kOverlap: once the expert
+// GEMM has computed them (wait_computed).
+template <bool kOverlap>
 __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t prev, const Layout& lay, int unit) {
     __shared__ bool skip;
     const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
@@ -74,11 +121,16 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
         // Rows for a remote source are staged in this rank's own dispatch area: its own receive of
         // the slot's previous call must be done reading it.
         if (remote && !skip) skip = !wait_ack(mine, lay.acks, me, prev, a.mask, a.timeout_ns, a.info, kOpLowLatencyCombine);
+        if constexpr (kOverlap) {
+            const int2 rows = unit_rows(word, N, R);
+            if (!skip && rows.y > 0) skip = !wait_computed(a, local_e, rows.x, rows.y);
+        }
     }
     // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
     // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
     // (combine_recv's blocks wait for every expert), so every rank sees the verdict.
-    const bool differs = local_e == 0 && topk_differs(a, tid, num_threads);
+    bool differs = local_e == 0 && topk_differs(a, tid, num_threads);
+    if constexpr (kOverlap) differs |= local_e == 0 && counts_differ(a, tid, num_threads);
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
     trace_point(a.trace, 0, kTraceReady);
     const int2 rows = unit_rows(word, N, R);
@@ -97,7 +149,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     }
     __syncthreads();
     trace_point(a.trace, 0, kTraceWritten);
-    if constexpr (Net::kRemote) {
+    if constexpr (kNetReachesUnmapped) {
         if (remote && !skip && count > 0) {  // skip is the block's (shared): the whole block puts
             Net::put_block(mine + rows_offset, staging, static_cast<size_t>(count) * row_int4 * 16, src);
             __syncthreads();
@@ -314,7 +366,22 @@ __global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(C
     if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     trace_point(a.trace, 0, kTraceStart);
-    send_combine_unit(a, seq, prev, lay, blockIdx.x);
+    send_combine_unit<false>(a, seq, prev, lay, blockIdx.x);
+    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
+    trace_point(a.trace, 0, kTraceEnd);
+}
+
+// Single-batch overlap: the send kernel runs beside the expert GEMM on as few blocks as the caller
+// leaves it (num_sms); block b takes the units b, b + grid, ... in order (local expert-major, the
+// order a grouped GEMM computes them in), each once the GEMM has computed its rows.
+__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send_overlap(CombineArgs a) {
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int64_t seq = next_seq(mine);
+    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
+    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    trace_point(a.trace, 0, kTraceStart);
+    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) send_combine_unit<true>(a, seq, prev, lay, unit);
     finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
     trace_point(a.trace, 0, kTraceEnd);
 }

@@ -67,7 +67,7 @@ __device__ bool poll_request(const uint64_t* record, int index, int64_t seq, ulo
             give_up(gave_up);
             return true;
         });
-    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, kOpLowLatencyCombine, src, mask);
+    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, kOpLowLatencyCombine, src, mask, kPhaseSend);
     return end == WaitEnd::kReady;
 }
 
@@ -175,7 +175,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
         if (!skip_dst[src]) {
             const uint64_t left = a.timeout_ns - min(a.timeout_ns, global_timer_ns() - waits_start);
             count = wait_signal(signals + src, seq, a.shape_tag, src, a.mask, left, a.info, gave_up_word(mine),
-                                kOpLowLatencyCombine, nullptr);
+                                kOpLowLatencyCombine, nullptr, true, kPhaseSend);
             count = count < 0 ? -1 : min(count, N);
         }
         src_tokens[src] = count;

@@ -273,7 +273,7 @@ __device__ bool keep_waiting(ArrivalWait& w, const DispatchArgs& a, int src, uin
     int* gave_up = gave_up_word(mine);
     if (abandoned(a.info, gave_up, kOpLowLatencyDispatch)) return false;
     if (global_timer_ns() - w.start <= a.timeout_ns) return true;
-    timed_out(a.info, gave_up, kOpLowLatencyDispatch, src, nullptr);
+    timed_out(a.info, gave_up, kOpLowLatencyDispatch, src, nullptr, kPhaseReceive);
     return false;
 }
 

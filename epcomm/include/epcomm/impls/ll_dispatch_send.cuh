@@ -559,7 +559,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
     }
     if (m.on && part == 0 && headers_last) store_headers();
     __syncthreads();
-    if constexpr (Net::kRemote) {
+    if constexpr (kNetReachesUnmapped) {
         // A warp puts each remote pair's index entry to its rank, and the token's staged message
         // there with the token's first pair at that rank.
         const int64_t index_staging = remote_index_staging(a, lay);

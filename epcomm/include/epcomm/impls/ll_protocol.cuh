@@ -92,12 +92,13 @@ __device__ __forceinline__ bool abandoned(int* info, int* gave_up, int op) {
     return true;
 }
 // A wait for rank `src` timed out: with failed-rank masking src is masked from then on (not waited
-// for again), else the timeout is reported and this rank gives up (its other waits stop).
-__device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int src, int* mask) {
+// for again), else the timeout is reported, with the wait's phase, and this rank gives up (its
+// other waits stop).
+__device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int src, int* mask, int phase) {
     if (mask != nullptr) {
         atomicExch(mask + src, 1);
     } else {
-        record_error(info, kErrTimeout, op, src);
+        record_error(info, kErrTimeout, op, src, phase);
         give_up(gave_up);
     }
 }
@@ -106,9 +107,11 @@ __device__ __forceinline__ void timed_out(int* info, int* gave_up, int op, int s
 // timeout with failed-rank masking, becomes) masked, or -2 on timeout without masking (reported).
 // `acquire`: the signal releases data to read after it. Without (a dispatch by arrival's counts), a
 // relaxed load: an acquire at system scope waits for this SM's stores in flight over NVLink to land,
-// so the counts, sent before the data, would be read only after it (docs/TUNING.md).
+// so the counts, sent before the data, would be read only after it (docs/TUNING.md). `phase`: the
+// timeout's; kPhaseNone: a dispatch's wait receives, a combine's reduces.
 __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src, int* mask, uint64_t timeout_ns,
-                           int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true) {
+                           int* info, int* gave_up, int op, uint64_t* waited_ns, bool acquire = true,
+                           int phase = kPhaseNone) {
     const uint64_t start = global_timer_ns();
     int64_t v = 0;
     const WaitEnd end = bounded_wait<64>(
@@ -120,7 +123,8 @@ __device__ int wait_signal(const int64_t* signal, int64_t seq, int tag, int src,
         [&] { return masked(mask, src) || abandoned(info, gave_up, op); });
     if (end == WaitEnd::kStopped) return masked(mask, src) ? -1 : -2;
     if (end == WaitEnd::kTimedOut) {
-        timed_out(info, gave_up, op, src, mask);
+        if (phase == kPhaseNone) phase = op == kOpLowLatencyDispatch ? kPhaseReceive : kPhaseReduce;
+        timed_out(info, gave_up, op, src, mask, phase);
         return mask != nullptr ? -1 : -2;
     }
     if (waited_ns != nullptr) *waited_ns = global_timer_ns() - start;
@@ -144,7 +148,7 @@ __device__ bool wait_ack(const uint8_t* mine, int64_t acks, int dst, int64_t pre
     const WaitEnd end = bounded_wait<64>(
         global_timer_ns(), timeout_ns, [&] { return ld_acquire_sys(ack) >= prev; },
         [&] { return masked(mask, dst) || abandoned(info, gave_up, op); });
-    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, op, dst, mask);
+    if (end == WaitEnd::kTimedOut) timed_out(info, gave_up, op, dst, mask, kPhaseSend);
     return end == WaitEnd::kReady;
 }
 

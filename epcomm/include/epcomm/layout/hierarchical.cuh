@@ -70,8 +70,8 @@ __device__ __forceinline__ int64_t* dom_flag(uint8_t* buf, int i, int b) {
     return reinterpret_cast<int64_t*>(buf) + kMaxLocal + i * kMaxForwarders + b;
 }
 
-__device__ inline void report(int* info, int code, int rank) {
-    record_error(info, code, kOpNone, rank);  // the host names the call itself
+__device__ inline void report(int* info, int code, int op, int rank, int phase) {
+    record_error(info, code, op, rank, phase);  // the host raises it with the call that reads it
     __threadfence_system();
 }
 

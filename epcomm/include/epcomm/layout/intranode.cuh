@@ -26,9 +26,10 @@ constexpr int kRowTrailerBytes = 16;  // flag (int64) + padding, at the end of e
 constexpr int64_t kFlagMagic = 0x5e9c0a11f1a90000LL;
 
 // Pinned host words written by the kernels and read by the CPU at its sync points.
-// kInfoError, kInfoErrorOp, kInfoErrorRanks [kMaxRanks]: the error record (common/protocol.cuh; a
-// mismatched op writes the peer's op code into its rank word).
+// kInfoError, kInfoErrorOp, kInfoErrorPhase, kInfoErrorRanks [kMaxRanks]: the error record
+// (common/protocol.cuh; a mismatched op writes the peer's op code into its rank word).
 constexpr int kInfoNumRecv = 16;
+static_assert(kInfoErrorRanks + kMaxRanks <= kInfoNumRecv, "the error record outgrew its words");
 constexpr int kInfoRecvCounts = 17;  // [kMaxRanks]
 constexpr int kInfoMaxRecv = 25;     // most rows any rank receives (the host's one-pass check)
 constexpr int kInfoMaxSend = 26;     // most rows any rank sends
@@ -59,16 +60,17 @@ __device__ __forceinline__ int64_t* abort_word(uint8_t* buf) {
 }
 
 // Wait until a row's flag shows `want`. Bounded: gives up when the abort word shows this call
-// (another warp timed out) or after `timeout_ns`, then records who was waited for and aborts.
+// (another warp timed out) or after `timeout_ns`, then records who was waited for, in which phase
+// (dispatch: receive; combine: reduce), and aborts.
 __device__ __forceinline__ bool wait_row_flag(const int64_t* flag, int64_t want, uint8_t* my_buf, int64_t seq,
-                                              uint64_t timeout_ns, int* info, int op, int src) {
+                                              uint64_t timeout_ns, int* info, int op, int src, int phase) {
     if (ld_acquire_sys(flag) == want) return true;
     const WaitEnd end = bounded_wait<256>(
         global_timer_ns(), timeout_ns, [&] { return ld_acquire_sys(flag) == want; },
         [&] { return ld_volatile(abort_word(my_buf)) == seq; });
     if (end == WaitEnd::kTimedOut) {
         *abort_word(my_buf) = seq;
-        record_error(info, kErrTimeout, op, src);
+        record_error(info, kErrTimeout, op, src, phase);
     }
     return end == WaitEnd::kReady;
 }

@@ -10,6 +10,9 @@
 namespace epcomm {
 namespace ll {
 
+// Whether this library's transport reaches unmapped peers (the NVSHMEM one): its put paths compile in.
+constexpr bool kNetReachesUnmapped = Net::kReach == Reach::kAnyPeer;
+
 constexpr int kHeaderBytes = 64;
 constexpr int kCounterOffset = 0;    // int64: the last call counter used by this rank
 constexpr int kDoneOffset = 8;       // int32: blocks of the running send kernel that have finished
@@ -49,7 +52,7 @@ constexpr int kUnitWarps = 8;                  // the per-(expert, source) kerne
 // free, nvcc's register count fits 2 blocks per SM, so a typical E needs a second wave, which adds a
 // block's whole latency (wait, copy, fence, signal). The IPC build fits 3 without spills; the NVSHMEM
 // build's put paths spill at that register count, so it keeps 2 (docs/TUNING.md, unit blocks per SM).
-constexpr int kUnitBlocksPerSm = Net::kRemote ? 2 : 3;
+constexpr int kUnitBlocksPerSm = kNetReachesUnmapped ? 2 : 3;
 constexpr int kUnitThreads = kUnitWarps * kWarpSize;
 constexpr int kMaxFusedGroups = 8;             // warp groups of the fused dispatch's receive role (2 warps each)
 constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
@@ -112,15 +115,8 @@ struct Peers {
     uint8_t* bufs[kMaxRanks];  // each rank's buffer as mapped here; null: reached through Net (remote)
 };
 
-// Net (transport/ipc.cuh or transport/nvshmem.cuh, whichever the library includes) carries data
-// and signals to remote peers:
-//   kRemote                                   whether it can (false: every peer is mapped)
-//   put_warp / put_block(dst, src, bytes, pe) non-blocking copy of local `src` to `pe`'s copy of the
-//                                             symmetric address `dst` (this rank's own), by a warp / block
-//   signal(addr, value, pe)                   set `pe`'s copy of the 8-byte word `addr`, after every put
-//                                             of this rank to `pe` that quiet() completed
-//   quiet()                                   complete every put this rank issued
-__device__ __forceinline__ bool is_remote(const Peers& peers, int r) { return Net::kRemote && peers.bufs[r] == nullptr; }
+// Peer r is reached through Net (transport/transport.cuh) when it is not mapped here.
+__device__ __forceinline__ bool is_remote(const Peers& peers, int r) { return kNetReachesUnmapped && peers.bufs[r] == nullptr; }
 
 // Set rank r's copy of the signal word at `offset` of the buffer, after the caller's fence_sys: a
 // strong store when r is mapped (fence then store: a release of the caller's writes and of what it

@@ -2,13 +2,13 @@
 // every message and signal is a direct store, so nothing here is ever called.
 #pragma once
 
-#include "../common/ptx.cuh"
+#include "transport.cuh"
 
 namespace epcomm {
 namespace ll {
 
 struct Net {
-    static constexpr bool kRemote = false;  // is_remote() is false for every peer: nothing below runs
+    static constexpr Reach kReach = Reach::kMappedPeers;  // is_remote() is false for every peer
     __device__ static void put_warp(void*, const void*, size_t, int) { __trap(); }
     __device__ static void put_block(void*, const void*, size_t, int) { __trap(); }
     __device__ static void signal(int64_t*, int64_t, int) { __trap(); }

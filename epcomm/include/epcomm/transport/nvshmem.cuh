@@ -6,13 +6,13 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "../common/ptx.cuh"
+#include "transport.cuh"
 
 namespace epcomm {
 namespace ll {
 
 struct Net {
-    static constexpr bool kRemote = true;
+    static constexpr Reach kReach = Reach::kAnyPeer;
     __device__ static void put_warp(void* dst, const void* src, size_t bytes, int pe) {
         nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
     }
