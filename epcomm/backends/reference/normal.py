@@ -1,14 +1,14 @@
 """Normal mode on torch.distributed: layout, dispatch and combine as a variable-size all-to-all.
 
-A call is one handshake (an all-gather of a small header: shapes and per-rank counts, which size
-the exchanges) and then the rows, in flight together: x moves as it is (as 8-byte words:
-gloo has no FP8, and row gathers run fastest on them), gathered by one ``index_select`` into
-destination order and received straight into the output, and the 4-byte words
-of scales, top-k ids and weights move beside it in a second all-to-all (a fresh dispatch's
-per-expert counts in a third, tiny one). Rows travel
-in ascending token order per destination, so received rows are ordered by source rank, then source
-token index, exactly as the kernels order them. The combine sends x's rows back unchanged (they are
-already grouped by source) and sums each source's block with one ``index_add_`` in fp32.
+A call is one handshake (a small header every rank sends every rank: shapes and per-rank counts,
+which size the exchanges) and then the rows, in flight together: x moves as it is (as 8-byte
+words: gloo has no FP8, and row gathers run fastest on them), gathered by one ``index_select``
+into destination order and received straight into the output, and the 4-byte words of scales,
+top-k ids and weights move beside it in a second all-to-all; the per-expert counts are counted
+from the received top-k ids. Rows travel in ascending token order per destination, so received
+rows are ordered by source rank, then source token index, exactly as the kernels order them. The
+combine sends x's rows back unchanged (they are already grouped by source) and sums each source's
+block with one ``index_add_`` in fp32.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
              topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int, num_experts: int,
              buffer_uid: str):
     """One handshake (shapes and counts), then in flight together: the rows of x straight into the
-    output, the 4-byte words of scales, top-k ids and weights, and a fresh call's per-expert counts."""
+    output and the 4-byte words of scales, top-k ids and weights."""
     rank = be.rank
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
@@ -202,7 +202,10 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     meta = _meta_words(scales, None if cached else topk_idx, None if cached else topk_weights)
     recv_meta = None
     pending = []
-    counts_exchange = None if cached else start_expert_counts(be, num_tokens_per_expert, num_experts)
+    # The per-expert counts are the received top-k ids' (as the oracle states them); only a dispatch
+    # without top-k ids exchanges the caller's num_tokens_per_expert.
+    counts_exchange = None if cached or topk_idx is not None else \
+        start_expert_counts(be, num_tokens_per_expert, num_experts)
     if not everyone_empty:
         send_x = row_words(x).index_select(0, order)
         pending.append(be.transport.start_all_to_all(send_x, send_counts, recv_counts,
@@ -213,7 +216,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     for p in pending:
         p.wait("dispatch", be.seq, deadline)
     check_worst_tokens(rank, num_recv, num_worst_tokens)
-    experts = None if cached else \
+    experts = None if counts_exchange is None else \
         expert_list(counts_exchange.wait("dispatch", be.seq, deadline), expert_alignment, num_worst_tokens)
     if meta is not None:
         recv_meta = pending[1].recv if len(pending) > 1 else meta.new_empty((0, meta.shape[1]))
@@ -223,6 +226,10 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
 
     if cached:
         return recv_x_out, None, None, None, handle
+    if recv_topk_idx is not None and not num_worst_tokens:
+        local = recv_topk_idx[:num_recv]
+        per_expert = torch.bincount(local[local >= 0], minlength=num_experts // be.num_ranks)
+        experts = expert_list(per_expert.unsqueeze(0), expert_alignment, num_worst_tokens)
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), experts, buffer_uid, x, num_recv,
                            num_worst_tokens, is_token_in_rank, send_counts, recv_counts, count_matrix,
                            {"order": order})
