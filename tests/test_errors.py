@@ -446,7 +446,8 @@ def _problems(reports: list[dict[str, tuple]], table: dict[str, Case], bad_ranks
                 if exc is not None:
                     problems.append(f"{where}: a rank with good arguments raised {exc}: {msg}")
             else:
-                op = case.op if case.op != "cached" else "dispatch"
+                op = {"cached": "dispatch", "ll_dispatch": "low_latency_dispatch",
+                      "ll_combine": "low_latency_combine"}.get(case.op, case.op)
                 want = REFUSED.format(op=op, ranks=re.escape(str(sorted(bad_ranks))))
                 if exc != "ValueError" or not re.search(want, msg):
                     problems.append(f"{where}: expected ValueError matching {want!r} (the peer refused), "
@@ -745,14 +746,14 @@ MISMATCHES: dict[str, tuple[Callable[[_MixedCtx], Any], Callable[[_MixedCtx], An
     "combine weights vs none": (lambda c: c.combine(), lambda c: c.combine(topk_weights=None),
                                 r"^epcomm combine: ranks disagree on has_weights"),
     "ll_dispatch vs dispatch": (_ll(lambda c: c.ll_dispatch()), lambda c: c.dispatch(),
-                                r"ranks made mismatched calls on one Buffer \(rank 0: ll_dispatch \(call #\d+\), "
-                                r"rank 1: dispatch"),
+                                r"ranks made mismatched calls on one Buffer \(rank 0: low_latency_dispatch "
+                                r"\(call #\d+\), rank 1: dispatch"),
     "ll_combine vs ll_dispatch": (_ll(lambda c: c.ll_combine()), _ll(lambda c: c.ll_dispatch()),
-                                  r"ranks made mismatched calls on one Buffer \(rank 0: ll_combine"),
+                                  r"ranks made mismatched calls on one Buffer \(rank 0: low_latency_combine"),
     "ll_dispatch N 16 vs 8": (_ll(lambda c: c.ll_dispatch(n=2 * N_MAX)), _ll(lambda c: c.ll_dispatch()),
-                              r"^epcomm ll_dispatch: ranks disagree on max_tokens: rank 0=16, rank 1=8"),
+                              r"^epcomm low_latency_dispatch: ranks disagree on max_tokens: rank 0=16, rank 1=8"),
     "ll_dispatch fp8 vs bf16": (_ll(lambda c: c.ll_dispatch(use_fp8=True)), _ll(lambda c: c.ll_dispatch()),
-                                r"^epcomm ll_dispatch: ranks disagree on flags"),
+                                r"^epcomm low_latency_dispatch: ranks disagree on flags"),
 }
 
 

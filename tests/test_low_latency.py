@@ -192,3 +192,31 @@ def rank_mask(n, hidden, num_experts):
 
 def test_failed_rank_mask():
     cluster(4).run(rank_mask, 8, 256, 16)
+
+
+def rank_combine_before_hook():
+    """A combine whose dispatch has not been received (hook not called) is refused on every rank, and the
+    Buffer goes on: after the hook the combine returns the oracle's result."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = device()
+    n, hidden, num_experts = 8, 256, 4 * num_ranks
+    buf = _ll_buffer(n, hidden, num_experts)
+    inputs = [make_inputs(51, r, n, hidden, num_experts, 2, num_ranks, "random") for r in range(num_ranks)]
+    x, idx, w = (t.to(dev) for t in inputs[rank])
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=False,
+                                                          return_recv_hook=True)
+    with pytest.raises(ValueError, match="call its receive hook first"):
+        buf.low_latency_combine(recv_x, idx, w, handle)
+    hook()
+    out = buf.low_latency_combine(recv_x, idx, w, handle)[0]
+    # Every rank's dispatch outputs, returned unchanged (identity experts), as the oracle combines them.
+    sent = oracle.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_experts, n, use_fp8=False)
+    want = oracle.low_latency_combine([d.x for d in sent], [d.src_info for d in sent],
+                                      [d.layout_range for d in sent], [i[1] for i in inputs],
+                                      [i[2] for i in inputs], num_experts)[rank]
+    assert torch.equal(out.cpu().view(torch.int16), want.cpu().view(torch.int16)), f"rank {rank}"
+    buf.destroy()
+
+
+def test_combine_before_hook_is_refused():
+    cluster(2).run(rank_combine_before_hook)

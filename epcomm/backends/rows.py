@@ -1,6 +1,6 @@
 """Token rows as bytes: how every backend packs a token (data | scales | top-k ids | top-k weights)
 into one row before it moves, and unpacks the received rows into the API's tensors; and the packed
-receive tensors of low-latency dispatch, which every backend fills alike; and the digest of a
+receive scales of low-latency dispatch, which every backend lays out alike; and the digest of a
 call's row shape that the ranks of the CUDA backends compare."""
 
 from __future__ import annotations
@@ -101,19 +101,6 @@ def low_latency_scales_layout(num_local_experts: int, rows: int, hidden: int,
     backend lays them out by this."""
     cols = hidden // 128 // (4 if use_ue8m0 else 1)
     return (num_local_experts, rows, cols), (cols * rows, 1, rows), torch.int32 if use_ue8m0 else torch.float32
-
-
-def low_latency_recv_tensors(num_local_experts: int, rows: int, hidden: int, use_fp8: bool, use_ue8m0: bool,
-                             device: torch.device):
-    """``(recv_x as the API returns it, data, scales or None)`` of a low-latency dispatch: data
-    [E_local, N*R, H] (e4m3 or bf16) and the FP8 scales (low_latency_scales_layout)."""
-    if not use_fp8:
-        data = torch.empty((num_local_experts, rows, hidden), dtype=torch.bfloat16, device=device)
-        return data, data, None
-    data = torch.empty((num_local_experts, rows, hidden), dtype=torch.float8_e4m3fn, device=device)
-    shape, strides, dtype = low_latency_scales_layout(num_local_experts, rows, hidden, use_ue8m0)
-    scales = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-    return (data, scales), data, scales
 
 
 def round_up(n: int, align: int) -> int:

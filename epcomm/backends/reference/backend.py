@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...utils.tensors import dense
-from .transport import Transport
+from .transport import CALLS, Transport
 
 _MAGIC = 0x45504331
 _HEADER_FIELDS = 16
@@ -27,6 +27,11 @@ class Op(enum.IntEnum):
     LL_DISPATCH = 3
     LL_COMBINE = 4
     CLEAN_LL = 5
+
+
+def api_name(op: Op) -> str:
+    """The API's name of an operation, as errors name it."""
+    return CALLS.get(op.name.lower(), op.name.lower())
 
 
 class F(enum.IntEnum):
@@ -77,7 +82,8 @@ class ReferenceBackend:
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
                   refused: bool = False) -> torch.Tensor:
-        """Exchange headers; return them as int64 [R, 16 + R]. Raises on refusal or mismatch."""
+        """Exchange headers; return them as int64 [R, 16 + R] on the host. Raises on refusal or
+        mismatch. The header has one size for every operation, so mismatched calls meet here."""
         self.seq += 1
         seq = self.seq
         header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64, device="cpu")
@@ -88,17 +94,17 @@ class ReferenceBackend:
             header[key] = int(value)
         if counts is not None:
             header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64, device="cpu")
+        header = header.to(self.device)
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
-        gathered = self.transport.all_gather(header.to(self.device), op.name.lower(), seq, deadline)
-        headers = torch.stack(gathered).cpu()
+        headers = self.transport.share(header, api_name(op), seq, deadline).cpu()
         if refused:
             return headers  # the caller raises its own, more precise error
         self._check_agreement(op, headers)
         return headers
 
     def _check_agreement(self, op: Op, headers: torch.Tensor) -> None:
-        name = op.name.lower()
+        name = api_name(op)
         ops = headers[:, F.OP].tolist()
         seqs = headers[:, F.SEQ].tolist()
         if any(h != _MAGIC for h in headers[:, F.MAGIC].tolist()) or len(set(ops)) > 1 or len(set(seqs)) > 1:
@@ -115,6 +121,10 @@ class ReferenceBackend:
                 raise RuntimeError(f"epcomm {name}: ranks disagree on {f.name.lower()}: "
                                    + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
 
+    def count_matrix(self, headers: torch.Tensor) -> torch.Tensor:
+        """The handshake's per-rank counts: [src, dst] int64 on the host."""
+        return headers[:, _HEADER_FIELDS:_HEADER_FIELDS + self.num_ranks]
+
     def arrival_wait_ns(self, headers: torch.Tensor) -> torch.Tensor:
         """Per source rank, how long this rank waited for it to arrive (ns, >= 0)."""
         arrivals = headers[:, F.ARRIVAL_NS]
@@ -126,7 +136,7 @@ class ReferenceBackend:
         if everyone_empty:
             return send.new_empty((0, send.shape[1]))
         deadline = time.monotonic() + self.transport.timeout_s
-        return self.transport.all_to_all(send, send_rows, recv_rows, op.name.lower(), self.seq, deadline)
+        return self.transport.all_to_all(send, send_rows, recv_rows, api_name(op), self.seq, deadline)
 
 
 # Normal-mode strategies mark their handshakes, so ranks using different ones find out (0 = the
@@ -156,7 +166,7 @@ def check_strategy(headers: torch.Tensor, strategy: str, name: str) -> None:
 
 def _op_name(code: int) -> str:
     try:
-        return Op(code).name.lower()
+        return api_name(Op(code))
     except ValueError:
         return f"unknown op {code}"
 

@@ -1,17 +1,26 @@
 """Normal mode on torch.distributed: layout, dispatch and combine as a variable-size all-to-all.
 
-Every token row is packed into bytes (data | scales | top-k ids | top-k weights) so one
-all-to-all moves all of it. Rows travel in ascending token order per destination, so received
-rows are ordered by source rank, then source token index, exactly as the kernels order them.
+A call is one handshake (a small header every rank sends every rank: shapes and per-rank counts,
+which size the exchanges) and then the rows, in flight together: x moves as it is (as 8-byte
+words: gloo has no FP8, and row gathers run fastest on them), gathered by one ``index_select``
+into destination order and received straight into the output, and the 4-byte words of scales,
+top-k ids and weights move beside it in a second all-to-all; the per-expert counts are counted
+from the received top-k ids. Rows travel in ascending token order per destination, so received
+rows are ordered by source rank, then source token index, exactly as the kernels order them. The
+combine sends x's rows back unchanged (they are already grouped by source) and sums each source's
+block with one ``index_add_`` in fp32.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ...handle import DispatchHandle
-from ..rows import check_worst_tokens, pack_token_rows, scale_kind, unpack_token_rows
-from .backend import F, Op, ReferenceBackend, check_strategy, from_bytes, mark_strategy, to_bytes
+from ...utils.tensors import dense, row_words
+from ..rows import check_worst_tokens, scale_kind
+from .backend import F, Op, ReferenceBackend, check_strategy, mark_strategy, to_bytes
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_domain: int):
@@ -35,27 +44,36 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     return num_tokens_per_rank, num_tokens_per_domain, num_tokens_per_expert.to(torch.int32), is_token_in_rank
 
 
-def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int,
-                           expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
-    """Each rank tells each destination how many of its entries target each of that rank's experts;
-    returns this rank's received counts per local expert, rounded up to ``expert_alignment`` (None
-    with ``num_worst_tokens``: the API returns no list then, but the exchange still happens)."""
-    num_ranks = be.num_ranks
-    experts_per_rank = num_experts // num_ranks
-    per_expert = num_tokens_per_expert.to(torch.int32).view(num_ranks, experts_per_rank)
-    recv_per_expert = be.exchange_rows(to_bytes(per_expert.to(be.device)), [1] * num_ranks, [1] * num_ranks,
-                                       Op.DISPATCH, everyone_empty=False)
-    totals = from_bytes(recv_per_expert, torch.int32, experts_per_rank).sum(0).tolist()
+def start_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int):
+    """Issue the exchange that tells each destination how many of this rank's entries target each of
+    its experts ([R, E_local] int32 rows, one per rank): in flight beside the rows of a dispatch."""
+    per_expert = num_tokens_per_expert.to(device=be.device, dtype=torch.int32).view(be.num_ranks, -1)
+    ones = [1] * be.num_ranks
+    return be.transport.start_all_to_all(per_expert, ones, ones)
+
+
+def expert_list(recv_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
+    """This rank's received entries per local expert, rounded up to ``expert_alignment`` (None with
+    ``num_worst_tokens``: the API returns no list then, but the exchange still happens)."""
     if num_worst_tokens:
         return None
     a = expert_alignment
-    return [(c + a - 1) // a * a for c in totals]
+    return [(c + a - 1) // a * a for c in recv_per_expert.sum(0).tolist()]
+
+
+def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int,
+                           expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
+    """``start_expert_counts`` and ``expert_list`` in one blocking call."""
+    recv = start_expert_counts(be, num_tokens_per_expert, num_experts).wait(
+        "dispatch", be.seq, time.monotonic() + be.transport.timeout_s)
+    return expert_list(recv, expert_alignment, num_worst_tokens)
 
 
 def dispatch_handshake(be: ReferenceBackend, strategy: str, x: torch.Tensor, scales: torch.Tensor | None,
                        topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, cached: bool,
                        num_experts: int, send_counts: list[int]) -> torch.Tensor:
-    """The dispatch handshake of every normal-mode strategy; returns the headers [R, 16 + R]."""
+    """The dispatch handshake of every normal-mode strategy; returns the headers (``be.count_matrix``
+    reads the counts)."""
     headers = be.handshake(Op.DISPATCH, mark_strategy({
         F.HIDDEN: x.shape[1], F.NUM_EXPERTS: num_experts, F.X_KIND: scale_kind(scales),
         F.SCALE_COLS: scales.shape[1] if scales is not None else 0,
@@ -75,7 +93,7 @@ def combine_handshake(be: ReferenceBackend, strategy: str, hidden: int, handle: 
         F.NUM_TOKENS: handle.num_tokens,
     }, strategy), counts=handle.recv_counts)
     check_strategy(headers, strategy, "combine")
-    count_matrix = headers[:, 16:]
+    count_matrix = be.count_matrix(headers)
     if count_matrix[:, be.rank].tolist() != handle.send_counts:
         raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
                            "every rank must combine with the handle of the same dispatch")
@@ -120,9 +138,9 @@ def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scal
                       handle: DispatchHandle | None, num_tokens_per_rank: torch.Tensor | None,
                       is_token_in_rank: torch.Tensor | None, topk_idx: torch.Tensor | None,
                       topk_weights: torch.Tensor | None, num_worst_tokens: int, num_experts: int):
-    """The start of every strategy's dispatch: routing from the handle when cached, the handshake,
-    the counts. Returns (headers, count_matrix [src, dst], recv_counts, is_token_in_rank, send_counts,
-    num_worst_tokens)."""
+    """The start of every strategy's dispatch: routing from the handle when cached, the handshake
+    and the counts. Returns (headers, count_matrix [src, dst], recv_counts,
+    is_token_in_rank, send_counts, num_worst_tokens)."""
     cached = handle is not None
     if cached:
         strategy_state(handle, strategy)
@@ -131,11 +149,31 @@ def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scal
     else:
         send_counts = num_tokens_per_rank.tolist()
     headers = dispatch_handshake(be, strategy, x, scales, topk_idx, topk_weights, cached, num_experts, send_counts)
-    count_matrix = headers[:, 16:]
+    count_matrix = be.count_matrix(headers)
     recv_counts = count_matrix[:, be.rank].tolist()
     if cached:
         check_cached_counts(handle, recv_counts)
     return headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens
+
+
+def send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """The tokens this rank sends, grouped by destination rank (ascending), ascending within each
+    group: one device op, no host sync."""
+    return torch.nonzero(is_token_in_rank.t())[:, 1]
+
+
+def _meta_words(scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                topk_weights: torch.Tensor | None) -> torch.Tensor | None:
+    """[T, S + K + K] int32: a token's scales, top-k ids and weights as 4-byte words (one small
+    all-to-all moves them beside the rows of x), or None when there is nothing but x."""
+    parts = []
+    if scales is not None:
+        parts.append(scales.view(torch.int32) if scales.dtype == torch.float32 else scales)
+    if topk_idx is not None:
+        parts.append(topk_idx.to(torch.int32))
+        if topk_weights is not None:
+            parts.append(topk_weights.view(torch.int32))
+    return torch.cat(parts, dim=1) if parts else None
 
 
 def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle | None,
@@ -143,60 +181,131 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
              num_tokens_per_expert: torch.Tensor | None, topk_idx: torch.Tensor | None,
              topk_weights: torch.Tensor | None, expert_alignment: int, num_worst_tokens: int, num_experts: int,
              buffer_uid: str):
-    rank, num_ranks = be.rank, be.num_ranks
-    num_tokens = x.shape[0]
+    """One handshake (shapes and counts), then in flight together: the rows of x straight into the
+    output and the 4-byte words of scales, top-k ids and weights."""
+    rank = be.rank
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
         be, "alltoall", x, scales, handle, num_tokens_per_rank, is_token_in_rank, topk_idx, topk_weights,
         num_worst_tokens, num_experts)
     everyone_empty = int(count_matrix.sum()) == 0
+    num_recv = sum(recv_counts)
+    num_rows = num_worst_tokens or num_recv
+    order = handle.backend_state["order"] if cached else send_order(is_token_in_rank)
 
-    num_recv_tokens_per_expert_list = None if cached else \
-        exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
-
-    packed = pack_token_rows(x, scales, topk_idx, topk_weights)
-    token_order = [torch.nonzero(is_token_in_rank[:, r]).flatten() for r in range(num_ranks)]
-    send = packed.index_select(0, torch.cat(token_order)) if num_tokens else packed
-    recv = be.exchange_rows(send, send_counts, recv_counts, Op.DISPATCH, everyone_empty)
-    num_recv_tokens = sum(recv_counts)
-    check_worst_tokens(rank, num_recv_tokens, num_worst_tokens)
-    recv_x_out, recv_topk_idx, recv_topk_weights = unpack_token_rows(
-        recv, num_recv_tokens, num_worst_tokens or num_recv_tokens, x, scales, topk_idx, topk_weights, rank,
-        num_experts, num_ranks)
+    x = dense(x)
+    # Room for every row even past num_worst_tokens: the rank that overflows raises after the
+    # exchange, so its peers, whose counts fit, never wait for it.
+    recv_x = x.new_empty((max(num_rows, num_recv), x.shape[1]))
+    if num_rows > num_recv:
+        recv_x[num_recv:].view(torch.uint8).zero_()
+    meta = _meta_words(scales, None if cached else topk_idx, None if cached else topk_weights)
+    recv_meta = None
+    pending = []
+    # The per-expert counts are the received top-k ids' (as the oracle states them); only a dispatch
+    # without top-k ids exchanges the caller's num_tokens_per_expert.
+    counts_exchange = None if cached or topk_idx is not None else \
+        start_expert_counts(be, num_tokens_per_expert, num_experts)
+    if not everyone_empty:
+        send_x = row_words(x).index_select(0, order)
+        pending.append(be.transport.start_all_to_all(send_x, send_counts, recv_counts,
+                                                     out=row_words(recv_x[:num_recv])))
+        if meta is not None:
+            pending.append(be.transport.start_all_to_all(meta.index_select(0, order), send_counts, recv_counts))
+    deadline = time.monotonic() + be.transport.timeout_s
+    for p in pending:
+        p.wait("dispatch", be.seq, deadline)
+    check_worst_tokens(rank, num_recv, num_worst_tokens)
+    experts = None if counts_exchange is None else \
+        expert_list(counts_exchange.wait("dispatch", be.seq, deadline), expert_alignment, num_worst_tokens)
+    if meta is not None:
+        recv_meta = pending[1].recv if len(pending) > 1 else meta.new_empty((0, meta.shape[1]))
+    recv_x_out, recv_topk_idx, recv_topk_weights = _split_meta(
+        recv_x, recv_meta, num_recv, num_rows, scales, None if cached else topk_idx,
+        None if cached else topk_weights, rank, num_experts, be.num_ranks)
 
     if cached:
         return recv_x_out, None, None, None, handle
-    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
-                           buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
-                           recv_counts, count_matrix)
+    if recv_topk_idx is not None and not num_worst_tokens:
+        local = recv_topk_idx[:num_recv]
+        per_expert = torch.bincount(local[local >= 0], minlength=num_experts // be.num_ranks)
+        experts = expert_list(per_expert.unsqueeze(0), expert_alignment, num_worst_tokens)
+    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), experts, buffer_uid, x, num_recv,
+                           num_worst_tokens, is_token_in_rank, send_counts, recv_counts, count_matrix,
+                           {"order": order})
+
+
+def _split_meta(recv_x: torch.Tensor, recv_meta: torch.Tensor | None, num_recv: int, num_rows: int,
+                scales: torch.Tensor | None, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                rank: int, num_experts: int, num_ranks: int):
+    """(recv_x or (data, scales), recv_topk_idx, recv_topk_weights) from the received words; rows past
+    ``num_recv`` (num_worst_tokens): scales 0, ids -1, weights 0. Top-k ids become local ids."""
+    col = 0
+
+    def take(cols: int, dtype: torch.dtype, fill: float | int) -> torch.Tensor:
+        nonlocal col
+        out = torch.empty((num_rows, cols), dtype=dtype, device=recv_x.device)
+        if num_rows > num_recv:
+            out[num_recv:] = fill
+        if num_recv and cols:
+            words = recv_meta[:num_recv, col:col + cols]
+            out[:num_recv] = words.view(dtype) if dtype.itemsize == 4 else words
+        col += cols
+        return out
+
+    recv_x_out = recv_x
+    if scales is not None:
+        recv_x_out = (recv_x, take(scales.shape[1], scales.dtype, 0))  # row-major, as DeepEP returns them
+    recv_topk_idx = recv_topk_weights = None
+    if topk_idx is not None:
+        k = topk_idx.shape[1]
+        global_idx = take(k, torch.int64, -1)
+        lo = rank * (num_experts // num_ranks)
+        mine = (global_idx >= lo) & (global_idx < lo + num_experts // num_ranks)
+        recv_topk_idx = torch.where(mine, global_idx - lo, -1)
+        if topk_weights is not None:
+            recv_topk_weights = torch.where(mine, take(k, torch.float32, 0), 0.0)
+    return recv_x_out, recv_topk_idx, recv_topk_weights
 
 
 def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
             biases: tuple[torch.Tensor, ...]):
-    num_ranks = be.num_ranks
+    """The rows go back as they are (no packing): x's first rows are already grouped by source rank,
+    the order the peers expect; the weights travel beside them. Each source block is summed in fp32
+    with one index_add_ (a block holds a token once, so the sum order is ascending source rank on
+    every device)."""
     hidden = x.shape[1]
     count_matrix = combine_handshake(be, "alltoall", hidden, handle, topk_weights, len(biases))
     everyone_empty = int(count_matrix.sum()) == 0
-    num_recv = handle.num_recv_tokens
-    send = combine_rows(x, topk_weights, num_recv)
-    recv = be.exchange_rows(send, handle.recv_counts, handle.send_counts, Op.COMBINE, everyone_empty)
-
-    num_tokens = handle.num_tokens
-    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    num_recv, num_tokens = handle.num_recv_tokens, handle.num_tokens
+    order = strategy_state(handle, "alltoall")["order"]
+    num_back = order.numel()
+    recv = x.new_empty((num_back, hidden))
     k = topk_weights.shape[1] if topk_weights is not None else 0
+    recv_w = None
+    pending = []
+    if not everyone_empty:
+        pending.append(be.transport.start_all_to_all(row_words(dense(x[:num_recv])), handle.recv_counts,
+                                                     handle.send_counts, out=row_words(recv)))
+        if k:
+            pending.append(be.transport.start_all_to_all(dense(topk_weights[:num_recv]), handle.recv_counts,
+                                                         handle.send_counts))
+    deadline = time.monotonic() + be.transport.timeout_s
+    for p in pending:
+        p.wait("combine", be.seq, deadline)
+    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
     acc_w = torch.zeros((num_tokens, k), dtype=torch.float32, device=x.device) if k else None
-    begin = 0
-    for r in range(num_ranks):  # ascending source rank: a fixed fp32 summation order
-        count = handle.send_counts[r]
-        if count == 0:
-            continue
-        rows = recv[begin:begin + count]
-        idx = torch.nonzero(handle.is_token_in_rank[:, r]).flatten()
-        acc.index_add_(0, idx, from_bytes(rows[:, :hidden * 2], torch.bfloat16, hidden).float())
-        if acc_w is not None:
-            acc_w.index_add_(0, idx, from_bytes(rows[:, hidden * 2:], torch.float32, k))
-        begin += count
+    if k and len(pending) > 1:
+        recv_w = pending[1].recv
+    if not everyone_empty:
+        begin = 0
+        for count in handle.send_counts:  # ascending source rank: the oracle's fp32 summation order
+            if count:
+                rows = order[begin:begin + count]
+                acc.index_add_(0, rows, recv[begin:begin + count].float())
+                if acc_w is not None:
+                    acc_w.index_add_(0, rows, recv_w[begin:begin + count])
+            begin += count
     for bias in biases:
         acc += bias.float()
     return acc.to(torch.bfloat16), acc_w
-

@@ -73,7 +73,9 @@ class ReferenceLowLatencyOps:
         pass
 
     def check_combine_args(self, x, handle, out) -> None:
-        pass
+        if "send_rows" not in handle.backend_state:  # the dispatch's receive derives the combine's sizes
+            raise ValueError("low_latency_combine: the dispatch of this handle has not been received yet; call its "
+                             "receive hook first")
 
     def dispatch(self, x, topk_idx, num_max_tokens, num_experts, cumulative_stats, wait_stats, use_fp8, round_scale,
                  use_ue8m0, slot, mask, buffer_uid, hook):

@@ -10,6 +10,7 @@ group holds an unfinished collective: destroy the Buffer and the process group.
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 
@@ -23,7 +24,7 @@ class PeerTimeoutError(RuntimeError):
 
 # The Buffer method an exchange's op tag stands for, where the two differ (the handshakes tag by
 # backend.Op): the error and its flight record name the call the caller made.
-_CALLS = {"ll_dispatch": "low_latency_dispatch", "ll_combine": "low_latency_combine",
+CALLS = {"ll_dispatch": "low_latency_dispatch", "ll_combine": "low_latency_combine",
           "clean_ll": "clean_low_latency_buffer"}
 
 
@@ -85,19 +86,35 @@ class Transport:
             pause = min(pause * 2, 0.01)
 
     def wait(self, work: dist.Work, op: str, seq: int, deadline: float, phase: str | None = None) -> None:
-        """Poll ``work`` until done; on the deadline, or when it fails (a peer exited), raise naming the
-        absent ranks. ``phase``: the flight recorder's (default: a combine's exchange reduces, any
-        other receives)."""
-        pause = 2e-5
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                self._give_up(op, seq, phase, None)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
+        """Complete ``work`` by ``deadline``, or raise a RuntimeError naming ``op`` and the ranks at fault.
+
+        gloo: a blocking wait bounded by the time left (woken as soon as the data is in, no polling).
+        NCCL: the host polls, since ``wait`` there only orders the stream; while a CUDA graph is being
+        captured nothing may wait on the host, so the stream is ordered and NCCL's own watchdog rules.
+        A transport error (a peer's process gone resets its connections) gives the same kind of error
+        as a timeout, naming the ranks. ``phase``: the flight recorder's (default: a combine's exchange
+        reduces, any other receives)."""
+        if self._is_nccl():
+            if torch.cuda.is_current_stream_capturing():
+                work.wait()
+                return
+            pause = 2e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self._give_up(op, seq, phase, None)
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
+        done = True
         try:
-            work.wait()
-        except RuntimeError as error:  # the backend saw a peer go (gloo: its connection closed)
-            self._give_up(op, seq, phase, error)
+            if self._is_nccl():
+                work.wait()
+            else:
+                left = max(deadline - time.monotonic(), 1e-3)  # a zero timeout would mean none
+                done = work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as error:  # gloo's own timeout, or a peer gone (its connection closed)
+            self._give_up(op, seq, phase, None if time.monotonic() > deadline else error)
+        if not done:
+            self._give_up(op, seq, phase, None)
 
     def _position_key(self, rank: int) -> str:
         return f"epcomm/{self.uid}/gave-up-at/{rank}"
@@ -123,7 +140,7 @@ class Transport:
 
     def _give_up(self, op: str, seq: int, phase: str | None, error: Exception | None) -> None:
         """Raise PeerTimeoutError naming the ranks this exchange waited for, with the flight record."""
-        op = _CALLS.get(op, op)
+        op = CALLS.get(op, op)
         phase = phase or ("reduce" if "combine" in op else "receive")
         missing = self.missing_ranks(seq)
         arrived: dict[int, int] = {}
@@ -138,7 +155,6 @@ class Transport:
         who = (f"rank(s) {missing} did not arrive" if missing
                else "every rank arrived, so a peer failed during the exchange" if missing == []
                else "the ranks that did not arrive are unknown (no store)")
-        cause = f" ({type(error).__name__}: {error})" if error is not None else ""
         what = (f"timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S)" if error is None
                 else "lost a peer (the exchange failed)")
         flight = ""
@@ -146,15 +162,26 @@ class Transport:
             counters = {"this_rank_call": seq, "arrived_call": arrived, "gave_up_at": dict(sorted(positions.items()))}
             flight = self.recorder.timeout("reference", op, phase, missing, counters)
         raise PeerTimeoutError(
-            f"epcomm {op}: rank {self.rank} {what} waiting for its peers in the {phase} phase; {who}{cause}. "
-            f"Destroy the Buffer and the process group.{flight}") from error
+            f"epcomm {op}: rank {self.rank} {what} waiting for its peers in the {phase} phase; {who}. "
+            f"Destroy the Buffer and the process group.{flight}") from None  # no transport message reaches the caller
 
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
         self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline, "notify")
         return out
 
-    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+    def share(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
+        """Every rank's 1-D ``t`` as rows [R, n]. On NCCL an all-gather; elsewhere one all-to-all of
+        ``t`` to every rank, which completes in one step where gloo's all-gather takes R - 1."""
+        out = t.new_empty((self.num_ranks, t.numel()))
+        if self._is_nccl():
+            return self.all_gather_into(out, t.unsqueeze(0), op, seq, deadline, "notify")
+        send = t.unsqueeze(0).expand(self.num_ranks, -1).contiguous()
+        self.wait(dist.all_to_all_single(out, send, group=self.group, async_op=True), op, seq, deadline, "notify")
+        return out
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, op: str, seq: int, deadline: float,
+                        phase: str | None = None) -> torch.Tensor:
         """Gather ``t`` [n, ...] of every rank into ``out`` [R * n, ...], rank j's rows in block j.
 
         NCCL gathers into ``out`` directly; other backends use the list form into views of ``out``,
@@ -165,7 +192,7 @@ class Transport:
             work = gather(out, t, group=self.group, async_op=True)
         else:
             work = dist.all_gather(list(out.chunk(self.num_ranks)), t, group=self.group, async_op=True)
-        self.wait(work, op, seq, deadline)
+        self.wait(work, op, seq, deadline, phase)
         return out
 
     def reduce_scatter(self, send: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
@@ -196,9 +223,12 @@ class Transport:
         """Variable-size all-to-all of the rows of a 2-D byte tensor; rows of rank j land in block j."""
         return self.start_all_to_all(send, send_rows, recv_rows).wait(op, seq, deadline)
 
-    def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> PendingExchange:
-        """Issue the all-to-all; ``.wait()`` on the result completes it and returns the received rows."""
-        recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
+    def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                         out: torch.Tensor | None = None) -> PendingExchange:
+        """Issue the all-to-all (into ``out`` if given: the caller's output, so no copy follows);
+        ``.wait()`` on the result completes it and returns the received rows."""
+        recv = out if out is not None else \
+            torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group, async_op=True)
         return PendingExchange(self, work, recv, keep_alive=send)
 
