@@ -150,6 +150,8 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf.use_fabric = use_fabric
     buf.explicitly_destroy = explicitly_destroy
     buf.enable_shrink = enable_shrink
+    buf._mask = torch.zeros(buf.group_size, dtype=torch.int32, device=buf.device)  # the failed-rank mask
+    buf._backend.mask = buf._mask if enable_shrink else None  # normal mode masks on a failure (shrink.py)
     buf.comm = comm
     buf.strategy = strategy
     # [ext] The backend of each mode: 'auto' runs a mode on the kernels where every rank can.

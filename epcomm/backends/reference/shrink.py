@@ -1,0 +1,105 @@
+"""Failed-rank masking in normal mode on the portable path (``Buffer(..., enable_shrink=True)``).
+
+A dispatch or combine whose exchange times out or loses a peer does not raise: every rank that saw
+the failure posts its view (the ranks that had not reached the call when its timeout passed: a
+peer that exits counts as one that went silent) in the process group's store and waits,
+bounded by the timeout, until every rank that nobody suspects has posted too. The first rank to get
+there writes the decision once (``compare_set``): the ranks that did not post failed. So every
+survivor reads the same set, ORs it into the Buffer's mask, moves its exchanges onto a group of the
+live ranks (made by them alone) and runs the call again with the mask applied. A collective of the
+whole group cannot serve here: a dead rank never joins it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+from .backend import ReferenceBackend
+from .transport import PeerTimeoutError
+
+
+def masked_ranks(be: ReferenceBackend) -> list[int]:
+    """The ranks the Buffer's mask holds (reading it waits for the device where the mask lives there)."""
+    return [r for r, m in enumerate(be.mask.tolist()) if m]
+
+
+def follow_mask(be: ReferenceBackend, op: str) -> list[int]:
+    """Point the exchanges at the ranks the mask leaves (the whole group once it is clean); the
+    masked ranks. Raises on a rank the mask holds: its peers no longer exchange with it."""
+    masked = masked_ranks(be)
+    if be.rank in masked:
+        raise RuntimeError(f"epcomm {op}: rank {be.rank} is masked as failed (its peers stopped waiting for it); "
+                           "it takes no part in normal-mode calls until the mask is cleaned on every rank")
+    live = [r for r in range(be.num_ranks) if r not in masked]
+    if live != be.transport.expected():
+        be.transport.use(live)
+    return masked
+
+
+def agree(be: ReferenceBackend, error: PeerTimeoutError) -> list[int]:
+    """The ranks the survivors of ``error``'s call agree have failed (see the module's docstring);
+    re-raises ``error`` where the store is missing or no rank can be named."""
+    transport = be.transport
+    store = transport._store
+    if store is None or getattr(error, "missing", None) is None:
+        raise error
+    base = f"epcomm/{transport.uid}/shrink/{error.seq}"
+    decision = f"{base}/decision"
+    expected = transport.expected()
+    # A peer lost at once (an exit resets its connections) leaves the ranks that have not reached the
+    # call yet unknown: they are suspects only once the exchange's own timeout has passed.
+    missing = error.missing
+    while missing and time.monotonic() < error.deadline and not store.check([decision]):
+        time.sleep(0.01)
+        missing = transport.missing_ranks(error.seq)
+    store.set(f"{base}/view/{be.rank}", json.dumps(sorted(missing)))
+    deadline = time.monotonic() + transport.timeout_s
+    pause = 1e-4
+    while not store.check([decision]):
+        views = {r: json.loads(store.get(f"{base}/view/{r}")) for r in expected
+                 if store.check([f"{base}/view/{r}"])}
+        suspects = {s for view in views.values() for s in view}
+        waiting = [r for r in expected if r not in views and r not in suspects]
+        if not waiting or time.monotonic() > deadline:
+            store.compare_set(decision, "", json.dumps([r for r in expected if r not in views]))
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    failed = json.loads(store.get(decision))
+    if not failed:  # every rank is still there: nothing to mask, the failure stands
+        raise error
+    return failed
+
+
+def run_masked(be: ReferenceBackend, op: str, call: Callable[[list[int]], object]):
+    """``call(masked ranks)``; on a peer's failure, agree on the failed ranks, mask them and call
+    again (each round masks at least one more rank, so this ends)."""
+    while True:
+        masked = follow_mask(be, op)
+        try:
+            return call(masked)
+        except PeerTimeoutError as error:
+            failed = agree(be, error)
+            be.mask[torch.tensor(failed, dtype=torch.long, device=be.mask.device)] = 1
+            if be.rank in failed:
+                raise RuntimeError(f"epcomm {op}: rank {be.rank} was late and its peers masked it as failed; "
+                                   "it takes no part in normal-mode calls until the mask is cleaned on every "
+                                   "rank") from None
+
+
+def mask_routing(be: ReferenceBackend, masked: list[int], num_experts: int, num_tokens_per_rank, is_token_in_rank,
+                 num_tokens_per_expert):
+    """A fresh dispatch's routing without the masked ranks (their top-k entries dropped as if -1):
+    (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)."""
+    keep = torch.ones(be.num_ranks, dtype=torch.bool, device=is_token_in_rank.device)
+    keep[masked] = False
+    is_token_in_rank = is_token_in_rank & keep
+    num_tokens_per_rank = is_token_in_rank.sum(0).to(num_tokens_per_rank.dtype)
+    if num_tokens_per_expert is not None:
+        per_expert_keep = keep.repeat_interleave(num_experts // be.num_ranks).to(num_tokens_per_expert.device)
+        num_tokens_per_expert = num_tokens_per_expert * per_expert_keep
+    return num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
