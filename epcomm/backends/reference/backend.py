@@ -81,6 +81,7 @@ class ReferenceBackend:
         # The Buffer's failed-rank mask with enable_shrink (normal mode masks on a peer's failure:
         # shrink.py), else None.
         self.mask: torch.Tensor | None = None
+        self.decisions_seen: set[int] = set()  # the calls whose masking decision this rank applied
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,

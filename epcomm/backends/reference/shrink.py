@@ -50,6 +50,12 @@ def agree(be: ReferenceBackend, error: PeerTimeoutError) -> list[int]:
     base = f"epcomm/{transport.uid}/shrink/{error.seq}"
     decision = f"{base}/decision"
     expected = transport.expected()
+    latest = f"epcomm/{transport.uid}/shrink/latest"
+    if store.check([latest]):  # a rank that completed a call its peers gave up on learns it here
+        seq, failed = json.loads(store.get(latest))
+        if seq not in be.decisions_seen and be.rank in failed:
+            be.decisions_seen.add(seq)
+            return failed
     # A peer lost at once (an exit resets its connections) leaves the ranks that have not reached the
     # call yet unknown: they are suspects only once the exchange's own timeout has passed.
     missing = error.missing
@@ -70,6 +76,9 @@ def agree(be: ReferenceBackend, error: PeerTimeoutError) -> list[int]:
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
     failed = json.loads(store.get(decision))
+    be.decisions_seen.add(error.seq)
+    if failed:
+        store.set(latest, json.dumps([error.seq, failed]))
     if not failed:  # every rank is still there: nothing to mask, the failure stands
         raise error
     return failed
