@@ -171,3 +171,37 @@ def test_other_strategies_refuse_shrink_in_normal_mode(strategy):
         cluster.run(rank_without_shrink, strategy, timeout_s=60)
     finally:
         cluster.close()
+
+
+def rank_wakes_up_masked(path: str):
+    """Rank 1 goes silent for longer than the timeout, then calls: its peers masked it, so it raises."""
+    rank = dist.get_rank()
+    with peer_timeout(TIMEOUT_S):
+        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
+    x, idx, w = _inputs(rank, 3, 1)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.5 * TIMEOUT_S)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="masked as failed") as error:
+            out = _dispatch(buf, x, idx, w)
+            buf.combine(out[0], out[4])
+        with open(os.path.join(path, "late.json"), "w") as f:
+            json.dump({"s": time.monotonic() - start, "error": str(error.value)}, f)
+        return
+    out = _dispatch(buf, x, idx, w)
+    _check_live_dispatch(out, rank, 3, 1, {1})
+    buf.combine(out[0], out[4])
+    time.sleep(3 * TIMEOUT_S)  # the late rank's calls find its peers still there
+
+
+def test_a_rank_masked_while_silent_raises_when_it_calls():
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(3, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+        try:
+            cluster.run(rank_wakes_up_masked, tmp, timeout_s=90)
+        finally:
+            cluster.close()
+        with open(os.path.join(tmp, "late.json")) as f:
+            late = json.load(f)
+    assert late["s"] < 2 * TIMEOUT_S + MARGIN_S, late
