@@ -205,3 +205,35 @@ def test_a_rank_masked_while_silent_raises_when_it_calls():
         with open(os.path.join(tmp, "late.json")) as f:
             late = json.load(f)
     assert late["s"] < 2 * TIMEOUT_S + MARGIN_S, late
+
+
+def rank_masked_by_hand():
+    """Every rank masks rank 2: ranks 0 and 1 run without waiting for it and rank 2 refuses to take
+    part; once every rank cleans the mask, all three run together again."""
+    rank = dist.get_rank()
+    with peer_timeout(TIMEOUT_S):
+        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
+    x, idx, w = _inputs(rank, 3, 1)
+    buf.low_latency_update_mask_buffer(2, True)
+    if rank == 2:
+        with pytest.raises(RuntimeError, match="rank 2 is masked as failed"):
+            _dispatch(buf, x, idx, w)
+    else:
+        start = time.monotonic()
+        out = _dispatch(buf, x, idx, w)
+        _check_live_dispatch(out, rank, 3, 1, {2})
+        _check_combine(buf.combine(out[0], out[4])[0], out, rank, 3, 1, {2}, {2})
+        assert time.monotonic() - start < 1.0
+    buf.low_latency_clean_mask_buffer()
+    dist.barrier()
+    out = _dispatch(buf, x, idx, w)
+    _check_live_dispatch(out, rank, 3, 1, set())
+    _check_combine(buf.combine(out[0], out[4])[0], out, rank, 3, 1, set(), set())
+
+
+def test_masked_by_hand_then_cleaned_restores_every_rank():
+    cluster = LocalCluster(3, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+    try:
+        cluster.run(rank_masked_by_hand, timeout_s=60)
+    finally:
+        cluster.close()

@@ -5,7 +5,8 @@ asynchronous torch.distributed collective and polls it. If the deadline passes (
 fails: a peer that exited), the store tells which ranks never reached this call, or, of those that
 did, which never reached this exchange (each rank that gives up says where it is, ``_positions``),
 and the error names them with the phase and the flight recorder's file. After such a timeout the
-group holds an unfinished collective: destroy the Buffer and the process group.
+group holds an unfinished collective: destroy the Buffer and the process group (with enable_shrink,
+normal mode instead moves its exchanges onto a group of the live ranks: ``use``, shrink.py).
 """
 
 from __future__ import annotations
