@@ -81,7 +81,9 @@ class ReferenceBackend:
         # The Buffer's failed-rank mask with enable_shrink (normal mode masks on a peer's failure:
         # shrink.py), else None.
         self.mask: torch.Tensor | None = None
-        self.decisions_seen: set[int] = set()  # the calls whose masking decision this rank applied
+        self.decisions_seen: set = set()  # the calls whose masking decision this rank applied
+        self.was_masked = False  # a rank was masked since the last call on the whole group (shrink.rejoin)
+        self.rejoins = 0
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,

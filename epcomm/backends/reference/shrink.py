@@ -31,6 +31,10 @@ def follow_mask(be: ReferenceBackend, op: str) -> list[int]:
     """Point the exchanges at the ranks the mask leaves (the whole group once it is clean); the
     masked ranks. Raises on a rank the mask holds: its peers no longer exchange with it."""
     masked = masked_ranks(be)
+    if masked:
+        be.was_masked = True
+    elif be.was_masked:
+        rejoin(be)
     if be.rank in masked:
         raise RuntimeError(f"epcomm {op}: rank {be.rank} is masked as failed (its peers stopped waiting for it); "
                            "it takes no part in normal-mode calls until the mask is cleaned on every rank")
@@ -38,6 +42,28 @@ def follow_mask(be: ReferenceBackend, op: str) -> list[int]:
     if live != be.transport.expected():
         be.transport.use(live)
     return masked
+
+
+def rejoin(be: ReferenceBackend) -> None:
+    """The first call after the mask was cleaned: every rank meets in the store (bounded), on the whole
+    group again, and takes the highest call number announced (a masked rank made fewer calls). A
+    rank still missing fails this call as a timeout would, and is masked anew."""
+    be.was_masked = False
+    be.rejoins += 1
+    transport = be.transport
+    transport.use(list(range(be.num_ranks)))
+    tag = f"rejoin-{be.rejoins}"
+    store = transport._store
+    if store is None:
+        return
+    store.set(f"epcomm/{transport.uid}/{tag}/seq/{be.rank}", str(be.seq))  # read by the peers after the meeting
+    missing = transport.meet(tag, time.monotonic() + transport.timeout_s)
+    be.seq = max(int(store.get(f"epcomm/{transport.uid}/{tag}/seq/{r}")) for r in range(be.num_ranks)
+                 if r not in missing)
+    if missing:
+        error = PeerTimeoutError(f"epcomm: rank(s) {missing} did not meet after the mask was cleaned")
+        error.seq, error.missing, error.deadline = tag, missing, 0.0
+        raise error
 
 
 def agree(be: ReferenceBackend, error: PeerTimeoutError) -> list[int]:
@@ -88,9 +114,8 @@ def run_masked(be: ReferenceBackend, op: str, call: Callable[[list[int]], object
     """``call(masked ranks)``; on a peer's failure, agree on the failed ranks, mask them and call
     again (each round masks at least one more rank, so this ends)."""
     while True:
-        masked = follow_mask(be, op)
         try:
-            return call(masked)
+            return call(follow_mask(be, op))
         except PeerTimeoutError as error:
             failed = agree(be, error)
             be.mask[torch.tensor(failed, dtype=torch.long, device=be.mask.device)] = 1
