@@ -73,13 +73,24 @@ def _blockers_on_rank(rank: int, fake):
 
 
 def rank_auto_on_cpu():
-    """No GPU: 'auto' is the reference backend for both modes, on the CPU, quietly; a Buffer without
-    low-latency mode reports it on the reference too. With EPCOMM_DEVICE unset, a gloo group without
-    CUDA is on the CPU."""
+    """No GPU: 'auto' is the reference backend for both modes, on the CPU, with the CPU as the reason
+    and one INFO line per Buffer on rank 0 saying so; a Buffer without low-latency mode reports it on
+    the reference too, as unused. With EPCOMM_DEVICE unset, a gloo group without CUDA is on the CPU."""
     with EpcommLog() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
         normal_only = Buffer(dist.group.WORLD, 1 << 22, backend="auto")
-    assert records.messages == [], records.messages
+    cpu = "the CUDA kernels cannot run it (every rank: the Buffer's tensors are on the CPU)"
+    assert buf.backend_reasons[LOW_LATENCY] == cpu, buf.backend_reasons
+    assert buf.backend_reasons[NORMAL].startswith(cpu + "; strategy alltoall: the planner's fastest for 1 domain "
+                                                  f"of {dist.get_world_size()} ranks on 1 host"), buf.backend_reasons
+    assert normal_only.backend_reasons[LOW_LATENCY].startswith("not used by this Buffer"), normal_only.backend_reasons
+    if dist.get_rank() == 0:
+        assert len(records.messages) == 2, records.messages
+        assert records.messages[0] == (f"epcomm Buffer ({dist.get_world_size()} ranks, cpu): normal mode on "
+                                       f"reference: {buf.backend_reasons[NORMAL]}; low-latency mode on reference: "
+                                       f"{cpu}"), records.messages
+    else:
+        assert records.messages == [], records.messages
     assert buf.device.type == "cpu"
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"} and buf.backend_name == "reference"
     assert normal_only.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, normal_only.backends
@@ -108,6 +119,8 @@ def rank_split_vote(raise_in_check: bool):
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
         elapsed = time.monotonic() - start
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, buf.backends
+    why = "rank 1: " + ("checking the kernels failed (OSError: no such library)" if raise_in_check else "test: blocked")
+    assert buf.backend_reasons[LOW_LATENCY] == f"the CUDA kernels cannot run it ({why})", buf.backend_reasons
     assert elapsed < 10, elapsed
     out = _round_trip(buf, buf.device, seed=4)
     buf.destroy()
