@@ -134,4 +134,4 @@ def log_choice(rank: int, num_ranks: int, device: str, backends: dict[str, str],
     if rank != 0:
         return
     parts = [f"{mode.replace('_', '-')} mode on {backends[mode]}: {reasons[mode]}" for mode in _MODES]
-    _log.info("epcomm Buffer (%d ranks, %s): %s", num_ranks, device, "; ".join(parts))
+    _log.info("epcomm Buffer (%d rank%s, %s): %s", num_ranks, "s" if num_ranks > 1 else "", device, "; ".join(parts))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from conftest import BACKEND, EpcommLog, cluster, env_var, poison_allocator
 from routing import make_inputs
 
-from epcomm import Buffer, Config
+from epcomm import Buffer, Config, backend_choice
 from epcomm.backends.cuda.availability import LOW_LATENCY, NORMAL, mode_blockers
 from epcomm.bench.checks import same_bits
 from epcomm.utils.launch import group_device
@@ -133,6 +134,90 @@ def test_one_rank_unable_keeps_every_rank_on_the_reference(raise_in_check):
     assert sum(cluster(2).run(rank_split_vote, raise_in_check)) > 0
 
 
+@contextlib.contextmanager
+def _hosts(ranks_per_host: int):
+    """Each rank's host name seen by the Buffer: ranks_per_host consecutive ranks per simulated host."""
+    import epcomm.lifecycle as lifecycle
+
+    real = lifecycle.socket
+    lifecycle.socket = types.SimpleNamespace(gethostname=lambda: f"host{dist.get_rank() // ranks_per_host}")
+    try:
+        yield
+    finally:
+        lifecycle.socket = real
+
+
+def rank_planned_strategies():
+    """backend='auto' off the kernels: normal mode takes the planner's strategy for the group's domains,
+    detected from the hosts or set by EPCOMM_RANKS_PER_DOMAIN; strategy= wins; backend='reference' keeps
+    the all-to-all. Each Buffer logs one line on rank 0, naming its strategy and why."""
+    cases = [  # (ranks per simulated host, EPCOMM_RANKS_PER_DOMAIN, strategy=, backend, strategy got, reason)
+        (4, None, None, "auto", "alltoall", "the planner's fastest for 1 domain of 4 ranks on 1 host ("),
+        (4, 2, None, "auto", "alltoall", "the planner's fastest for 2 domains of 2 ranks on 1 host "
+                                         "(EPCOMM_RANKS_PER_DOMAIN), sharing the host's links ("),
+        (2, None, None, "auto", "hierarchical", "the planner's fastest for 2 domains of 2 ranks on 2 hosts ("),
+        (2, 4, None, "auto", "alltoall", "the planner's fastest for 1 domain of 4 ranks on 2 hosts "
+                                         "(EPCOMM_RANKS_PER_DOMAIN) ("),
+        (2, None, "allgather", "auto", "allgather", "given"),
+        (2, None, "alltoall", "auto", "alltoall", "given"),
+        (2, None, None, "reference", "alltoall", "the default (the planner chooses on backend='auto')"),
+    ]
+    outs = []
+    for per_host, per_domain, strategy, backend, want, why in cases:
+        env = env_var("EPCOMM_RANKS_PER_DOMAIN", per_domain) if per_domain else contextlib.nullcontext()
+        with _hosts(per_host), env, EpcommLog() as records:
+            buf = Buffer(dist.group.WORLD, _buffers_kwargs(dist.get_world_size())["num_nvl_bytes"], backend=backend,
+                         strategy=strategy)
+        case = (per_host, per_domain, strategy, backend)
+        assert buf.strategy == want, (case, buf.strategy)
+        assert buf.num_domains == dist.get_world_size() // (per_domain or per_host), (case, buf.num_domains)
+        reason = buf.backend_reasons[NORMAL]
+        assert f"; strategy {want}: {why}" in reason, (case, reason)
+        messages = [m for m in records.messages if m.startswith("epcomm Buffer (")]
+        assert len(messages) == (dist.get_rank() == 0), (case, records.messages)
+        assert all(f"normal mode on reference: {reason}; low-latency mode on reference: " in m
+                   for m in messages), (case, messages)
+        if want == "hierarchical":  # the chosen strategy runs
+            x, topk_idx, weights = make_inputs(11, dist.get_rank(), 24, HIDDEN, EXPERTS, TOPK,
+                                               dist.get_world_size(), "random")
+            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, EXPERTS)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
+            combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+            assert combined.shape == x.shape
+        buf.destroy()
+        outs.append(reason)
+    return outs
+
+
+@pytest.mark.skipif(BACKEND == "nccl", reason="the CPU rule: the suite runs on GPUs")
+def test_auto_takes_the_planners_strategy_for_the_domains():
+    reasons = cluster(4).run(rank_planned_strategies)
+    assert all(r == reasons[0] for r in reasons), "the ranks' reasons differ"
+
+
+def test_planned_strategy_follows_the_links():
+    """The planner's choice for the domains: the all-to-all in one domain and where domains share one
+    host's links; hierarchical forwarding where hosts' links join the domains; the default ranks per
+    domain is the same on every rank, even for uneven hosts."""
+    def domains(hosts, per_domain=None):
+        return backend_choice.detect_domains(hosts, per_domain or backend_choice.default_ranks_per_domain(hosts),
+                                             per_domain is not None)
+    assert backend_choice.planned_strategy(domains([1] * 8))[0] == "alltoall"
+    assert backend_choice.planned_strategy(domains([1] * 8, 4))[0] == "alltoall"
+    assert backend_choice.planned_strategy(domains([1] * 8 + [2] * 8))[0] == "hierarchical"
+    assert backend_choice.planned_strategy(domains([1] * 4 + [2] * 4, 8))[0] == "alltoall"
+    assert backend_choice.default_ranks_per_domain([1, 1, 2, 2, 2, 2]) == 6
+    assert backend_choice.default_ranks_per_domain([1, 1, 2, 2]) == 2
+    # The kernels across hosts: the hierarchical kernels when the Buffer reserves their buffer.
+    two_hosts = domains([1] * 8 + [2] * 8)
+    assert backend_choice.kernel_strategy(two_hosts, 1 << 20, False) == "hierarchical"
+    assert backend_choice.kernel_strategy(two_hosts, 0, False) == "alltoall"
+    assert backend_choice.kernel_strategy(two_hosts, 1 << 20, True) == "alltoall"
+    assert backend_choice.kernel_strategy(domains([1] * 8), 1 << 20, False) == "alltoall"
+
+
 def rank_sizes_disagree():
     """Ranks building different Buffers (here num_nvl_bytes) raise ValueError on every rank."""
     with pytest.raises(ValueError, match=r"different num_nvl_bytes values .*rank 0: 1048576, rank 1: 2097152"):
@@ -204,6 +289,12 @@ def rank_auto_on_gpus(group_backend: str | None):
         assert buf.device == dev, (backend, buf.device)
         want = "cuda" if backend == "auto" else "reference"
         assert buf.backends == {NORMAL: want, LOW_LATENCY: want}, (backend, buf.backends)
+        assert buf.strategy == "alltoall", (backend, buf.strategy)
+        if backend == "auto":
+            assert buf.backend_reasons == {
+                NORMAL: "every rank can run the CUDA kernels; strategy alltoall: the kernels' default for 1 domain "
+                        f"of {dist.get_world_size()} rank{'s' if dist.get_world_size() > 1 else ''} on 1 host",
+                LOW_LATENCY: "every rank can run the CUDA kernels"}, buf.backend_reasons
         outs[backend] = _round_trip(buf, dev, seed=5)
         buf.destroy()
     for key, ref in outs["reference"].items():
@@ -220,18 +311,22 @@ def test_auto_on_gpus_runs_the_kernels(ranks, group_backend):
 
 
 def rank_auto_falls_back():
-    """A mode the kernels cannot run stays on the reference backend, logged: here the allgather
-    strategy (normal mode), while low-latency mode still runs on the kernels."""
+    """A mode the kernels cannot run stays on the reference backend, with the reason, in one line that
+    rank 0 logs: here the allgather strategy (normal mode), while low-latency mode still runs on the
+    kernels."""
     with EpcommLog() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto", strategy="allgather")
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "cuda"}, buf.backends
-    if dist.get_rank() == 0:  # rank 0 logs every rank's reason
-        warned = [m for m in records.messages if "normal mode runs on the reference backend" in m]
-        assert len(warned) == 1 and all(f"rank {r}: strategy='allgather'" in warned[0]
-                                        for r in range(dist.get_world_size())), records.messages
-        assert any("the CUDA kernels run low-latency mode" in m for m in records.messages), records.messages
+    assert buf.backend_reasons[NORMAL] == ("the CUDA kernels cannot run it (every rank: strategy='allgather' is "
+                                           "implemented by the reference backend only); strategy allgather: given")
+    if dist.get_rank() == 0:
+        lines = [m for m in records.messages if m.startswith("epcomm Buffer (")]
+        assert lines == [
+            f"epcomm Buffer ({dist.get_world_size()} ranks, cuda): normal mode on reference: "
+            f"{buf.backend_reasons[NORMAL]}; low-latency mode on cuda: every rank can run the CUDA kernels"], \
+            records.messages
     else:
-        assert records.messages == [], records.messages
+        assert not [m for m in records.messages if m.startswith("epcomm Buffer (")], records.messages
     out = _round_trip(buf, buf.device, seed=9)
     buf.destroy()
     return int(out["recv_x"].shape[0])
