@@ -36,7 +36,8 @@ _buffer_counters: dict[tuple[int, ...], itertools.count] = {}
 _MODES = (NORMAL, LOW_LATENCY)
 _KERNEL_BUILD_S = 900.0  # how long the backend vote waits for a rank that builds the kernels
 # What every rank of a Buffer must choose alike (exchanged when it is built).
-_SHARED_CHOICES = ("backend", "device", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "strategy")
+_SHARED_CHOICES = ("backend", "device", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "strategy",
+                   "EPCOMM_RANKS_PER_DOMAIN")
 # Sequence numbers the construction's exchanges announce in the store (calls count from 1): a peer
 # that has not reached an exchange is named by its timeout.
 _SEQ_AGREEMENT, _SEQ_VOTE = -2, -1
@@ -142,7 +143,7 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     # asked for the same Buffer, within the timeout.
     shared_choices = [] if error else [
         _BACKENDS.index(backend), int(buf.device.type == "cuda"), buf.num_nvl_bytes, buf.num_rdma_bytes,
-        int(bool(low_latency_mode)), _UNSET if strategy is None else _STRATEGIES.index(strategy)]
+        int(bool(low_latency_mode)), _UNSET if strategy is None else _STRATEGIES.index(strategy), ranks_per_domain_env]
     buf.ranks_per_domain, hosts, gpus = _agree_on_construction(
         buf, error, ranks_per_domain_env if error is None else 0, gpu, shared_choices, _collected_on(buf._group_ranks))
     buf._backend.ranks_per_domain = buf.ranks_per_domain
@@ -218,7 +219,8 @@ def _agree_on_construction(buf: Any, error: Exception | None, ranks_per_domain: 
         values = rows[:, 4 + i].tolist()
         if len(set(values)) > 1:
             shown = [_BACKENDS[v] if name == "backend" else (*_STRATEGIES, "unset")[v] if name == "strategy" else
-                     ("cuda" if v else "cpu") if name == "device" else v for v in values]
+                     ("cuda" if v else "cpu") if name == "device" else
+                     (v or "unset") if name == "EPCOMM_RANKS_PER_DOMAIN" else v for v in values]
             raise ValueError(f"epcomm Buffer(): ranks chose different {name} values (every rank must build the "
                              "same Buffer): " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
     if collected_key and rows[:, 3].tolist() == [collected_key] * buf.group_size:

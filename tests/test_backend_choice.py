@@ -246,6 +246,22 @@ def test_ranks_asking_for_different_backends_all_raise():
     cluster(2).run(rank_backends_disagree)
 
 
+def rank_domains_or_strategy_disagree():
+    """A strategy passed on one rank only, or EPCOMM_RANKS_PER_DOMAIN set on one rank only: every rank
+    raises ValueError naming it (the planner's choice and the domains must be the same everywhere)."""
+    first = dist.get_rank() == 0
+    with pytest.raises(ValueError, match=r"different strategy values .*rank 0: unset, rank 1: alltoall"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto", strategy=None if first else "alltoall")
+    env = env_var("EPCOMM_RANKS_PER_DOMAIN", 1) if not first else contextlib.nullcontext()
+    with env, pytest.raises(ValueError, match=r"different EPCOMM_RANKS_PER_DOMAIN values .*rank 0: unset, rank 1: 1"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto")
+    return True
+
+
+def test_ranks_disagreeing_on_strategy_or_domains_all_raise():
+    cluster(2).run(rank_domains_or_strategy_disagree)
+
+
 def rank_bad_device():
     """A device that is not the CPU or a GPU, on one rank: every rank raises, none waits."""
     if dist.get_rank() == 1:
