@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, EpcommLog, cluster, env_var, poison_allocator
+from conftest import BACKEND, EpcommLog, cluster, env_var, fresh_cluster, nvshmem_found, poison_allocator
 from routing import make_inputs
 
 from epcomm import Buffer, Config, backend_choice
@@ -353,6 +353,46 @@ def rank_auto_falls_back():
 def test_auto_keeps_a_mode_the_kernels_cannot_run_on_the_reference():
     cluster(2).run(rank_auto_falls_back)
 
+
+
+def rank_auto_hierarchical_across_hosts():
+    """A Buffer across (simulated) hosts that reserves num_rdma_bytes and passes no strategy= runs normal
+    mode on the hierarchical kernels, as DeepEP's internode Buffer does, with the outputs of the reference
+    backend's hierarchical strategy."""
+    from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
+
+    rank, num_ranks, num_tokens, num_experts = dist.get_rank(), dist.get_world_size(), 32, 4 * dist.get_world_size()
+    rdma = rdma_bytes_needed(num_tokens, HIDDEN, 2, num_ranks, 1, TOPK, HIDDEN // 128)
+    with _hosts(1):
+        ref = Buffer(dist.group.WORLD, 64 << 20, backend="reference", strategy="hierarchical")
+        auto = Buffer(dist.group.WORLD, 64 << 20, rdma, backend="auto")
+    assert (auto.backends[NORMAL], auto.strategy) == ("cuda", "hierarchical"), auto.backend_reasons
+    assert auto.backend_reasons[NORMAL] == ("every rank can run the CUDA kernels; strategy hierarchical: the kernels' "
+                                            f"default for {num_ranks} domains of 1 rank on {num_ranks} hosts")
+    dev = auto.device
+    x, idx, w = (t.to(dev) for t in make_inputs(21, rank, num_tokens, HIDDEN, num_experts, TOPK, num_ranks, "random"))
+    outs = []
+    for buf in (ref, auto):
+        per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        combined = buf.combine((recv_x.float() * 0.5).to(torch.bfloat16), handle, topk_weights=recv_w)[0]
+        torch.cuda.synchronize()
+        outs.append((recv_x.clone(), combined.clone()))
+    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1]), f"rank {rank}: outputs differ"
+    ref.destroy()
+    auto.destroy()
+    return True
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_auto_across_hosts_runs_the_hierarchical_kernels():
+    if not nvshmem_found():
+        pytest.skip("NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+    with fresh_cluster(2, {"NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}) as c:
+        c.run(rank_auto_hierarchical_across_hosts, timeout_s=300)
 
 
 def rank_buffer_names_per_group():
