@@ -119,7 +119,7 @@ def check_combine(tag: str, combined: torch.Tensor, mine: RankInputs) -> list[st
         return [f"{tag}: combined shape {tuple(combined.shape)}, want {tuple(mine.x.shape)}"]
     n = (mine.topk_idx >= 0).sum(1, keepdim=True).double()
     x = mine.x.double()
-    roundings = n * (n + 1) / 2 - 1
+    roundings = (n * (n + 1) / 2 - 1).clamp(min=0)
     err = (combined.double() - x * n).abs()
     ok = bool((err <= roundings * x.abs() * BF16_REL_TOL + 1e-6).all())
     return [] if ok else [f"{tag}: combined rows are not (selections) x the row within the scatter-add's BF16 "

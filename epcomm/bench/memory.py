@@ -28,11 +28,34 @@ CPU_METHOD = f"torch.profiler allocation records of {CPU_CALLS} untimed calls, a
 
 @dataclass
 class CallMemory:
-    """One call's memory: its peak rise above the allocation when it started, and that allocation
-    (relative to the first profiled call's start, so growth from call to call shows)."""
+    """One call's memory: its peak rise above the allocation when it started, and what was alive
+    when it started, relative to the first call's start (growth from call to call shows there).
+
+    On CPU the level is the bytes of the tensors Python can reach (gc), not the profiler's running
+    sum: the profiler records allocations and frees of the calling thread only, and a tensor whose
+    last reference a gloo worker thread drops (its work held it) is freed there, so the running sum
+    would drift up. The same lost frees can only inflate a call's peak, never lower it, and a
+    collective still in flight on a worker thread can raise one call's level for a moment: compare
+    the least of a few calls."""
 
     peak_bytes: int
     level_bytes: int
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the distinct storages of the tensors on ``device`` that Python can reach."""
+    import gc
+
+    gc.collect()  # garbage in reference cycles is not alive, only not yet collected
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, meta)
+                continue
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 class CudaPeak:
@@ -81,11 +104,14 @@ def _cpu_call_memory(fn: Callable[[], Any], calls: int) -> list[CallMemory] | No
 
     label, probe_label = "epcomm.bench.memory.call", "epcomm.bench.memory.probe"
     result = None
+    levels = []
+    cpu = torch.device("cpu")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(probe_label):  # shows that allocations are recorded, so no allocation means 0
             probe = torch.empty(PROBE_BYTES, dtype=torch.uint8)
         del probe
         for _ in range(calls):
+            levels.append(live_tensor_bytes(cpu))
             with record_function(label):
                 result = fn()  # the previous call's result is freed after this one returned, as in the timing loop
     del result
@@ -99,7 +125,7 @@ def _cpu_call_memory(fn: Callable[[], Any], calls: int) -> list[CallMemory] | No
         return None
     out = []
     level, i = 0, 0
-    for begin, end in spans:
+    for call, (begin, end) in enumerate(spans):
         while i < len(allocations) and allocations[i][0] < begin:
             level += allocations[i][1]
             i += 1
@@ -108,7 +134,7 @@ def _cpu_call_memory(fn: Callable[[], Any], calls: int) -> list[CallMemory] | No
             level += allocations[i][1]
             peak = max(peak, level)
             i += 1
-        out.append(CallMemory(peak - start_level, start_level))
+        out.append(CallMemory(peak - start_level, levels[call] - levels[0]))
     return out
 
 
