@@ -176,12 +176,13 @@ def test_tiny_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert main(argv) == 0
     captured = capsys.readouterr()
     records = json.loads(out.read_text())
-    # normal: 2 token counts x (baseline + bf16 + fp8); low-latency: baseline + fp8.
-    assert len(records) == 8, [(r["mode"], r["impl"], r["num_tokens"]) for r in records]
-    a2a = "gloo-a2a" if records[0]["device"] == "cpu-gloo-x2" else "nccl-a2a"
+    # normal: 2 token counts x (a2a + megatron-a2a + bf16 + fp8); low-latency: a2a + fp8.
+    assert len(records) == 10, [(r["mode"], r["impl"], r["num_tokens"]) for r in records]
+    pg = "gloo" if records[0]["device"] == "cpu-gloo-x2" else "nccl"
+    a2a, megatron = f"{pg}-a2a", f"{pg}-megatron-a2a"
     assert {(r["mode"], r["impl"], r["dispatch_dtype"]) for r in records} == {
-        ("normal", a2a, "bf16"), ("normal", "epcomm-reference", "bf16"), ("normal", "epcomm-reference", "fp8"),
-        ("low_latency", a2a, "bf16"), ("low_latency", "epcomm-reference", "fp8")}
+        ("normal", a2a, "bf16"), ("normal", megatron, "bf16"), ("normal", "epcomm-reference", "bf16"),
+        ("normal", "epcomm-reference", "fp8"), ("low_latency", a2a, "bf16"), ("low_latency", "epcomm-reference", "fp8")}
     for r in records:
         tag = f"{r['mode']} {r['impl']} {r['dispatch_dtype']} T={r['num_tokens']}"
         assert set(report.RECORD_KEYS) <= set(r), tag
@@ -190,14 +191,23 @@ def test_tiny_run_end_to_end(tmp_path, capsys, monkeypatch):
             assert r[key] > 0, (tag, key, r[key])
         assert r["num_ranks"] == 2 and r["hidden"] == 256 and r["num_topk"] == 4, tag
         assert r["num_sms"] == (None if r["baseline"] else 8), tag
-        assert r["buffer_bytes"] > 0 and r["inter_domain_gbps"] is None, tag
+        assert (r["buffer_bytes"] == 0) == (r["impl"] == megatron), tag  # Megatron's sequence holds no buffer
+        assert r["inter_domain_gbps"] is None, tag
+        # Peak memory beside the times, per operation; the epcomm calls and Megatron's allocate their outputs.
+        ops = {"dispatch", "combine"} | ({"cached_dispatch"} if "cached_dispatch_us" in r else set())
+        assert set(r["peak_memory_bytes_per_op"]) == ops, tag
+        assert r["peak_memory_bytes"] == max(r["peak_memory_bytes_per_op"].values()), tag
+        assert r["peak_memory_bytes"] > 0 or r["impl"] == a2a, tag
+        assert r["peak_memory_method"], tag
+        if r["impl"] == megatron:  # one row per (token, selected expert): more than the dispatch's rows
+            assert sum(r["sent_rows_per_rank"]) > sum(r["dispatch_bytes_per_rank"]) // (2 * r["hidden"]), tag
         assert re.fullmatch(r"[0-9a-f]{40}(\+modified)?|unknown", r["commit"]), tag
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"]), tag
         assert len(r["dispatch_us_per_rank"]) == 2 and max(r["dispatch_us_per_rank"]) == r["dispatch_us"], tag
         assert r["env"].get("EPCOMM_COMBINE_SEND_SMS_PCT") == "40", (tag, r["env"])
     # One progress line per configuration on stderr; the table on stdout.
-    assert len(re.findall(r"^\[\d/8\] ", captured.err, flags=re.M)) == 8, captured.err
-    assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out
+    assert len(re.findall(r"^\[\d+/10\] ", captured.err, flags=re.M)) == 10, captured.err
+    assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out and "peak MB" in captured.out
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
