@@ -16,12 +16,13 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                        "counters, the last calls); unset: <temp dir>/epcomm-flight-records; off "
                                        "or 0: no file"),
     "EPCOMM_BACKEND": ("auto", "backend used when Buffer(backend=...) is not given: auto (the CUDA kernels for "
-                               "each mode every rank can run them for, else the reference backend), cuda or "
-                               "reference"),
+                               "each mode every rank can run them for, else the reference backend with the "
+                               "planner's strategy), cuda or reference"),
     "EPCOMM_DEVICE": ("", "where a Buffer's tensors live when Buffer(device=...) is not given: cpu or cuda "
                           "(the current GPU); unset: the current GPU if the group's backend holds CUDA tensors "
                           "(NCCL; plain gloo when CUDA is available), else the CPU"),
-    "EPCOMM_RANKS_PER_DOMAIN": ("", "ranks per scale-up domain (default: the ranks of one host)"),
+    "EPCOMM_RANKS_PER_DOMAIN": ("", "ranks per scale-up domain (default: the ranks of a host, if every host "
+                                    "holds as many; else one domain)"),
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
                                      "counts (0: one fused kernel after the read)"),

@@ -48,10 +48,10 @@ class Buffer(ArgumentChecks):
         explicitly_destroy: the caller frees the Buffer with ``destroy()``.
         enable_shrink: failed-rank masking (``low_latency_update_mask_buffer``); on the portable path a normal-mode
             call also masks a peer that fails in it and completes over the live ranks (docs/ERRORS.md).
-        backend: **[ext]** ``'auto'`` (default, or ``EPCOMM_BACKEND``): each mode on the CUDA kernels where
-            every rank can run it, else on the reference backend; ``'cuda'``; ``'reference'``.
-        strategy: **[ext]** the normal-mode algorithm: ``'alltoall'``, ``'allgather'`` (reference only) or
-            ``'hierarchical'`` (once per destination domain over the slow tier).
+        backend: **[ext]** ``'auto'`` (default, or ``EPCOMM_BACKEND``): each mode on the CUDA kernels where every
+            rank can run it, else on the reference backend; ``'cuda'``; ``'reference'``. See ``backend_reasons``.
+        strategy: **[ext]** normal mode's ``'alltoall'``, ``'allgather'`` (reference only) or ``'hierarchical'``;
+            None: the kernels' default, on the reference backend under 'auto' the planner's fastest, else all-to-all.
         device: **[ext]** the device of the Buffer's tensors (default: the group's, or ``EPCOMM_DEVICE``).
     """
 
@@ -61,10 +61,10 @@ class Buffer(ArgumentChecks):
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Any = None, *, backend: str | None = None, strategy: str = "alltoall",
+                 comm: Any = None, *, backend: str | None = None, strategy: str | None = None,
                  device: torch.device | str | None = None) -> None:
         # Collective: sets group, rank, group_size, device, uid, handle_scope, the sizes and flags, ranks_per_domain,
-        # backends, and the ops of each mode (_normal_ops, _ll_ops), or raises on every rank.
+        # strategy, backends, backend_reasons, the ops of each mode (_normal_ops, _ll_ops), or raises on every rank.
         self._normal_ops: NormalOps
         self._ll_ops: LowLatencyOps
         lifecycle.build(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,

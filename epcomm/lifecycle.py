@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _env, flight_recorder
+from . import _env, backend_choice, flight_recorder
 from ._checks import check_int
 from .backends import make_ops
 from .backends.cuda.availability import LOW_LATENCY, NORMAL, gpu_id, mode_blockers, modes_used, stable_id
@@ -36,12 +36,14 @@ _buffer_counters: dict[tuple[int, ...], itertools.count] = {}
 _MODES = (NORMAL, LOW_LATENCY)
 _KERNEL_BUILD_S = 900.0  # how long the backend vote waits for a rank that builds the kernels
 # What every rank of a Buffer must choose alike (exchanged when it is built).
-_SHARED_CHOICES = ("backend", "device", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "strategy")
+_SHARED_CHOICES = ("backend", "device", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "strategy",
+                   "EPCOMM_RANKS_PER_DOMAIN")
 # Sequence numbers the construction's exchanges announce in the store (calls count from 1): a peer
 # that has not reached an exchange is named by its timeout.
 _SEQ_AGREEMENT, _SEQ_VOTE = -2, -1
 _BACKENDS = ("auto", "cuda", "reference")
 _STRATEGIES = ("alltoall", "allgather", "hierarchical")  # [ext] normal-mode algorithm of the reference backend
+_UNSET = len(_STRATEGIES)  # strategy=None in the exchange: the kernels' default, or the planner's on 'auto'
 # Errors of argument checking: the refusing rank tells its peers before raising.
 REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
 
@@ -84,7 +86,7 @@ def buffer_device(group: dist.ProcessGroup, device: torch.device | str | None) -
 
 def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
           num_qps_per_rank: int, allow_nvlink_for_low_latency_mode: bool, allow_mnnvl: bool, use_fabric: bool,
-          explicitly_destroy: bool, enable_shrink: bool, comm: Any, backend: str | None, strategy: str,
+          explicitly_destroy: bool, enable_shrink: bool, comm: Any, backend: str | None, strategy: str | None,
           device: torch.device | str | None) -> None:
     """Buffer.__init__'s collective part: check the arguments, agree with every rank (raising on all
     of them if one refused or they differ), vote on the backends and build each mode's ops."""
@@ -104,6 +106,7 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf.uid = next_uid(buf.group)
     buf._group_ranks = _group_ranks(buf.group)
     buf._backend = ReferenceBackend(buf.group, buf.device, buf.uid, _env.timeout_s())
+    backend_from_env = backend is None
     backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
     ll_nvshmem = False
     try:
@@ -119,8 +122,8 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
                              "tensors (NCCL or gloo) on a machine with CUDA, or device='cuda' / "
                              f"EPCOMM_DEVICE=cuda (group backend {dist.get_backend(buf.group)}, device "
                              f"{buf.device})")
-        if strategy not in _STRATEGIES:
-            raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+        if strategy is not None and strategy not in _STRATEGIES:
+            raise ValueError(f"strategy must be one of {_STRATEGIES} or None, got {strategy!r}")
         if strategy == "allgather" and backend == "cuda":
             raise ValueError(f"strategy={strategy!r} is implemented by the reference backend only; use "
                              "backend='reference'")
@@ -140,7 +143,7 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     # asked for the same Buffer, within the timeout.
     shared_choices = [] if error else [
         _BACKENDS.index(backend), int(buf.device.type == "cuda"), buf.num_nvl_bytes, buf.num_rdma_bytes,
-        int(bool(low_latency_mode)), _STRATEGIES.index(strategy)]
+        int(bool(low_latency_mode)), _UNSET if strategy is None else _STRATEGIES.index(strategy), ranks_per_domain_env]
     buf.ranks_per_domain, hosts, gpus = _agree_on_construction(
         buf, error, ranks_per_domain_env if error is None else 0, gpu, shared_choices, _collected_on(buf._group_ranks))
     buf._backend.ranks_per_domain = buf.ranks_per_domain
@@ -153,19 +156,25 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf._mask = torch.zeros(buf.group_size, dtype=torch.int32, device=buf.device)  # the failed-rank mask
     buf._backend.mask = buf._mask if enable_shrink else None  # normal mode masks on a failure (shrink.py)
     buf.comm = comm
-    buf.strategy = strategy
-    # [ext] The backend of each mode: 'auto' runs a mode on the kernels where every rank can.
-    on_kernels = _choose_backends(buf, backend, hosts, gpus, ll_nvshmem)
+    domains = backend_choice.detect_domains(hosts, buf.ranks_per_domain, bool(ranks_per_domain_env))
+    # [ext] The backend of each mode: 'auto' runs a mode on the kernels where every rank can; the strategy
+    # and each mode's reason follow (backend_choice.py), equal on every rank.
+    buf.strategy = strategy or backend_choice.kernel_strategy(domains, buf.num_rdma_bytes, buf.low_latency_mode)
+    on_kernels, buf.backend_reasons = _choose_backends(buf, backend, backend_from_env, hosts, gpus,
+                                                        ll_nvshmem)
     buf.backends = {mode: "cuda" if on_kernels[mode] else "reference" for mode in _MODES}
     buf.backend_name = "cuda" if "cuda" in buf.backends.values() else "reference"
-    buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, strategy, on_kernels[NORMAL],
+    buf.strategy, buf.backend_reasons[NORMAL] = _normal_strategy(backend, strategy, buf.strategy, on_kernels[NORMAL],
+                                                                 domains, buf.backend_reasons[NORMAL], enable_shrink)
+    backend_choice.log_choice(buf.rank, buf.group_size, buf.device.type, buf.backends, buf.backend_reasons)
+    buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, buf.strategy, on_kernels[NORMAL],
                                             on_kernels[LOW_LATENCY], buf.num_nvl_bytes, buf.num_rdma_bytes,
                                             buf.ranks_per_domain, _env.timeout_s())
     # The normal-mode handles a later Buffer of the same group, device and kind takes (DeepEP's do).
     buf.handle_scope = ""
     if buf._normal_ops.handles_outlive_buffer:
         ranks = dist.get_process_group_ranks(buf.group)
-        buf.handle_scope = f"{ranks}|{buf.device}|{buf.backends[NORMAL]}|{strategy}|{buf.ranks_per_domain}"
+        buf.handle_scope = f"{ranks}|{buf.device}|{buf.backends[NORMAL]}|{buf.strategy}|{buf.ranks_per_domain}"
     buf._flight = flight_recorder.attach(buf)
 
 
@@ -211,26 +220,30 @@ def _agree_on_construction(buf: Any, error: Exception | None, ranks_per_domain: 
     for i, name in enumerate(_SHARED_CHOICES):
         values = rows[:, 4 + i].tolist()
         if len(set(values)) > 1:
-            shown = [_BACKENDS[v] if name == "backend" else _STRATEGIES[v] if name == "strategy" else
-                     ("cuda" if v else "cpu") if name == "device" else v for v in values]
+            shown = [_BACKENDS[v] if name == "backend" else (*_STRATEGIES, "unset")[v] if name == "strategy" else
+                     ("cuda" if v else "cpu") if name == "device" else
+                     (v or "unset") if name == "EPCOMM_RANKS_PER_DOMAIN" else v for v in values]
             raise ValueError(f"epcomm Buffer(): ranks chose different {name} values (every rank must build the "
                              "same Buffer): " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
     if collected_key and rows[:, 3].tolist() == [collected_key] * buf.group_size:
         _free_collected(collected)  # every rank holds the same ones, and their kernels have ended everywhere
     hosts, gpus = rows[:, 1].tolist(), rows[:, 2].tolist()
-    if not ranks_per_domain:
-        per_host = hosts.count(hosts[buf.rank])
-        ranks_per_domain = per_host if buf.group_size % per_host == 0 else buf.group_size
-    return ranks_per_domain, hosts, gpus
+    return (ranks_per_domain or backend_choice.default_ranks_per_domain(hosts)), hosts, gpus
 
-def _choose_backends(buf: Any, backend: str, hosts: list[int], gpus: list[int], ll_nvshmem: bool) -> dict[str, bool]:
-    """Per mode, whether it runs on the kernels. 'auto': where every rank can run it
-    (availability.py), else on the reference backend, on every rank alike; 'cuda': the same check,
-    and a mode some rank cannot run raises on every rank. Rank 0 logs each rank's reasons when a
-    GPU Buffer keeps a mode off the kernels."""
+
+def _choose_backends(buf: Any, backend: str, from_env: bool, hosts: list[int], gpus: list[int],
+                     ll_nvshmem: bool) -> tuple[dict[str, bool], dict[str, str]]:
+    """Per mode, whether it runs on the kernels, and why (or why not). 'auto': where every rank can run
+    it (availability.py), else on the reference backend, on every rank alike; 'cuda': the same check,
+    and a mode some rank cannot run raises on every rank. Every rank learns every rank's reasons, so
+    the reasons are equal on every rank too."""
     used = modes_used(buf.num_nvl_bytes, buf.num_rdma_bytes, buf.low_latency_mode)
-    if backend == "reference" or not used:
-        return dict.fromkeys(_MODES, False)
+    reasons = {mode: backend_choice.unused_reason(mode) for mode in _MODES}
+    if backend == "reference":
+        asked = "EPCOMM_BACKEND=reference" if from_env else "backend='reference'"
+        return dict.fromkeys(_MODES, False), {mode: f"{asked} was asked for" for mode in _MODES}
+    if not used:
+        return dict.fromkeys(_MODES, False), reasons
     try:  # builds the kernel libraries on first use
         blockers = mode_blockers(buf.rank, buf.device, hosts, gpus, num_nvl_bytes=buf.num_nvl_bytes,
                                  num_rdma_bytes=buf.num_rdma_bytes, low_latency_mode=buf.low_latency_mode,
@@ -238,8 +251,7 @@ def _choose_backends(buf: Any, backend: str, hosts: list[int], gpus: list[int], 
     except Exception as e:  # every rank still votes: a failed check keeps the modes off the kernels
         blockers = dict.fromkeys(used, f"checking the kernels failed ({type(e).__name__}: {e})")
     transport = buf._backend.transport
-    any_gpu = any(gpus)
-    if any_gpu:  # a peer may still be building the kernels (minutes, once per machine): wait in the store,
+    if any(gpus):  # a peer may still be building the kernels (minutes, once per machine): wait in the store,
         # which a dead peer cannot hang and which no collective watchdog times
         build_s = max(transport.timeout_s, _KERNEL_BUILD_S)
         late = transport.meet("kernels-checked", time.monotonic() + build_s)
@@ -252,22 +264,36 @@ def _choose_backends(buf: Any, backend: str, hosts: list[int], gpus: list[int], 
     votes = torch.stack(transport.all_gather(able_per_mode, "Buffer() backend vote", _SEQ_VOTE,
                                              time.monotonic() + transport.timeout_s)).cpu()
     on_kernels = {mode: mode in used and bool(votes[:, i].all()) for i, mode in enumerate(_MODES)}
+    for mode in _MODES:
+        if on_kernels[mode]:
+            reasons[mode] = "every rank can run the CUDA kernels"
     kept_off = [mode for mode in used if not on_kernels[mode]]
-    if kept_off and any_gpu:  # every rank takes this branch alike (the votes and GPUs are shared)
-        reasons: list[Any] = [None] * buf.group_size
-        dist.all_gather_object(reasons, {mode: blockers.get(mode) for mode in kept_off}, group=buf.group)
+    if kept_off:  # every rank takes this branch alike (the votes are shared)
+        gathered: list[Any] = [None] * buf.group_size
+        dist.all_gather_object(gathered, {mode: blockers.get(mode) for mode in kept_off}, group=buf.group)
         for mode in kept_off:
-            why = "; ".join(f"rank {r}: {reason[mode]}" for r, reason in enumerate(reasons) if reason[mode])
+            reasons[mode] = backend_choice.blocked_reason([per_rank[mode] for per_rank in gathered])
             if backend == "cuda":
-                raise RuntimeError(f"epcomm Buffer(backend='cuda'): the CUDA kernels cannot run "
-                                   f"{mode.replace('_', '-')} mode here: {why}")
-            if buf.rank == 0:
-                _log.warning("epcomm Buffer: %s mode runs on the reference backend, not the CUDA kernels: %s",
-                             mode.replace("_", "-"), why)
-    if buf.rank == 0 and any(on_kernels.values()):
-        _log.info("epcomm Buffer: the CUDA kernels run %s", ", ".join(
-            f"{mode.replace('_', '-')} mode" for mode in _MODES if on_kernels[mode]))
-    return on_kernels
+                raise RuntimeError(f"epcomm Buffer(backend='cuda'): {mode.replace('_', '-')} mode: "
+                                   f"{reasons[mode]}")
+    return on_kernels, reasons
+
+
+def _normal_strategy(backend: str, asked: str | None, kernels: str, on_kernels: bool,
+                     domains: backend_choice.Domains, reason: str, shrink: bool) -> tuple[str, str]:
+    """Normal mode's strategy and the reason that names it: the caller's; else the kernels' default
+    on the kernels; else with enable_shrink the all-to-all (the strategy that masks failed ranks on
+    the reference backend); else on 'auto' the planner's fastest for the domains; else the all-to-all."""
+    if asked is not None:
+        return asked, f"{reason}; strategy {asked}: given"
+    if on_kernels:
+        return kernels, f"{reason}; strategy {kernels}: the kernels' default for {domains.describe()}"
+    if shrink:
+        return "alltoall", f"{reason}; strategy alltoall: the one that masks failed ranks (enable_shrink)"
+    if backend == "auto":
+        planned, why = backend_choice.planned_strategy(domains)
+        return planned, f"{reason}; strategy {planned}: {why}"
+    return "alltoall", f"{reason}; strategy alltoall: the default (the planner chooses on backend='auto')"
 
 
 def meet(buf: Any, tag: str) -> list[int]:

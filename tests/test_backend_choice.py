@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKEND, EpcommLog, cluster, env_var, poison_allocator
+from conftest import BACKEND, EpcommLog, cluster, env_var, fresh_cluster, nvshmem_found, poison_allocator
 from routing import make_inputs
 
-from epcomm import Buffer, Config
+from epcomm import Buffer, Config, backend_choice
 from epcomm.backends.cuda.availability import LOW_LATENCY, NORMAL, mode_blockers
 from epcomm.bench.checks import same_bits
 from epcomm.utils.launch import group_device
@@ -73,13 +74,24 @@ def _blockers_on_rank(rank: int, fake):
 
 
 def rank_auto_on_cpu():
-    """No GPU: 'auto' is the reference backend for both modes, on the CPU, quietly; a Buffer without
-    low-latency mode reports it on the reference too. With EPCOMM_DEVICE unset, a gloo group without
-    CUDA is on the CPU."""
+    """No GPU: 'auto' is the reference backend for both modes, on the CPU, with the CPU as the reason
+    and one INFO line per Buffer on rank 0 saying so; a Buffer without low-latency mode reports it on
+    the reference too, as unused. With EPCOMM_DEVICE unset, a gloo group without CUDA is on the CPU."""
     with EpcommLog() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
         normal_only = Buffer(dist.group.WORLD, 1 << 22, backend="auto")
-    assert records.messages == [], records.messages
+    cpu = "the CUDA kernels cannot run it (every rank: the Buffer's tensors are on the CPU)"
+    assert buf.backend_reasons[LOW_LATENCY] == cpu, buf.backend_reasons
+    assert buf.backend_reasons[NORMAL].startswith(cpu + "; strategy alltoall: the planner's fastest for 1 domain "
+                                                  f"of {dist.get_world_size()} ranks on 1 host"), buf.backend_reasons
+    assert normal_only.backend_reasons[LOW_LATENCY].startswith("not used by this Buffer"), normal_only.backend_reasons
+    if dist.get_rank() == 0:
+        assert len(records.messages) == 2, records.messages
+        assert records.messages[0] == (f"epcomm Buffer ({dist.get_world_size()} ranks, cpu): normal mode on "
+                                       f"reference: {buf.backend_reasons[NORMAL]}; low-latency mode on reference: "
+                                       f"{cpu}"), records.messages
+    else:
+        assert records.messages == [], records.messages
     assert buf.device.type == "cpu"
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"} and buf.backend_name == "reference"
     assert normal_only.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, normal_only.backends
@@ -108,6 +120,8 @@ def rank_split_vote(raise_in_check: bool):
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto")
         elapsed = time.monotonic() - start
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "reference"}, buf.backends
+    why = "rank 1: " + ("checking the kernels failed (OSError: no such library)" if raise_in_check else "test: blocked")
+    assert buf.backend_reasons[LOW_LATENCY] == f"the CUDA kernels cannot run it ({why})", buf.backend_reasons
     assert elapsed < 10, elapsed
     out = _round_trip(buf, buf.device, seed=4)
     buf.destroy()
@@ -118,6 +132,90 @@ def rank_split_vote(raise_in_check: bool):
 @pytest.mark.parametrize("raise_in_check", [False, True], ids=["blocked", "check-raises"])
 def test_one_rank_unable_keeps_every_rank_on_the_reference(raise_in_check):
     assert sum(cluster(2).run(rank_split_vote, raise_in_check)) > 0
+
+
+@contextlib.contextmanager
+def _hosts(ranks_per_host: int):
+    """Each rank's host name seen by the Buffer: ranks_per_host consecutive ranks per simulated host."""
+    import epcomm.lifecycle as lifecycle
+
+    real = lifecycle.socket
+    lifecycle.socket = types.SimpleNamespace(gethostname=lambda: f"host{dist.get_rank() // ranks_per_host}")
+    try:
+        yield
+    finally:
+        lifecycle.socket = real
+
+
+def rank_planned_strategies():
+    """backend='auto' off the kernels: normal mode takes the planner's strategy for the group's domains,
+    detected from the hosts or set by EPCOMM_RANKS_PER_DOMAIN; strategy= wins; backend='reference' keeps
+    the all-to-all. Each Buffer logs one line on rank 0, naming its strategy and why."""
+    cases = [  # (ranks per simulated host, EPCOMM_RANKS_PER_DOMAIN, strategy=, backend, strategy got, reason)
+        (4, None, None, "auto", "alltoall", "the planner's fastest for 1 domain of 4 ranks on 1 host ("),
+        (4, 2, None, "auto", "alltoall", "the planner's fastest for 2 domains of 2 ranks on 1 host "
+                                         "(EPCOMM_RANKS_PER_DOMAIN), sharing the host's links ("),
+        (2, None, None, "auto", "hierarchical", "the planner's fastest for 2 domains of 2 ranks on 2 hosts ("),
+        (2, 4, None, "auto", "alltoall", "the planner's fastest for 1 domain of 4 ranks on 2 hosts "
+                                         "(EPCOMM_RANKS_PER_DOMAIN) ("),
+        (2, None, "allgather", "auto", "allgather", "given"),
+        (2, None, "alltoall", "auto", "alltoall", "given"),
+        (2, None, None, "reference", "alltoall", "the default (the planner chooses on backend='auto')"),
+    ]
+    outs = []
+    for per_host, per_domain, strategy, backend, want, why in cases:
+        env = env_var("EPCOMM_RANKS_PER_DOMAIN", per_domain) if per_domain else contextlib.nullcontext()
+        with _hosts(per_host), env, EpcommLog() as records:
+            buf = Buffer(dist.group.WORLD, _buffers_kwargs(dist.get_world_size())["num_nvl_bytes"], backend=backend,
+                         strategy=strategy)
+        case = (per_host, per_domain, strategy, backend)
+        assert buf.strategy == want, (case, buf.strategy)
+        assert buf.num_domains == dist.get_world_size() // (per_domain or per_host), (case, buf.num_domains)
+        reason = buf.backend_reasons[NORMAL]
+        assert f"; strategy {want}: {why}" in reason, (case, reason)
+        messages = [m for m in records.messages if m.startswith("epcomm Buffer (")]
+        assert len(messages) == (dist.get_rank() == 0), (case, records.messages)
+        assert all(f"normal mode on reference: {reason}; low-latency mode on reference: " in m
+                   for m in messages), (case, messages)
+        if want == "hierarchical":  # the chosen strategy runs
+            x, topk_idx, weights = make_inputs(11, dist.get_rank(), 24, HIDDEN, EXPERTS, TOPK,
+                                               dist.get_world_size(), "random")
+            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, EXPERTS)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
+            combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+            assert combined.shape == x.shape
+        buf.destroy()
+        outs.append(reason)
+    return outs
+
+
+@pytest.mark.skipif(BACKEND == "nccl", reason="the CPU rule: the suite runs on GPUs")
+def test_auto_takes_the_planners_strategy_for_the_domains():
+    reasons = cluster(4).run(rank_planned_strategies)
+    assert all(r == reasons[0] for r in reasons), "the ranks' reasons differ"
+
+
+def test_planned_strategy_follows_the_links():
+    """The planner's choice for the domains: the all-to-all in one domain and where domains share one
+    host's links; hierarchical forwarding where hosts' links join the domains; the default ranks per
+    domain is the same on every rank, even for uneven hosts."""
+    def domains(hosts, per_domain=None):
+        return backend_choice.detect_domains(hosts, per_domain or backend_choice.default_ranks_per_domain(hosts),
+                                             per_domain is not None)
+    assert backend_choice.planned_strategy(domains([1] * 8))[0] == "alltoall"
+    assert backend_choice.planned_strategy(domains([1] * 8, 4))[0] == "alltoall"
+    assert backend_choice.planned_strategy(domains([1] * 8 + [2] * 8))[0] == "hierarchical"
+    assert backend_choice.planned_strategy(domains([1] * 4 + [2] * 4, 8))[0] == "alltoall"
+    assert backend_choice.default_ranks_per_domain([1, 1, 2, 2, 2, 2]) == 6
+    assert backend_choice.default_ranks_per_domain([1, 1, 2, 2]) == 2
+    # The kernels across hosts: the hierarchical kernels when the Buffer reserves their buffer.
+    two_hosts = domains([1] * 8 + [2] * 8)
+    assert backend_choice.kernel_strategy(two_hosts, 1 << 20, False) == "hierarchical"
+    assert backend_choice.kernel_strategy(two_hosts, 0, False) == "alltoall"
+    assert backend_choice.kernel_strategy(two_hosts, 1 << 20, True) == "alltoall"
+    assert backend_choice.kernel_strategy(domains([1] * 8), 1 << 20, False) == "alltoall"
 
 
 def rank_sizes_disagree():
@@ -146,6 +244,22 @@ def rank_backends_disagree():
 
 def test_ranks_asking_for_different_backends_all_raise():
     cluster(2).run(rank_backends_disagree)
+
+
+def rank_domains_or_strategy_disagree():
+    """A strategy passed on one rank only, or EPCOMM_RANKS_PER_DOMAIN set on one rank only: every rank
+    raises ValueError naming it (the planner's choice and the domains must be the same everywhere)."""
+    first = dist.get_rank() == 0
+    with pytest.raises(ValueError, match=r"different strategy values .*rank 0: unset, rank 1: alltoall"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto", strategy=None if first else "alltoall")
+    env = env_var("EPCOMM_RANKS_PER_DOMAIN", 1) if not first else contextlib.nullcontext()
+    with env, pytest.raises(ValueError, match=r"different EPCOMM_RANKS_PER_DOMAIN values .*rank 0: unset, rank 1: 1"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto")
+    return True
+
+
+def test_ranks_disagreeing_on_strategy_or_domains_all_raise():
+    cluster(2).run(rank_domains_or_strategy_disagree)
 
 
 def rank_bad_device():
@@ -191,6 +305,12 @@ def rank_auto_on_gpus(group_backend: str | None):
         assert buf.device == dev, (backend, buf.device)
         want = "cuda" if backend == "auto" else "reference"
         assert buf.backends == {NORMAL: want, LOW_LATENCY: want}, (backend, buf.backends)
+        assert buf.strategy == "alltoall", (backend, buf.strategy)
+        if backend == "auto":
+            assert buf.backend_reasons == {
+                NORMAL: "every rank can run the CUDA kernels; strategy alltoall: the kernels' default for 1 domain "
+                        f"of {dist.get_world_size()} rank{'s' if dist.get_world_size() > 1 else ''} on 1 host",
+                LOW_LATENCY: "every rank can run the CUDA kernels"}, buf.backend_reasons
         outs[backend] = _round_trip(buf, dev, seed=5)
         buf.destroy()
     for key, ref in outs["reference"].items():
@@ -207,18 +327,22 @@ def test_auto_on_gpus_runs_the_kernels(ranks, group_backend):
 
 
 def rank_auto_falls_back():
-    """A mode the kernels cannot run stays on the reference backend, logged: here the allgather
-    strategy (normal mode), while low-latency mode still runs on the kernels."""
+    """A mode the kernels cannot run stays on the reference backend, with the reason, in one line that
+    rank 0 logs: here the allgather strategy (normal mode), while low-latency mode still runs on the
+    kernels."""
     with EpcommLog() as records:
         buf = Buffer(dist.group.WORLD, **_buffers_kwargs(dist.get_world_size()), backend="auto", strategy="allgather")
     assert buf.backends == {NORMAL: "reference", LOW_LATENCY: "cuda"}, buf.backends
-    if dist.get_rank() == 0:  # rank 0 logs every rank's reason
-        warned = [m for m in records.messages if "normal mode runs on the reference backend" in m]
-        assert len(warned) == 1 and all(f"rank {r}: strategy='allgather'" in warned[0]
-                                        for r in range(dist.get_world_size())), records.messages
-        assert any("the CUDA kernels run low-latency mode" in m for m in records.messages), records.messages
+    assert buf.backend_reasons[NORMAL] == ("the CUDA kernels cannot run it (every rank: strategy='allgather' is "
+                                           "implemented by the reference backend only); strategy allgather: given")
+    if dist.get_rank() == 0:
+        lines = [m for m in records.messages if m.startswith("epcomm Buffer (")]
+        assert lines == [
+            f"epcomm Buffer ({dist.get_world_size()} ranks, cuda): normal mode on reference: "
+            f"{buf.backend_reasons[NORMAL]}; low-latency mode on cuda: every rank can run the CUDA kernels"], \
+            records.messages
     else:
-        assert records.messages == [], records.messages
+        assert not [m for m in records.messages if m.startswith("epcomm Buffer (")], records.messages
     out = _round_trip(buf, buf.device, seed=9)
     buf.destroy()
     return int(out["recv_x"].shape[0])
@@ -229,6 +353,46 @@ def rank_auto_falls_back():
 def test_auto_keeps_a_mode_the_kernels_cannot_run_on_the_reference():
     cluster(2).run(rank_auto_falls_back)
 
+
+
+def rank_auto_hierarchical_across_hosts():
+    """A Buffer across (simulated) hosts that reserves num_rdma_bytes and passes no strategy= runs normal
+    mode on the hierarchical kernels, as DeepEP's internode Buffer does, with the outputs of the reference
+    backend's hierarchical strategy."""
+    from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
+
+    rank, num_ranks, num_tokens, num_experts = dist.get_rank(), dist.get_world_size(), 32, 4 * dist.get_world_size()
+    rdma = rdma_bytes_needed(num_tokens, HIDDEN, 2, num_ranks, 1, TOPK, HIDDEN // 128)
+    with _hosts(1):
+        ref = Buffer(dist.group.WORLD, 64 << 20, backend="reference", strategy="hierarchical")
+        auto = Buffer(dist.group.WORLD, 64 << 20, rdma, backend="auto")
+    assert (auto.backends[NORMAL], auto.strategy) == ("cuda", "hierarchical"), auto.backend_reasons
+    assert auto.backend_reasons[NORMAL] == ("every rank can run the CUDA kernels; strategy hierarchical: the kernels' "
+                                            f"default for {num_ranks} domains of 1 rank on {num_ranks} hosts")
+    dev = auto.device
+    x, idx, w = (t.to(dev) for t in make_inputs(21, rank, num_tokens, HIDDEN, num_experts, TOPK, num_ranks, "random"))
+    outs = []
+    for buf in (ref, auto):
+        per_rank, per_domain, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_domain, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        combined = buf.combine((recv_x.float() * 0.5).to(torch.bfloat16), handle, topk_weights=recv_w)[0]
+        torch.cuda.synchronize()
+        outs.append((recv_x.clone(), combined.clone()))
+    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1]), f"rank {rank}: outputs differ"
+    ref.destroy()
+    auto.destroy()
+    return True
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_auto_across_hosts_runs_the_hierarchical_kernels():
+    if not nvshmem_found():
+        pytest.skip("NVSHMEM not installed (pip install nvidia-nvshmem-cu13)")
+    with fresh_cluster(2, {"NVSHMEM_SYMMETRIC_SIZE": str(1 << 30)}) as c:
+        c.run(rank_auto_hierarchical_across_hosts, timeout_s=300)
 
 
 def rank_buffer_names_per_group():

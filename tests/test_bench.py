@@ -176,12 +176,13 @@ def test_tiny_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert main(argv) == 0
     captured = capsys.readouterr()
     records = json.loads(out.read_text())
-    # normal: 2 token counts x (baseline + bf16 + fp8); low-latency: baseline + fp8.
-    assert len(records) == 8, [(r["mode"], r["impl"], r["num_tokens"]) for r in records]
-    a2a = "gloo-a2a" if records[0]["device"] == "cpu-gloo-x2" else "nccl-a2a"
+    # normal: 2 token counts x (a2a + megatron-a2a + bf16 + fp8); low-latency: a2a + fp8.
+    assert len(records) == 10, [(r["mode"], r["impl"], r["num_tokens"]) for r in records]
+    pg = "gloo" if records[0]["device"] == "cpu-gloo-x2" else "nccl"
+    a2a, megatron = f"{pg}-a2a", f"{pg}-megatron-a2a"
     assert {(r["mode"], r["impl"], r["dispatch_dtype"]) for r in records} == {
-        ("normal", a2a, "bf16"), ("normal", "epcomm-reference", "bf16"), ("normal", "epcomm-reference", "fp8"),
-        ("low_latency", a2a, "bf16"), ("low_latency", "epcomm-reference", "fp8")}
+        ("normal", a2a, "bf16"), ("normal", megatron, "bf16"), ("normal", "epcomm-reference", "bf16"),
+        ("normal", "epcomm-reference", "fp8"), ("low_latency", a2a, "bf16"), ("low_latency", "epcomm-reference", "fp8")}
     for r in records:
         tag = f"{r['mode']} {r['impl']} {r['dispatch_dtype']} T={r['num_tokens']}"
         assert set(report.RECORD_KEYS) <= set(r), tag
@@ -190,14 +191,23 @@ def test_tiny_run_end_to_end(tmp_path, capsys, monkeypatch):
             assert r[key] > 0, (tag, key, r[key])
         assert r["num_ranks"] == 2 and r["hidden"] == 256 and r["num_topk"] == 4, tag
         assert r["num_sms"] == (None if r["baseline"] else 8), tag
-        assert r["buffer_bytes"] > 0 and r["inter_domain_gbps"] is None, tag
+        assert (r["buffer_bytes"] == 0) == (r["impl"] == megatron), tag  # Megatron's sequence holds no buffer
+        assert r["inter_domain_gbps"] is None, tag
+        # Peak memory beside the times, per operation; the epcomm calls and Megatron's allocate their outputs.
+        ops = {"dispatch", "combine"} | ({"cached_dispatch"} if "cached_dispatch_us" in r else set())
+        assert set(r["peak_memory_bytes_per_op"]) == ops, tag
+        assert r["peak_memory_bytes"] == max(r["peak_memory_bytes_per_op"].values()), tag
+        assert r["peak_memory_bytes"] > 0 or r["impl"] == a2a, tag
+        assert r["peak_memory_method"], tag
+        if r["impl"] == megatron:  # one row per (token, selected expert): more than the dispatch's rows
+            assert sum(r["sent_rows_per_rank"]) > sum(r["dispatch_bytes_per_rank"]) // (2 * r["hidden"]), tag
         assert re.fullmatch(r"[0-9a-f]{40}(\+modified)?|unknown", r["commit"]), tag
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", r["date"]), tag
         assert len(r["dispatch_us_per_rank"]) == 2 and max(r["dispatch_us_per_rank"]) == r["dispatch_us"], tag
         assert r["env"].get("EPCOMM_COMBINE_SEND_SMS_PCT") == "40", (tag, r["env"])
     # One progress line per configuration on stderr; the table on stdout.
-    assert len(re.findall(r"^\[\d/8\] ", captured.err, flags=re.M)) == 8, captured.err
-    assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out
+    assert len(re.findall(r"^\[\d+/10\] ", captured.err, flags=re.M)) == 10, captured.err
+    assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out and "peak MB" in captured.out
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -407,3 +417,129 @@ def test_ab_commits_builds_and_runs_every_tree_in_both_orders(tmp_path):
     assert f"ab_commits: {shas[0]} has no tests" in out and f"{shas[1]} tests" not in out, out
     for sha in shas:
         assert f"profile {sha}: rank 0 dispatch send v=" in out, out
+
+
+def rank_megatron_sequence(routing: str):
+    """megatron-a2a on a named routing (with unused slots too): its rows, weights and sums against the oracle."""
+    import torch.distributed as dist
+    from routing import device
+
+    from epcomm.bench import megatron
+    from epcomm.bench.workloads import RankInputs, make_pattern_topk_idx
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    tokens, hidden, experts, topk = 40, 256, 4 * num_ranks, 4
+    inputs = []
+    for r in range(num_ranks):
+        gen = torch.Generator().manual_seed(100 + r)
+        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+        idx = make_pattern_topk_idx(gen, tokens, experts, topk, num_ranks, routing)
+        w = torch.rand((tokens, topk), generator=gen)
+        inputs.append(RankInputs(x.to(device()), idx.to(device()), w.to(device())))
+    want = checks.Expected(inputs, rank, experts)
+    got = megatron.dispatch(inputs[rank].x, inputs[rank].topk_idx, inputs[rank].topk_weights, experts)
+    failures = megatron.check_dispatch("dispatch", got, want)
+    failures += megatron.check_combine("combine", megatron.combine(got.x, got, tokens), inputs[rank])
+    return failures, got.sent_tokens.numel(), int((inputs[rank].topk_idx >= 0).sum())
+
+
+@pytest.mark.parametrize("routing", ["random", "imbalanced", "empty_rank", "all_dropped"])
+def test_megatron_sequence_matches_the_oracle(routing):
+    from conftest import cluster
+
+    for failures, sent, selections in cluster(2).run(rank_megatron_sequence, routing):
+        assert failures == []
+        assert sent == selections  # one row per (token, selected expert): Megatron's layout, not per rank
+
+
+def test_megatron_checks_catch_a_wrong_row():
+    from epcomm.bench import megatron
+
+    inputs = _two_rank_inputs()
+    want = checks.Expected(inputs, 0, 8)
+    rows, probs, counts = megatron.expected(want)
+    assert sum(counts) == int((want.topk_idx >= 0).sum()) > want.num_rows  # a token goes once per expert
+    got = megatron.Dispatched(rows.clone(), probs.clone(), list(counts), *([None] * 4))
+    assert megatron.check_dispatch("t", got, want) == []
+    got.x.view(torch.uint8)[2, 5] ^= 1
+    got.tokens_per_expert[0] += 1
+    bad = megatron.check_dispatch("t", got, want)
+    assert len(bad) == 2 and "tokens per local expert" in bad[0] and "rows by expert" in bad[1], bad
+    got.probs[0] += 1
+    assert len(megatron.check_dispatch("t", got, want)) == 3
+
+    mine = inputs[0]
+    n = (mine.topk_idx >= 0).sum(1, keepdim=True)
+    combined = (mine.x.double() * n).to(torch.bfloat16)
+    assert megatron.check_combine("t", combined, mine) == []
+    combined[4] -= mine.x[4]  # one expert's output missing
+    assert megatron.check_combine("t", combined, mine)
+
+
+def test_call_memory_measures_the_peak_and_the_growth():
+    """bench/memory.call_memory on CPU: a call's temporaries show as its peak, what it keeps as growth."""
+    from epcomm.bench import memory
+
+    cpu = torch.device("cpu")
+    x = torch.ones(1 << 18)  # 1 MiB
+    steady = memory.call_memory(lambda: (x * 2 + 1).sum(), 3, cpu)
+    assert steady is not None, "torch.profiler recorded no CPU allocations"
+    assert all(m.peak_bytes >= 2 * x.nbytes for m in steady)  # x * 2 and its + 1 are alive together
+    assert steady[2].level_bytes == steady[1].level_bytes and steady[2].peak_bytes == steady[1].peak_bytes
+    kept: list[torch.Tensor] = []
+    leaking = memory.call_memory(lambda: kept.append(x * 2), 3, cpu)
+    assert [m.level_bytes for m in leaking] == [0, x.nbytes, 2 * x.nbytes]
+    assert memory.live_tensor_bytes(cpu) >= 3 * x.nbytes  # x and the two kept
+    assert memory.call_memory(lambda: None, 2, cpu)[1].peak_bytes == 0
+
+
+def rank_portable_memory_per_call(mode: str, calls: int):
+    """Each call's peak memory rise and the allocation when it started, over ``calls`` dispatch + combine
+    steps of the portable path (the reference backend) with the same inputs."""
+    import torch.distributed as dist
+    from routing import device
+
+    from epcomm.bench import memory
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    tokens, hidden, experts, topk = 64, 512, 4 * num_ranks, 4
+    inp = make_rank_inputs(5, rank, tokens, hidden, experts, topk)
+    x, idx, w = inp.x.to(device()), inp.topk_idx.to(device()), inp.topk_weights.to(device())
+    if mode == "normal":
+        buf = epcomm.Buffer(dist.group.WORLD, 1 << 26, backend="reference")
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+
+        def step():
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            return buf.combine(recv_x, handle)[0]
+    else:
+        buf = epcomm.Buffer(dist.group.WORLD, 0,
+                            epcomm.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts),
+                            low_latency_mode=True, backend="reference")
+
+        def step():
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=False)
+            return buf.low_latency_combine(recv_x, idx, w, handle)[0]
+
+    measured = memory.call_memory(step, calls, device())
+    buf.destroy()
+    return None if measured is None else [(m.peak_bytes, m.level_bytes) for m in measured]
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_portable_path_temporaries_do_not_grow(mode):
+    """The peak of calls 7-10 equals that of calls 2-4 and nothing is kept from call to call (the first call
+    may fill caches). Both are the least of a few calls: on CPU a free made on a gloo thread goes
+    unrecorded and can only inflate a call's peak, and a collective in flight can hold a tensor for a
+    moment (bench/memory.py)."""
+    from conftest import cluster
+
+    for rank, calls in enumerate(cluster(2).run(rank_portable_memory_per_call, mode, 10)):
+        assert calls is not None, "no allocation statistics on this device"
+        peaks, levels = [p for p, _ in calls], [lv for _, lv in calls]
+        early, late = min(peaks[1:4]), min(peaks[6:10])
+        assert early > 0, (rank, peaks)
+        tolerance = 4096 + early // 100
+        assert abs(late - early) <= tolerance, (rank, mode, peaks)
+        assert abs(min(levels[6:10]) - min(levels[1:4])) <= tolerance, (rank, mode, levels)

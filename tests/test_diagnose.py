@@ -136,10 +136,11 @@ def test_diagnose_names_an_injected_straggler(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     records = json.loads(out.read_text())
-    # normal: a2a + allgather baselines, the two strategies; low latency: baseline + epcomm.
+    # normal: a2a, Megatron's sequence and allgather baselines, the two strategies; low latency: baseline + epcomm.
     assert [(r["mode"], r["impl"]) for r in records] == [
-        ("normal", "gloo-a2a"), ("normal", "gloo-allgather"), ("normal", "epcomm-reference"),
-        ("normal", "epcomm-reference-allgather"), ("low_latency", "gloo-a2a"), ("low_latency", "epcomm-reference")]
+        ("normal", "gloo-a2a"), ("normal", "gloo-megatron-a2a"), ("normal", "gloo-allgather"),
+        ("normal", "epcomm-reference"), ("normal", "epcomm-reference-allgather"), ("low_latency", "gloo-a2a"),
+        ("low_latency", "epcomm-reference")]
     assert all(r["checked"] for r in records), [r.get("failures") for r in records]
     ll = records[-1]
     assert ll["stragglers"] == [2], ll["wait_us_per_source"]
@@ -155,7 +156,7 @@ def test_diagnose_names_an_injected_straggler(tmp_path, capsys):
         assert r["injected_straggler"] == {"rank": 2, "delay_us": 20000.0}, tag
         assert "_samples_us" not in r, tag
     # The straggler itself arrives last, so its own calls are the short ones.
-    normal = records[2]["latency_us_per_rank"]["dispatch"]
+    normal = records[3]["latency_us_per_rank"]["dispatch"]
     assert normal[2]["p50"] < min(normal[0]["p50"], normal[1]["p50"]), normal
     assert "per-rank latency of the timed calls" in text and "no prediction for CPU/gloo" in text
     if matplotlib_available():

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark epcomm dispatch/combine (normal and low-latency) on the local GPUs (NCCL) or, "
                     "without GPUs, on CPU processes (gloo); every result is checked against a "
                     "single-process reference and printed beside a plain all_to_all_single of the same "
-                    "routing. Times are the slowest rank's median.",
+                    "routing (in normal mode also beside Megatron-LM's layout + permute + all-to-all "
+                    "sequence), with each implementation's peak memory. Times are the slowest rank's median.",
         epilog="Lists take commas or doubling ranges: --tokens 128..16384. Defaults in brackets are "
                "GPU / CPU.")
     def d(name: str) -> str:

@@ -14,7 +14,7 @@ import subprocess
 from typing import Any
 
 from .. import _env
-from . import metrics
+from . import memory, metrics
 from .workloads import Case
 
 # Every record's first keys, in this order; records carry extra keys after them.
@@ -101,6 +101,9 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
         "dispatch_bytes_per_rank": [r["dispatch_bytes"] for r in per_rank],
     })
     record["env"] = env_settings()
+    record.update(_peak_memory(per_rank, timer))
+    if "sent_rows" in per_rank[0]:  # a baseline that sends other rows than the dispatch's (megatron-a2a)
+        record["sent_rows_per_rank"] = [r["sent_rows"] for r in per_rank]
     if "strategy" in per_rank[0]:
         record["strategy"] = per_rank[0]["strategy"]
     if "ll_transport" in per_rank[0]:  # CUDA low latency: IPC or NVSHMEM, and the peers reached by puts
@@ -142,6 +145,24 @@ def make_record(case: Case, per_rank: list[dict[str, Any]], device: str, commit:
     return record
 
 
+def _peak_memory(per_rank: list[dict[str, Any]], timer: str) -> dict[str, Any]:
+    """``peak_memory_bytes``: the largest rank's peak rise of allocated tensor memory over the
+    operations' calls (bench/memory.py); per operation too; null where it was not measurable."""
+    ops = per_rank[0].get("peak_memory")
+    if ops is None:
+        return {}
+    per_op = {}
+    for op in ops:
+        values = [r["peak_memory"].get(op) for r in per_rank]
+        per_op[op] = None if any(v is None for v in values) else max(values)
+    measured = [v for v in per_op.values() if v is not None]
+    method = memory.CUDA_METHOD if timer == "cuda-events" else memory.CPU_METHOD
+    if len(measured) < len(per_op):
+        method += "; null: the profiler recorded no allocations"
+    return {"peak_memory_bytes": max(measured) if measured and len(measured) == len(per_op) else None,
+            "peak_memory_bytes_per_op": per_op, "peak_memory_method": method}
+
+
 def today() -> str:
     return datetime.date.today().isoformat()
 
@@ -174,6 +195,7 @@ _COLUMNS = (
      if "dispatch_graph_us" in r else ""),
     ("kernel d/c us", 13, lambda r: f"{r['dispatch_kernel_us']:.1f}/{r['combine_kernel_us']:.1f}"
      if "dispatch_kernel_us" in r else ""),
+    ("peak MB", 8, lambda r: "-" if r.get("peak_memory_bytes") is None else f"{r['peak_memory_bytes'] / 1e6:.2f}"),
     ("a2a/disp", 8, lambda r: r.get("_vs_a2a", "")),
     ("checked", 7, lambda r: "yes" if r["checked"] else "FAILED"),
 )
@@ -183,14 +205,15 @@ def format_table(records: list[dict[str, Any]], header: str) -> str:
     """The run as a text table, each epcomm row after the baselines of the same routing.
 
     "a2a/disp" is the all_to_all_single baseline's dispatch time over the row's: above 1 means the
-    row is faster than one plain all_to_all_single of the same rows.
+    row is faster than one plain all_to_all_single of the same rows. "peak MB" is the largest rise
+    of allocated tensor memory in the row's calls (1e6 bytes; "-" where not measurable).
     """
     rows = []
     baseline: dict[tuple, dict[str, Any]] = {}
     for r in records:
         key = (r["mode"], r["num_tokens"], r["hidden"], r["num_topk"], r["num_experts"])
         shown = dict(r)
-        if r.get("baseline") and r["impl"].endswith("-a2a"):
+        if r.get("baseline") and re.fullmatch(r"[a-z0-9_]+-a2a", r["impl"]):  # the plain one, not megatron-a2a
             baseline[key] = r
         elif key in baseline and r["dispatch_us"] > 0:
             shown["_vs_a2a"] = f"{baseline[key]['dispatch_us'] / r['dispatch_us']:.2f}x"

@@ -19,9 +19,21 @@ import torch.distributed as dist
 
 from .. import Buffer, per_token_cast_to_fp8
 from ..utils.launch import group_device
-from . import checks, metrics
+from . import checks, megatron, memory, metrics
 from .timing import HEAD_START_CYCLES, cold_start, gpu_barrier, l2_flush_buffer, time_samples
-from .workloads import A2A, AG, ALLGATHER, ALLTOALL, DEEP_EP, HIERARCHICAL, NORMAL, Case, RankInputs, all_rank_inputs
+from .workloads import (
+    A2A,
+    AG,
+    ALLGATHER,
+    ALLTOALL,
+    DEEP_EP,
+    HIERARCHICAL,
+    MEGATRON,
+    NORMAL,
+    Case,
+    RankInputs,
+    all_rank_inputs,
+)
 
 # The single-tensor collectives under their current names (the older ones warn in recent PyTorch).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,6 +60,8 @@ def run_case(case: Case) -> dict[str, Any]:
         return _run_a2a(case, inputs, rank, device, tag)
     if case.kind == AG:
         return _run_allgather_baseline(case, inputs, rank, device, tag)
+    if case.kind == MEGATRON:
+        return _run_megatron(case, inputs, rank, tag)
     if case.mode == NORMAL:
         return _run_normal(case, inputs, rank, tag)
     return _run_low_latency(case, inputs, rank, tag)
@@ -87,10 +101,26 @@ def _straggle(case: Case, rank: int, device: torch.device) -> Callable[[], None]
 
 
 def _timed(fn: Callable[[], Any], case: Case, device: torch.device, before, samples: dict[str, list[float]],
-           name: str, on_start: Callable[[], None] | None = None) -> tuple[float, Any]:
-    """Median seconds of ``fn`` and its last result; every timed call's seconds go to ``samples[name]``."""
-    times, last = time_samples(fn, case.warmup, case.iters, device, before, on_start)
+           name: str, on_start: Callable[[], None] | None = None,
+           peaks: dict[str, int | None] | None = None) -> tuple[float, Any]:
+    """Median seconds of ``fn`` and its last result; every timed call's seconds go to ``samples[name]``,
+    and with ``peaks`` the calls' peak memory rise to ``peaks[name]`` (bench/memory.py says how: on
+    CPU from untimed calls made between the warm-ups and the timed calls, so the checks after
+    timing still see the timed calls' outputs)."""
+    cuda_peak = memory.CudaPeak(device) if peaks is not None and device.type == "cuda" else None
+
+    def start() -> None:
+        if peaks is not None and cuda_peak is None:
+            peaks[name] = memory.untimed_peak(fn, device)
+        if on_start is not None:
+            on_start()
+        if cuda_peak is not None:
+            cuda_peak.start()
+
+    times, last = time_samples(fn, case.warmup, case.iters, device, before, start)
     samples[name] = times
+    if cuda_peak is not None:
+        peaks[name] = cuda_peak.rise()
     return statistics.median(times), last
 
 
@@ -149,21 +179,21 @@ def _run_normal(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> di
     _guarded(failures, f"{tag} (first combine)", checks.check_normal_combine, combine()[0], mine, want,
              case.dtype)
 
-    before, samples = _straggle(case, rank, buf.device), {}
-    dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch")
+    before, samples, peaks = _straggle(case, rank, buf.device), {}, {}
+    dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch", peaks=peaks)
     _guarded(failures, f"{tag} (timed dispatch)", checks.check_normal_dispatch, *last[:4], want, case.dtype)
     traffic = _tier_traffic(buf, "dispatch")  # of a fresh dispatch (the cached one moves less)
-    cached_s, last = _timed(cached_dispatch, case, buf.device, before, samples, "cached_dispatch")
+    cached_s, last = _timed(cached_dispatch, case, buf.device, before, samples, "cached_dispatch", peaks=peaks)
     _guarded(failures, f"{tag} (timed cached dispatch)", checks.check_normal_dispatch, last[0], None, None,
              None, want, case.dtype)
-    combine_s, last = _timed(combine, case, buf.device, before, samples, "combine")
+    combine_s, last = _timed(combine, case, buf.device, before, samples, "combine", peaks=peaks)
     _guarded(failures, f"{tag} (timed combine)", checks.check_normal_combine, last[0], mine, want, case.dtype)
     traffic.update(_tier_traffic(buf, "combine"))
 
     suffix = "" if case.strategy == ALLTOALL else f"-{case.strategy}"
     result = {
         "impl": DEEP_EP if case.kind == DEEP_EP else f"epcomm-{buf.backend_name}{suffix}", "strategy": case.strategy,
-        "samples_s": samples, "num_domains": getattr(buf, "num_domains", 1),
+        "samples_s": samples, "peak_memory": peaks, "num_domains": getattr(buf, "num_domains", 1),
         "buffer_bytes": buf.num_nvl_bytes + buf.num_rdma_bytes,
         "dispatch_s": dispatch_s, "cached_dispatch_s": cached_s, "combine_s": combine_s,
         "dispatch_bytes": metrics.normal_dispatch_bytes(want.num_rows, case.hidden, case.dtype),
@@ -263,8 +293,9 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     _guarded(failures, f"{tag} (first dispatch)", checks.check_ll_dispatch, recv_x, recv_count, handle,
              inputs, rank, num_experts)
 
-    before, samples = _straggle(case, rank, buf.device), {}
-    dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch", reset("dispatch"))
+    before, samples, peaks = _straggle(case, rank, buf.device), {}, {}
+    dispatch_s, last = _timed(dispatch, case, buf.device, before, samples, "dispatch", reset("dispatch"),
+                              peaks=peaks)
     recv_x, recv_count, handle = last[:3]
     _guarded(failures, f"{tag} (timed dispatch)", checks.check_ll_dispatch, recv_x, recv_count, handle,
              inputs, rank, num_experts)
@@ -277,7 +308,7 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
                                        combine_wait_recv_cost_stats=wait_stats["combine"])
 
     _guarded(failures, f"{tag} (first combine)", checks.check_ll_combine, combine()[0], mine, _by_partials(buf))
-    combine_s, last = _timed(combine, case, buf.device, before, samples, "combine", reset("combine"))
+    combine_s, last = _timed(combine, case, buf.device, before, samples, "combine", reset("combine"), peaks=peaks)
     _guarded(failures, f"{tag} (timed combine)", checks.check_ll_combine, last[0], mine, _by_partials(buf))
 
     # The receive hook's split: the call (sends only) and hook() (the receive), timed apart.
@@ -296,7 +327,8 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
 
     num_selections = int((mine.topk_idx >= 0).sum())
     result = {
-        "impl": f"epcomm-{buf.backend_name}", "samples_s": samples, "num_domains": buf.num_domains,
+        "impl": f"epcomm-{buf.backend_name}", "samples_s": samples, "peak_memory": peaks,
+        "num_domains": buf.num_domains,
         "buffer_bytes": buf.num_rdma_bytes,
         "dispatch_s": dispatch_s, "combine_s": combine_s,
         "dispatch_bytes": metrics.ll_dispatch_bytes(num_selections, hidden, "fp8"),
@@ -456,14 +488,15 @@ def _run_a2a(case: Case, inputs: list[RankInputs], rank: int, device: torch.devi
     # Poison the outputs so the check after timing sees what the timed calls wrote.
     recv.fill_(float("nan"))
     back.fill_(float("nan"))
-    before, samples = _straggle(case, rank, device), {}
-    dispatch_s, _ = _timed(forward, case, device, before, samples, "dispatch")
-    combine_s, _ = _timed(backward, case, device, before, samples, "combine")
+    before, samples, peaks = _straggle(case, rank, device), {}, {}
+    dispatch_s, _ = _timed(forward, case, device, before, samples, "dispatch", peaks=peaks)
+    combine_s, _ = _timed(backward, case, device, before, samples, "combine", peaks=peaks)
     _guarded(failures, f"{tag} (timed exchange)", checks.check_a2a, recv, want, back, send)
     backend = str(dist.get_backend())
     num_bytes = want.num_rows * case.hidden * 2  # recv bytes, this rank's own rows included
     return {
-        "impl": f"{backend}-a2a", "strategy": case.strategy, "samples_s": samples, "num_domains": 1,
+        "impl": f"{backend}-a2a", "strategy": case.strategy, "samples_s": samples, "peak_memory": peaks,
+        "num_domains": 1,
         "buffer_bytes": send.nbytes + recv.nbytes,
         "dispatch_s": dispatch_s, "combine_s": combine_s,
         "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
@@ -522,14 +555,50 @@ def _run_allgather_baseline(case: Case, inputs: list[RankInputs], rank: int, dev
     failures.extend(check())
     gathered.fill_(float("nan"))
     reduced.fill_(float("nan"))
-    before, samples = _straggle(case, rank, device), {}
-    dispatch_s, _ = _timed(forward, case, device, before, samples, "dispatch")
-    combine_s, _ = _timed(backward, case, device, before, samples, "combine")
+    before, samples, peaks = _straggle(case, rank, device), {}, {}
+    dispatch_s, _ = _timed(forward, case, device, before, samples, "dispatch", peaks=peaks)
+    combine_s, _ = _timed(backward, case, device, before, samples, "combine", peaks=peaks)
     failures.extend(check())
     num_bytes = want.num_rows * case.hidden * 2  # useful recv bytes, as the all-to-all baseline counts
     return {
         "impl": f"{dist.get_backend()}-allgather", "strategy": ALLGATHER, "samples_s": samples,
+        "peak_memory": peaks,
         "num_domains": 1, "buffer_bytes": gathered.nbytes + reduced.nbytes,
+        "dispatch_s": dispatch_s, "combine_s": combine_s,
+        "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
+        "failures": failures,
+    }
+
+
+def _run_megatron(case: Case, inputs: list[RankInputs], rank: int, tag: str) -> dict[str, Any]:
+    """Megatron-LM's alltoall dispatcher sequence (bench/megatron.py) on the same routing, the experts
+    returning their rows. Bytes are those of the same dispatch (the rows one row per destination rank
+    would move), as every record counts them, so GB/s compare; the rows it sends, one per (token,
+    selected expert), are reported beside."""
+    mine = inputs[rank]
+    want = checks.Expected(inputs, rank, case.num_experts)
+    failures: list[str] = []
+
+    def dispatch():
+        return megatron.dispatch(mine.x, mine.topk_idx, mine.topk_weights, case.num_experts)
+
+    handle = dispatch()
+    _guarded(failures, f"{tag} (first dispatch)", megatron.check_dispatch, handle, want)
+    y = handle.x.clone()  # what identity experts return
+
+    def combine():
+        return megatron.combine(y, handle, mine.x.shape[0])
+
+    _guarded(failures, f"{tag} (first combine)", megatron.check_combine, combine(), mine)
+    before, samples, peaks = _straggle(case, rank, mine.x.device), {}, {}
+    dispatch_s, last = _timed(dispatch, case, mine.x.device, before, samples, "dispatch", peaks=peaks)
+    _guarded(failures, f"{tag} (timed dispatch)", megatron.check_dispatch, last, want)
+    combine_s, last = _timed(combine, case, mine.x.device, before, samples, "combine", peaks=peaks)
+    _guarded(failures, f"{tag} (timed combine)", megatron.check_combine, last, mine)
+    num_bytes = want.num_rows * case.hidden * 2
+    return {
+        "impl": f"{dist.get_backend()}-megatron-a2a", "samples_s": samples, "peak_memory": peaks,
+        "num_domains": 1, "buffer_bytes": 0, "sent_rows": handle.sent_tokens.numel(),
         "dispatch_s": dispatch_s, "combine_s": combine_s,
         "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
         "failures": failures,

@@ -14,11 +14,12 @@ import torch
 
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 MODES = (NORMAL, LOW_LATENCY)
-# What a case runs: the Buffer, the plain all_to_all_single baseline, or the allgather baseline
-# (all_gather_into_tensor for dispatch, reduce_scatter_tensor for combine).
-EPCOMM, A2A, AG = "epcomm", "a2a", "allgather"
+# What a case runs: the Buffer, the plain all_to_all_single baseline, the allgather baseline
+# (all_gather_into_tensor for dispatch, reduce_scatter_tensor for combine), or Megatron-LM's
+# alltoall dispatcher sequence (bench/megatron.py; normal mode).
+EPCOMM, A2A, AG, MEGATRON = "epcomm", "a2a", "allgather", "megatron"
 DEEP_EP = "deep_ep"  # DeepEP's own Buffer (normal mode), run beside epcomm where it is importable
-BASELINES = (A2A, AG)
+BASELINES = (A2A, AG, MEGATRON)
 ALLTOALL, ALLGATHER, HIERARCHICAL = "alltoall", "allgather", "hierarchical"
 STRATEGIES = (ALLTOALL, ALLGATHER, HIERARCHICAL)  # Buffer(strategy=...) of the normal-mode epcomm cases
 
@@ -55,6 +56,8 @@ class Case:
             who = "a2a-baseline"
         elif self.kind == AG:
             who = "allgather-baseline"
+        elif self.kind == MEGATRON:
+            who = "megatron-a2a-baseline"
         elif self.kind == DEEP_EP:
             who = f"deep_ep {self.dtype}"
         else:
@@ -152,7 +155,8 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                iters: int, seed: int, backend: str, strategies: list[str] | tuple[str, ...] = (ALLTOALL,),
                diagnose: bool = False, straggler: int | None = None, straggler_delay_us: float = 0.0,
                with_deep_ep: bool = False, ranks_per_domain: int = 0, num_groups: int | None = None) -> list[Case]:
-    """Cases in run order: for each shape, the baselines first, then epcomm per SM count, dtype and strategy.
+    """Cases in run order: for each shape, the baselines first (normal mode: also Megatron-LM's sequence),
+    then epcomm per SM count, dtype and strategy.
 
     Low-latency dispatch is FP8, as the benchmark's method has it, whatever ``dtypes`` says; strategies
     apply to normal mode only (the allgather baseline runs when ``allgather`` is among them).
@@ -172,6 +176,8 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                               straggler=straggler, straggler_delay_us=straggler_delay_us,
                               ranks_per_domain=ranks_per_domain, num_groups=num_groups)
                 cases.append(Case(kind=A2A, num_sms=None, dtype="bf16", **common))
+                if mode == NORMAL:
+                    cases.append(Case(kind=MEGATRON, num_sms=None, dtype="bf16", **common))
                 if ALLGATHER in mode_strategies:
                     cases.append(Case(kind=AG, num_sms=None, dtype="bf16", strategy=ALLGATHER, **common))
                 for sms in num_sms:
