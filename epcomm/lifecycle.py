@@ -153,6 +153,8 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf.use_fabric = use_fabric
     buf.explicitly_destroy = explicitly_destroy
     buf.enable_shrink = enable_shrink
+    buf._mask = torch.zeros(buf.group_size, dtype=torch.int32, device=buf.device)  # the failed-rank mask
+    buf._backend.mask = buf._mask if enable_shrink else None  # normal mode masks on a failure (shrink.py)
     buf.comm = comm
     domains = backend_choice.detect_domains(hosts, buf.ranks_per_domain, bool(ranks_per_domain_env))
     # [ext] The backend of each mode: 'auto' runs a mode on the kernels where every rank can; the strategy
@@ -163,7 +165,7 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf.backends = {mode: "cuda" if on_kernels[mode] else "reference" for mode in _MODES}
     buf.backend_name = "cuda" if "cuda" in buf.backends.values() else "reference"
     buf.strategy, buf.backend_reasons[NORMAL] = _normal_strategy(backend, strategy, buf.strategy, on_kernels[NORMAL],
-                                                                 domains, buf.backend_reasons[NORMAL])
+                                                                 domains, buf.backend_reasons[NORMAL], enable_shrink)
     backend_choice.log_choice(buf.rank, buf.group_size, buf.device.type, buf.backends, buf.backend_reasons)
     buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, buf.strategy, on_kernels[NORMAL],
                                             on_kernels[LOW_LATENCY], buf.num_nvl_bytes, buf.num_rdma_bytes,
@@ -278,13 +280,16 @@ def _choose_backends(buf: Any, backend: str, from_env: bool, hosts: list[int], g
 
 
 def _normal_strategy(backend: str, asked: str | None, kernels: str, on_kernels: bool,
-                     domains: backend_choice.Domains, reason: str) -> tuple[str, str]:
+                     domains: backend_choice.Domains, reason: str, shrink: bool) -> tuple[str, str]:
     """Normal mode's strategy and the reason that names it: the caller's; else the kernels' default
-    on the kernels; else on 'auto' the planner's fastest for the domains; else the all-to-all."""
+    on the kernels; else with enable_shrink the all-to-all (the strategy that masks failed ranks on
+    the reference backend); else on 'auto' the planner's fastest for the domains; else the all-to-all."""
     if asked is not None:
         return asked, f"{reason}; strategy {asked}: given"
     if on_kernels:
         return kernels, f"{reason}; strategy {kernels}: the kernels' default for {domains.describe()}"
+    if shrink:
+        return "alltoall", f"{reason}; strategy alltoall: the one that masks failed ranks (enable_shrink)"
     if backend == "auto":
         planned, why = backend_choice.planned_strategy(domains)
         return planned, f"{reason}; strategy {planned}: {why}"

@@ -78,6 +78,12 @@ class ReferenceBackend:
         self.traffic: dict[str, int] = {}
         # Low-latency state: combine buffers for zero-copy, one per slot.
         self.ll_combine_buffers: dict[int, torch.Tensor] = {}
+        # The Buffer's failed-rank mask with enable_shrink (normal mode masks on a peer's failure:
+        # shrink.py), else None.
+        self.mask: torch.Tensor | None = None
+        self.decisions_seen: set = set()  # the calls whose masking decision this rank applied
+        self.was_masked = False  # a rank was masked since the last call on the whole group (shrink.rejoin)
+        self.rejoins = 0
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
@@ -98,6 +104,9 @@ class ReferenceBackend:
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
         headers = self.transport.share(header, api_name(op), seq, deadline).cpu()
+        if self.transport.live is not None:  # a masked rank's row is this rank's: it sends nothing
+            masked = [r for r in range(self.num_ranks) if r not in self.transport.live]
+            headers[masked, _HEADER_FIELDS:] = 0
         if refused:
             return headers  # the caller raises its own, more precise error
         self._check_agreement(op, headers)

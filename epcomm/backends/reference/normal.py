@@ -94,7 +94,8 @@ def combine_handshake(be: ReferenceBackend, strategy: str, hidden: int, handle: 
     }, strategy), counts=handle.recv_counts)
     check_strategy(headers, strategy, "combine")
     count_matrix = be.count_matrix(headers)
-    if count_matrix[:, be.rank].tolist() != handle.send_counts:
+    live = be.transport.expected()  # masked ranks return nothing
+    if count_matrix[live, be.rank].tolist() != [handle.send_counts[r] for r in live]:
         raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
                            "every rank must combine with the handle of the same dispatch")
     return count_matrix
@@ -115,7 +116,11 @@ def strategy_state(handle: DispatchHandle, strategy: str) -> dict:
     return handle.backend_state
 
 
-def check_cached_counts(handle: DispatchHandle, recv_counts: list[int]) -> None:
+def check_cached_counts(handle: DispatchHandle, recv_counts: list[int], live: list[int]) -> None:
+    """A masked rank sends nothing: the rows the handle expects of it stay (as zeros)."""
+    for r in range(len(recv_counts)):
+        if r not in live:
+            recv_counts[r] = handle.recv_counts[r]
     if recv_counts != handle.recv_counts:
         raise RuntimeError(f"epcomm dispatch: cached handle expects {handle.recv_counts} rows per source rank "
                            f"but peers now send {recv_counts}; use the handle of the matching dispatch")
@@ -152,7 +157,7 @@ def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scal
     count_matrix = be.count_matrix(headers)
     recv_counts = count_matrix[:, be.rank].tolist()
     if cached:
-        check_cached_counts(handle, recv_counts)
+        check_cached_counts(handle, recv_counts, be.transport.expected())
     return headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens
 
 
@@ -299,8 +304,9 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
         recv_w = pending[1].recv
     if not everyone_empty:
         begin = 0
-        for count in handle.send_counts:  # ascending source rank: the oracle's fp32 summation order
-            if count:
+        live = be.transport.expected()  # a masked rank's rows are absent from the sums
+        for src, count in enumerate(handle.send_counts):  # ascending source rank: the oracle's fp32 order
+            if count and src in live:
                 rows = order[begin:begin + count]
                 acc.index_add_(0, rows, recv[begin:begin + count].float())
                 if acc_w is not None:

@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from ...handle import LowLatencyHandle
-from . import allgather, hierarchical, low_latency, normal
+from . import allgather, hierarchical, low_latency, normal, shrink
 from .backend import ReferenceBackend
 
 # The module of each normal-mode strategy (the same functions, the same results).
@@ -37,12 +37,29 @@ class ReferenceNormalOps:
 
     def dispatch(self, x, scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                  topk_weights, expert_alignment, num_worst_tokens, num_experts, buffer_uid, num_sms):
-        return self.strategy.dispatch(self.backend, x, scales, handle, num_tokens_per_rank, is_token_in_rank,
-                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                      num_worst_tokens, num_experts, buffer_uid)
+        def call(masked):
+            per_rank, in_rank, per_expert = num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
+            if masked and handle is None:
+                per_rank, in_rank, per_expert = shrink.mask_routing(self.backend, masked, num_experts, per_rank,
+                                                                    in_rank, per_expert)
+            return self.strategy.dispatch(self.backend, x, scales, handle, per_rank, in_rank, per_expert, topk_idx,
+                                          topk_weights, expert_alignment, num_worst_tokens, num_experts, buffer_uid)
+
+        return self._run("dispatch", call)
 
     def combine(self, x, handle, topk_weights, biases, num_sms):
-        return self.strategy.combine(self.backend, x, handle, topk_weights, biases)
+        return self._run("combine", lambda masked: self.strategy.combine(self.backend, x, handle, topk_weights,
+                                                                         biases))
+
+    def _run(self, op: str, call):
+        """``call(masked ranks)``, through enable_shrink's failed-rank masking where the Buffer has it."""
+        if self.backend.mask is None:
+            return call([])
+        if self.strategy is not normal:
+            raise RuntimeError(f"epcomm {op}: enable_shrink masks failed ranks in normal mode with "
+                               "strategy='alltoall' only on the portable path; create the Buffer with it, or "
+                               "without enable_shrink")
+        return shrink.run_masked(self.backend, op, call)
 
     def barrier(self, op: str) -> None:
         pass
@@ -79,6 +96,11 @@ class ReferenceLowLatencyOps:
 
     def dispatch(self, x, topk_idx, num_max_tokens, num_experts, cumulative_stats, wait_stats, use_fp8, round_scale,
                  use_ue8m0, slot, mask, buffer_uid, hook):
+        if self.backend.transport.live is not None and mask is not None and not bool(mask.any()):
+            self.backend.transport.use(list(range(self.backend.num_ranks)))  # cleaned: the whole group again
+        if self.backend.transport.live is not None:
+            raise RuntimeError("epcomm low_latency_dispatch: normal mode masked a failed rank on this Buffer; "
+                               "the portable low-latency calls run on the whole group only (clean the mask first)")
         masked = None
         if mask is not None:  # the ranks masked now, or None when none is
             masked = mask.cpu() != 0

@@ -5,7 +5,8 @@ asynchronous torch.distributed collective and polls it. If the deadline passes (
 fails: a peer that exited), the store tells which ranks never reached this call, or, of those that
 did, which never reached this exchange (each rank that gives up says where it is, ``_positions``),
 and the error names them with the phase and the flight recorder's file. After such a timeout the
-group holds an unfinished collective: destroy the Buffer and the process group.
+group holds an unfinished collective: destroy the Buffer and the process group (with enable_shrink,
+normal mode instead moves its exchanges onto a group of the live ranks: ``use``, shrink.py).
 """
 
 from __future__ import annotations
@@ -37,10 +38,34 @@ class Transport:
         self.num_ranks = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self.uid = uid
+        # Masked ranks (enable_shrink): exchanges then run on a group of the live ranks only, made once
+        # per live set (``use``); ``live`` is None while every rank takes part.
+        self.world = group
+        self.live: list[int] | None = None
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # not every launcher exposes the store; errors then name no rank
             self._store = None
+
+    def expected(self) -> list[int]:
+        """The ranks an exchange waits for: the live ones."""
+        return self.live if self.live is not None else list(range(self.num_ranks))
+
+    def use(self, live: list[int]) -> None:
+        """Run the exchanges among ``live`` (ascending) only, or among every rank again. The group of
+        the live ranks is made by them alone (``use_local_synchronization``: a dead rank cannot take
+        part in a collective of the whole group), bounded by the timeout."""
+        if len(live) == self.num_ranks:
+            self.group, self.live = self.world, None
+            return
+        key = tuple(live)
+        if key not in self._subgroups:
+            ranks = dist.get_process_group_ranks(self.world)
+            self._subgroups[key] = dist.new_group(
+                [ranks[r] for r in live], backend=str(dist.get_backend(self.world)),
+                timeout=datetime.timedelta(seconds=self.timeout_s), use_local_synchronization=True)
+        self.group, self.live = self._subgroups[key], list(live)
 
     def _key(self, rank: int) -> str:
         return f"epcomm/{self.uid}/arrived/{rank}"
@@ -54,7 +79,7 @@ class Transport:
         if self._store is None:
             return None
         missing = []
-        for r in range(self.num_ranks):
+        for r in self.expected():
             key = self._key(r)
             if not self._store.check([key]) or int(self._store.get(key)) < seq:
                 missing.append(r)
@@ -70,13 +95,13 @@ class Transport:
         if self._store is None:
             return None
         self._store.set(f"epcomm/{self.uid}/{tag}/{self.rank}", "1")
-        keys = [f"epcomm/{self.uid}/{tag}/{r}" for r in range(self.num_ranks)]
-        gave_up = [f"epcomm/{self.uid}/{tag}/gave-up/{r}" for r in range(self.num_ranks)]
+        keys = {r: f"epcomm/{self.uid}/{tag}/{r}" for r in self.expected()}
+        gave_up = {r: f"epcomm/{self.uid}/{tag}/gave-up/{r}" for r in self.expected()}
         pause = 1e-4
         while True:
-            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
+            missing = [r for r, key in keys.items() if not self._store.check([key])]
             if not missing:
-                return [r for r, key in enumerate(gave_up) if self._store.check([key])]
+                return [r for r, key in gave_up.items() if self._store.check([key])]
             if time.monotonic() > deadline:
                 # A rank arriving between the check above and this key still goes on (a window of one
                 # store round trip): a meeting bounded by time cannot close it entirely.
@@ -101,7 +126,7 @@ class Transport:
             pause = 2e-5
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    self._give_up(op, seq, phase, None)
+                    self._give_up(op, seq, phase, None, deadline)
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
         done = True
@@ -112,9 +137,9 @@ class Transport:
                 left = max(deadline - time.monotonic(), 1e-3)  # a zero timeout would mean none
                 done = work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as error:  # gloo's own timeout, or a peer gone (its connection closed)
-            self._give_up(op, seq, phase, None if time.monotonic() > deadline else error)
+            self._give_up(op, seq, phase, None if time.monotonic() > deadline else error, deadline)
         if not done:
-            self._give_up(op, seq, phase, None)
+            self._give_up(op, seq, phase, None, deadline)
 
     def _position_key(self, rank: int) -> str:
         return f"epcomm/{self.uid}/gave-up-at/{rank}"
@@ -128,17 +153,18 @@ class Transport:
             return positions
         self._store.set(self._position_key(self.rank), json.dumps(here))
         end = time.monotonic() + grace_s
+        expected = self.expected()
         while True:
-            for r in range(self.num_ranks):
+            for r in expected:
                 if r not in positions and self._store.check([self._position_key(r)]):
                     position = json.loads(self._store.get(self._position_key(r)))
                     if position[0] >= seq:
                         positions[r] = position
-            if len(positions) == self.num_ranks or time.monotonic() > end:
+            if len(positions) == len(expected) or time.monotonic() > end:
                 return positions
             time.sleep(0.01)
 
-    def _give_up(self, op: str, seq: int, phase: str | None, error: Exception | None) -> None:
+    def _give_up(self, op: str, seq: int, phase: str | None, error: Exception | None, deadline: float) -> None:
         """Raise PeerTimeoutError naming the ranks this exchange waited for, with the flight record."""
         op = CALLS.get(op, op)
         phase = phase or ("reduce" if "combine" in op else "receive")
@@ -147,7 +173,7 @@ class Transport:
         positions: dict[int, list] = {}
         if missing == []:  # every rank reached the call: the ones that never reached this exchange
             positions = self._positions(seq, [seq, phase], min(1.0, self.timeout_s / 4))
-            missing = [r for r in range(self.num_ranks) if r not in positions]
+            missing = [r for r in self.expected() if r not in positions]
         if self._store is not None:
             for r in range(self.num_ranks):
                 key = self._key(r)
@@ -161,9 +187,12 @@ class Transport:
         if self.recorder is not None:
             counters = {"this_rank_call": seq, "arrived_call": arrived, "gave_up_at": dict(sorted(positions.items()))}
             flight = self.recorder.timeout("reference", op, phase, missing, counters)
-        raise PeerTimeoutError(
+        error = PeerTimeoutError(
             f"epcomm {op}: rank {self.rank} {what} waiting for its peers in the {phase} phase; {who}. "
-            f"Destroy the Buffer and the process group.{flight}") from None  # no transport message reaches the caller
+            f"Destroy the Buffer and the process group.{flight}")
+        # What enable_shrink's agreement starts from (shrink.py).
+        error.seq, error.missing, error.deadline = seq, missing, deadline
+        raise error from None  # no transport message reaches the caller
 
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
@@ -173,6 +202,14 @@ class Transport:
     def share(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> torch.Tensor:
         """Every rank's 1-D ``t`` as rows [R, n]. On NCCL an all-gather; elsewhere one all-to-all of
         ``t`` to every rank, which completes in one step where gloo's all-gather takes R - 1."""
+        if self.live is not None:  # masked ranks' rows: this rank's own (the caller reads none of them)
+            live = self.live
+            rows = t.new_empty((len(live), t.numel()))
+            send = t.unsqueeze(0).expand(len(live), -1).contiguous()
+            self.wait(dist.all_to_all_single(rows, send, group=self.group, async_op=True), op, seq, deadline, "notify")
+            out = t.unsqueeze(0).repeat(self.num_ranks, 1)
+            out[live] = rows
+            return out
         out = t.new_empty((self.num_ranks, t.numel()))
         if self._is_nccl():
             return self.all_gather_into(out, t.unsqueeze(0), op, seq, deadline, "notify")
@@ -226,19 +263,54 @@ class Transport:
     def start_all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int],
                          out: torch.Tensor | None = None) -> PendingExchange:
         """Issue the all-to-all (into ``out`` if given: the caller's output, so no copy follows);
-        ``.wait()`` on the result completes it and returns the received rows."""
+        ``.wait()`` on the result completes it and returns the received rows. With masked ranks the
+        rows for them stay here and theirs read as zeros (a handle made before they were masked)."""
+        if self.live is not None:
+            return self._start_among_live(send, send_rows, recv_rows, out)
         recv = out if out is not None else \
             torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group, async_op=True)
         return PendingExchange(self, work, recv, keep_alive=send)
 
 
+    def _start_among_live(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                          out: torch.Tensor | None) -> PendingExchange:
+        live = self.live
+        starts = [0]
+        for n in send_rows:
+            starts.append(starts[-1] + n)
+        if any(send_rows[r] for r in range(self.num_ranks) if r not in live):
+            send = torch.cat([send[starts[r]:starts[r + 1]] for r in live])
+        live_recv = [recv_rows[r] for r in live]
+        if out is None:
+            out = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
+        if sum(live_recv) == out.shape[0]:  # nothing from masked ranks: receive in place
+            recv, place = out, None
+        else:
+            recv, place = out.new_empty((sum(live_recv), out.shape[1])), (out, recv_rows, live)
+        work = dist.all_to_all_single(recv, send, live_recv, [send_rows[r] for r in live], group=self.group,
+                                      async_op=True)
+        return PendingExchange(self, work, recv, keep_alive=send, place=place)
+
+
 class PendingExchange:
-    def __init__(self, transport: Transport, work: dist.Work, recv: torch.Tensor, keep_alive: torch.Tensor) -> None:
+    def __init__(self, transport: Transport, work: dist.Work, recv: torch.Tensor, keep_alive: torch.Tensor,
+                 place: tuple | None = None) -> None:
         self.transport, self.work, self.recv = transport, work, recv
         self._keep_alive = keep_alive  # the send buffer must outlive the asynchronous exchange
+        self._place = place  # (world-shaped out, its rows per source, the live sources): zeros for the rest
 
     def wait(self, op: str, seq: int, deadline: float) -> torch.Tensor:
         self.transport.wait(self.work, op, seq, deadline)
         self._keep_alive = None
+        if self._place is not None:
+            out, rows, live = self._place
+            out.zero_()
+            begin, at = 0, 0
+            for r, n in enumerate(rows):
+                if r in live:
+                    out[at:at + n] = self.recv[begin:begin + n]
+                    begin += n
+                at += n
+            self.recv, self._place = out, None
         return self.recv

@@ -1,0 +1,239 @@
+"""Failed-rank masking in normal mode on the portable path (enable_shrink, gloo): a peer that exits or
+goes silent is masked by every survivor alike, the call completes over the live ranks and equals the
+oracle computed over them alone; later calls do not wait for it; clean brings back every rank."""
+
+import json
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TEST_ENV, peer_timeout
+from routing import make_inputs
+
+from epcomm import Buffer, oracle
+from epcomm.utils.launch import LocalCluster, RankFailure
+
+TIMEOUT_S = 3.0
+HIDDEN, NUM_EXPERTS, NUM_TOKENS, NUM_TOPK = 128, 12, 24, 3
+MARGIN_S = 2.0
+
+
+def _inputs(rank: int, num_ranks: int, seed: int):
+    return make_inputs(seed, rank, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, num_ranks, "random")
+
+
+def _without(idx: torch.Tensor, masked: set[int], num_ranks: int) -> torch.Tensor:
+    """``idx`` with the entries on masked ranks' experts dropped (as if -1)."""
+    owner = torch.where(idx >= 0, idx // (NUM_EXPERTS // num_ranks), -1)
+    drop = torch.zeros_like(idx, dtype=torch.bool)
+    for r in masked:
+        drop |= owner == r
+    return idx.masked_fill(drop, -1)
+
+
+def _dispatch(buf: Buffer, x, idx, w):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, NUM_EXPERTS)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx, topk_weights=w)
+
+
+def _check_live_dispatch(out, rank: int, num_ranks: int, seed: int, masked: set[int]) -> None:
+    """A fresh dispatch under the mask equals the oracle of the live ranks' inputs (masked ranks: none)."""
+    xs, idxs, ws = [], [], []
+    for r in range(num_ranks):
+        x, idx, w = _inputs(r, num_ranks, seed)
+        if r in masked:
+            x, idx, w = x[:0], idx[:0], w[:0]
+        xs.append(x), idxs.append(_without(idx, masked, num_ranks)), ws.append(w)
+    want = oracle.dispatch_to(rank, xs, idxs, NUM_EXPERTS, topk_weights=ws)
+    recv_x, recv_idx, recv_w, counts, handle, _ = out
+    assert torch.equal(recv_x.view(torch.int16), want.x.view(torch.int16))
+    assert torch.equal(recv_idx, want.topk_idx) and torch.equal(recv_w, want.topk_weights)
+    assert counts == want.expert_counts and handle.recv_counts == want.recv_counts
+
+
+def _check_combine(combined, out, rank: int, num_ranks: int, seed: int, masked: set[int], routed: set[int]) -> None:
+    """A combine of rows ``y = recv_x`` sums only what the live ranks returned (``routed``: the ranks
+    masked when the dispatch ran, whose inputs it did not see)."""
+    in_ranks, ys = [], []
+    for r in range(num_ranks):
+        x, idx, w = _inputs(r, num_ranks, seed)
+        if r in routed:
+            idx = idx[:0]
+        in_rank = oracle.dispatch_layout(_without(idx, routed, num_ranks), NUM_EXPERTS, num_ranks)[3]
+        in_ranks.append(in_rank)
+    everyone = oracle.dispatch([_inputs(r, num_ranks, seed)[0][:in_ranks[r].shape[0]] for r in range(num_ranks)],
+                               None, NUM_EXPERTS, in_ranks=in_ranks)
+    ys = [d.x for d in everyone]
+    for s in range(num_ranks):  # what masked ranks would have returned is absent
+        for d in masked:
+            in_ranks[s] = in_ranks[s].clone()
+            in_ranks[s][:, d] = False
+    want = oracle.combine(ys, in_ranks)[rank][0]
+    assert torch.equal(combined.view(torch.int16), want.view(torch.int16))
+
+
+def rank_exits(path: str, when: str, dead: int, num_ranks: int):
+    rank = dist.get_rank()
+    with peer_timeout(TIMEOUT_S):
+        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
+    x, idx, w = _inputs(rank, num_ranks, 1)
+    dist.barrier()
+    if rank == dead and when == "before_dispatch":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if when == "silent_before_dispatch" and rank == dead:
+        time.sleep(3 * TIMEOUT_S)
+        return
+    record = {}
+    start = time.monotonic()
+    out = _dispatch(buf, x, idx, w)
+    record["dispatch_s"] = time.monotonic() - start
+    routed = {dead} if when != "before_combine" else set()
+    if when == "before_combine":
+        dist.barrier()
+        if rank == dead:
+            os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        _check_live_dispatch(out, rank, num_ranks, 1, {dead})
+    start = time.monotonic()
+    combined = buf.combine(out[0], out[4])[0]
+    record["combine_s"] = time.monotonic() - start
+    _check_combine(combined, out, rank, num_ranks, 1, {dead}, routed)
+    if when == "before_combine":  # a cached dispatch of the handle made before: the dead rank's rows are zero
+        cached = buf.dispatch(x, handle=out[4])[0]
+        sources = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(out[4].recv_counts))
+        want = out[0].clone()
+        want[sources == dead] = 0
+        assert torch.equal(cached.view(torch.int16), want.view(torch.int16))
+    status = torch.zeros(num_ranks, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    record["masked"] = torch.nonzero(status).flatten().tolist()
+    start = time.monotonic()  # the next calls do not wait for the masked rank
+    x2, idx2, w2 = _inputs(rank, num_ranks, 2)
+    out2 = _dispatch(buf, x2, idx2, w2)
+    _check_live_dispatch(out2, rank, num_ranks, 2, {dead})
+    _check_combine(buf.combine(out2[0], out2[4])[0], out2, rank, num_ranks, 2, {dead}, {dead})
+    record["next_s"] = time.monotonic() - start
+    buf.low_latency_clean_mask_buffer()  # every rank waited for again: the dead one is masked anew
+    buf.low_latency_query_mask_buffer(status)
+    record["cleaned"] = status.tolist()
+    start = time.monotonic()
+    out3 = _dispatch(buf, x2, idx2, w2)
+    record["after_clean_s"] = time.monotonic() - start
+    _check_live_dispatch(out3, rank, num_ranks, 2, {dead})
+    buf.low_latency_query_mask_buffer(status)
+    record["masked_again"] = torch.nonzero(status).flatten().tolist()
+    with open(os.path.join(path, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+@pytest.mark.parametrize("num_ranks,dead,when", [(3, 1, "before_dispatch"), (4, 2, "before_combine"),
+                                                 (3, 2, "before_combine"), (4, 0, "before_dispatch"),
+                                                 (3, 1, "silent_before_dispatch")])
+def test_failed_peer_is_masked_and_the_call_completes(num_ranks, dead, when):
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(num_ranks, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+        try:
+            cluster.run(rank_exits, tmp, when, dead, num_ranks, timeout_s=90)
+        except RankFailure as failure:
+            assert set(failure.errors) == {dead} and "died" in failure.errors[dead], failure.errors
+        finally:
+            cluster.close()
+        records = {}
+        for r in range(num_ranks):
+            if r != dead:
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    records[r] = json.load(f)
+    for r, record in records.items():
+        failing = record["dispatch_s"] if "dispatch" in when else record["combine_s"]
+        assert failing < TIMEOUT_S + MARGIN_S, (r, record)
+        assert record["masked"] == [dead] and record["masked_again"] == [dead], (r, record)
+        assert record["next_s"] < 1.0, (r, record)
+        assert record["cleaned"] == [0] * num_ranks, (r, record)
+
+
+def rank_without_shrink(strategy: str):
+    with peer_timeout(TIMEOUT_S):
+        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True, strategy=strategy)
+    x, idx, w = _inputs(dist.get_rank(), 2, 1)
+    with pytest.raises(RuntimeError, match="strategy='alltoall' only"):
+        _dispatch(buf, x, idx, w)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "hierarchical"])
+def test_other_strategies_refuse_shrink_in_normal_mode(strategy):
+    cluster = LocalCluster(2, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+    try:
+        cluster.run(rank_without_shrink, strategy, timeout_s=60)
+    finally:
+        cluster.close()
+
+
+def rank_wakes_up_masked(path: str):
+    """Rank 1 goes silent for longer than the timeout, then calls: its peers masked it, so it raises."""
+    rank = dist.get_rank()
+    with peer_timeout(TIMEOUT_S):
+        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
+    x, idx, w = _inputs(rank, 3, 1)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.5 * TIMEOUT_S)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="masked as failed") as error:
+            out = _dispatch(buf, x, idx, w)
+            buf.combine(out[0], out[4])
+        with open(os.path.join(path, "late.json"), "w") as f:
+            json.dump({"s": time.monotonic() - start, "error": str(error.value)}, f)
+        return
+    out = _dispatch(buf, x, idx, w)
+    _check_live_dispatch(out, rank, 3, 1, {1})
+    buf.combine(out[0], out[4])
+    time.sleep(3 * TIMEOUT_S)  # the late rank's calls find its peers still there
+
+
+def test_a_rank_masked_while_silent_raises_when_it_calls():
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(3, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+        try:
+            cluster.run(rank_wakes_up_masked, tmp, timeout_s=90)
+        finally:
+            cluster.close()
+        with open(os.path.join(tmp, "late.json")) as f:
+            late = json.load(f)
+    assert late["s"] < 2 * TIMEOUT_S + MARGIN_S, late
+
+
+def rank_masked_by_hand():
+    """Every rank masks rank 2: ranks 0 and 1 run without waiting for it and rank 2 refuses to take
+    part; once every rank cleans the mask, all three run together again."""
+    rank = dist.get_rank()
+    with peer_timeout(TIMEOUT_S):
+        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
+    x, idx, w = _inputs(rank, 3, 1)
+    buf.low_latency_update_mask_buffer(2, True)
+    if rank == 2:
+        with pytest.raises(RuntimeError, match="rank 2 is masked as failed"):
+            _dispatch(buf, x, idx, w)
+    else:
+        start = time.monotonic()
+        out = _dispatch(buf, x, idx, w)
+        _check_live_dispatch(out, rank, 3, 1, {2})
+        _check_combine(buf.combine(out[0], out[4])[0], out, rank, 3, 1, {2}, {2})
+        assert time.monotonic() - start < 1.0
+    buf.low_latency_clean_mask_buffer()
+    dist.barrier()
+    out = _dispatch(buf, x, idx, w)
+    _check_live_dispatch(out, rank, 3, 1, set())
+    _check_combine(buf.combine(out[0], out[4])[0], out, rank, 3, 1, set(), set())
+
+
+def test_masked_by_hand_then_cleaned_restores_every_rank():
+    cluster = LocalCluster(3, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+    try:
+        cluster.run(rank_masked_by_hand, timeout_s=60)
+    finally:
+        cluster.close()
