@@ -21,6 +21,7 @@ import os
 import socket
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -226,14 +227,17 @@ def hierarchical_counters(ops: Any) -> dict[str, Any]:
             {ops.my_domain * rpd + i: v >> tag for i, v in enumerate(domain)}}
 
 
-def hook(ops: Any, mode: str, counters: Callable[[], dict[str, Any]]) -> Callable[..., str]:
+def hook(ops: Any, mode: str, counters: Callable[[Any], dict[str, Any]]) -> Callable[..., str]:
     """The ``flight`` argument of a CUDA family's ErrorTable.check: records a timeout with ``ops``'s
-    recorder (none: only the message names phase and ranks), reading ``counters`` then."""
+    recorder (none: only the message names phase and ranks), reading ``counters(ops)`` then. It holds
+    ``ops`` weakly: ``ops`` keeps the hook, and a cycle would keep its GPU memory until a collection."""
+    ops_ref = weakref.ref(ops)
+
     def flight(operation: str, reported_by: str, phase: str | None, missing: list[int]) -> str:
-        recorder = ops.recorder
-        if recorder is None:
+        ops = ops_ref()
+        if ops is None or ops.recorder is None:
             return ""
-        return recorder.timeout(mode, operation, phase, missing, counters, reported_by)
+        return ops.recorder.timeout(mode, operation, phase, missing, lambda: counters(ops), reported_by)
     return flight
 
 

@@ -208,7 +208,7 @@ class CudaHierarchical:
         self.stage_mask = sum(1 << d for d in self.put_domains)
         self.info = torch.zeros(self.c["info_ints"], dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
-        self._flight = hook(self, "hierarchical", lambda: hierarchical_counters(self))
+        self._flight = hook(self, "hierarchical", hierarchical_counters)
         # What a dispatch's host read needs (counts_kernel writes it, host-mapped): every rank's
         # tokens, the count matrix, this rank's experts' totals.
         self.summary = torch.zeros(self.num_ranks * (1 + self.num_ranks) + _MAX_EXPERTS, dtype=torch.int32,

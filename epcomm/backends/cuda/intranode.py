@@ -136,7 +136,7 @@ class CudaIntranode:
         self.errors = ErrorTable(INTRANODE, RecordLayout(code=self.c["info_error"], op=self.c["info_error_op"],
                                                          phase=self.c["info_error_phase"],
                                                          ranks=self.c["info_error_ranks"], clear="ranks"))
-        self._flight = hook(self, "intranode", lambda: intranode_counters(self))
+        self._flight = hook(self, "intranode", intranode_counters)
         if self.num_ranks > self.c["max_ranks"]:
             raise RuntimeError(f"the CUDA intranode kernels support up to {self.c['max_ranks']} ranks, the group "
                                f"has {self.num_ranks}")

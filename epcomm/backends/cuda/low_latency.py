@@ -191,7 +191,7 @@ class CudaLowLatency:
         # One error record per slot; the event marks the end of the receive of the slot's last call.
         self.info = torch.zeros((2, _INFO_INTS), dtype=torch.int32, device="cpu", pin_memory=True)
         self.info_np = self.info.numpy()
-        self._flight = hook(self, "low_latency", lambda: low_latency_counters(self))
+        self._flight = hook(self, "low_latency", low_latency_counters)
         # Per slot: whether the receive of its last call was recorded in _received_events (the host
         # waits on it before reading the slot's error record), and the event the hook's receive waits
         # on (the send). Reused: a slot's next call starts only after these were consumed. CUDA
