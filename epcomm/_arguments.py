@@ -257,10 +257,11 @@ class ArgumentChecks:
                      shape=(handle.num_tokens, handle.num_topk), device=self.device)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are mutually exclusive")
-        if zero_copy:
+        if zero_copy:  # the combine reads that buffer; x gives only the shape (as in DeepEP)
             expected = self._backend.ll_combine_buffers.get(self._ll_counter % 2)
-            if expected is None or x.data_ptr() != expected.data_ptr():
-                raise ValueError("zero_copy=True needs x to be get_next_low_latency_combine_buffer(handle)")
+            if expected is None or expected.shape != x.shape:
+                raise ValueError("zero_copy=True reads get_next_low_latency_combine_buffer(handle), which was not "
+                                 "called for this combine's handle: call it and write the expert outputs into it")
         if out is not None:
             check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden),
                          device=self.device, contiguous=True)

@@ -567,7 +567,8 @@ class Buffer(ArgumentChecks):
             topk_weights: ``[T, K]`` f32 weights of the non-negative entries.
             handle: the ``LowLatencyHandle`` of that dispatch.
             use_logfmt: LogFMT-compressed combine: not implemented (NotImplementedError).
-            zero_copy: ``x`` is ``get_next_low_latency_combine_buffer(handle)``, already written.
+            zero_copy: read the expert outputs from ``get_next_low_latency_combine_buffer(handle)``, which the
+                caller wrote; ``x`` gives only the shape (DeepEP's semantics).
             async_finish, return_recv_hook: as in ``low_latency_dispatch``.
             out: ``[T, H]`` bf16 to write the result into, or None to allocate it.
             combine_wait_recv_cost_stats: ``[R]`` int64 accumulating the wait for each rank (ns), or None.
@@ -597,6 +598,8 @@ class Buffer(ArgumentChecks):
                                                 num_sms, src_signals, src_signal_expect_value)
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
+        if zero_copy:
+            x = self._backend.ll_combine_buffers[self._ll_counter % 2]
         slot = self._take_ll_slot("low_latency_combine", x.shape, topk_idx.shape, zero_copy, return_recv_hook)
 
         def run():  # without a hook the receive is launched already (the event covers it)

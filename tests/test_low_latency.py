@@ -86,9 +86,9 @@ def rank_low_latency(tokens_per_rank, n, hidden, num_experts, num_topk, routing,
     for e, src, begin, cnt, tokens in rows:  # rows past recv_count stay NaN: they must never be read
         g = rank * e_local + e
         y_host[e, begin:begin + cnt] = (all_inputs[src][0][tokens].float() * (g + 1) / 2).to(torch.bfloat16)
-    if zero_copy:
-        y = buf.get_next_low_latency_combine_buffer(handle)
-        y.copy_(y_host)
+    if zero_copy:  # the combine reads the buffer; x gives only the shape (NaN: read, it would show)
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y_host)
+        y = torch.full_like(y_host, float("nan"), device=dev)
     else:
         y = y_host.to(dev)
     out = torch.full((x.shape[0], hidden), float("nan"), dtype=torch.bfloat16, device=dev) if use_out else None
