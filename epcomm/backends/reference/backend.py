@@ -92,14 +92,15 @@ class ReferenceBackend:
         mismatch. The header has one size for every operation, so mismatched calls meet here."""
         self.seq += 1
         seq = self.seq
-        header = torch.zeros(_HEADER_FIELDS + self.num_ranks, dtype=torch.int64, device="cpu")
-        header[F.MAGIC], header[F.OP], header[F.SEQ] = _MAGIC, int(op), seq
-        header[F.STATUS] = 1 if refused else 0
-        header[F.ARRIVAL_NS] = time.time_ns()
+        words = [0] * (_HEADER_FIELDS + self.num_ranks)  # built on the host, one tensor: no op per field
+        words[F.MAGIC], words[F.OP], words[F.SEQ] = _MAGIC, int(op), seq
+        words[F.STATUS] = 1 if refused else 0
+        words[F.ARRIVAL_NS] = time.time_ns()
         for key, value in fields.items():
-            header[key] = int(value)
+            words[key] = int(value)
         if counts is not None:
-            header[_HEADER_FIELDS:] = torch.tensor(counts, dtype=torch.int64, device="cpu")
+            words[_HEADER_FIELDS:] = [int(c) for c in counts]
+        header = torch.tensor(words, dtype=torch.int64, device="cpu")
         header = header.to(self.device)
         deadline = time.monotonic() + self.transport.timeout_s
         self.transport.announce(seq)
@@ -114,18 +115,18 @@ class ReferenceBackend:
 
     def _check_agreement(self, op: Op, headers: torch.Tensor) -> None:
         name = api_name(op)
-        ops = headers[:, F.OP].tolist()
-        seqs = headers[:, F.SEQ].tolist()
-        if any(h != _MAGIC for h in headers[:, F.MAGIC].tolist()) or len(set(ops)) > 1 or len(set(seqs)) > 1:
+        columns = list(zip(*headers.tolist()))  # one host read, then plain Python
+        ops, seqs = columns[F.OP], columns[F.SEQ]
+        if any(h != _MAGIC for h in columns[F.MAGIC]) or len(set(ops)) > 1 or len(set(seqs)) > 1:
             calls = ", ".join(f"rank {r}: {_op_name(o)} (call #{s})" for r, (o, s) in enumerate(zip(ops, seqs)))
             raise RuntimeError(f"epcomm {name}: ranks made mismatched calls on one Buffer ({calls}); every "
                                "rank must call the same operations in the same order")
-        refused = [r for r, s in enumerate(headers[:, F.STATUS].tolist()) if s != 0]
+        refused = [r for r, s in enumerate(columns[F.STATUS]) if s != 0]
         if refused:
             raise ValueError(f"epcomm {name}: rank(s) {refused} refused their arguments (see the error on "
                              "those ranks); no data was exchanged")
         for f in _AGREE[op]:
-            values = headers[:, f].tolist()
+            values = columns[f]
             if len(set(values)) > 1:
                 raise RuntimeError(f"epcomm {name}: ranks disagree on {f.name.lower()}: "
                                    + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))

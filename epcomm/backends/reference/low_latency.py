@@ -185,23 +185,38 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
             pending.wait("low_latency_combine", seq, time.monotonic() + be.transport.timeout_s)
         if defer_receive:
             arrived_ns.add_(time.monotonic_ns() - start)
-        # Rows arrive per destination rank by (token, slot); put each at its (token, slot).
-        entries = st["entries"]
-        rows = torch.zeros((num_tokens * num_topk, hidden), dtype=torch.bfloat16, device=x.device)
-        row_words(rows).index_copy_(0, entries, row_words(recv))
-        rows = rows.view(num_tokens, num_topk, hidden)
-        present = torch.zeros(num_tokens * num_topk, dtype=torch.bool, device=x.device)
-        present[entries] = True
-        present = present.view(num_tokens, num_topk)
-        # Absent slots add +0, which leaves any sum as it is (a sum from +0 is never -0): the same bits
-        # as skipping them, with one vectorized product for every slot.
-        terms = torch.where(present.unsqueeze(2), topk_weights.unsqueeze(2) * rows.float(), 0.0)
+        # Rows arrive per destination rank by (token, slot). Summed slot by slot (the oracle's fp32
+        # order: slot 0 first), one slot's rows gathered at a time (the temporaries stay a slot's
+        # share of the receive): a token holds a slot once, so one index_add_ per slot adds
+        # w_k * row_k exactly as acc + w_k * row_k, and absent slots add nothing.
+        by_slot, tokens, slot_counts = _slot_order(st, num_topk)
         acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-        for k in range(num_topk):  # the oracle's fp32 order: slot 0 first
-            acc.add_(terms[:, k])
+        words = row_words(recv)
+        weights = topk_weights.reshape(-1).index_select(0, st["entries"].index_select(0, by_slot)).float()
+        begin = 0
+        for count in slot_counts:
+            end = begin + count
+            if count:
+                rows = words.index_select(0, by_slot[begin:end]).view(torch.bfloat16).float()
+                acc.index_add_(0, tokens[begin:end], rows.mul_(weights[begin:end, None]))
+            begin = end
         combined.copy_(acc)
 
     return combined, finish, arrived_ns
+
+
+def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The combine's received rows grouped by top-k slot (positions into the receive buffer, ascending
+    within a slot), each row's token, and the rows per slot: made once per handle."""
+    if "by_slot" not in state:
+        entries = state["entries"]  # flat t * K + k, in receive order
+        slot = entries % num_topk
+        by_slot = torch.sort(slot * max(entries.numel(), 1) + torch.arange(entries.numel(), device=entries.device)
+                             ).values % max(entries.numel(), 1)
+        state["by_slot"] = by_slot
+        state["slot_tokens"] = entries.index_select(0, by_slot) // num_topk
+        state["slot_counts"] = torch.bincount(slot, minlength=num_topk).tolist()
+    return state["by_slot"], state["slot_tokens"], state["slot_counts"]
 
 
 def wait_computed(overlap, handle: LowLatencyHandle, timeout_s: float) -> None:

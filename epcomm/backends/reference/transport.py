@@ -302,7 +302,7 @@ class PendingExchange:
 
     def wait(self, op: str, seq: int, deadline: float) -> torch.Tensor:
         self.transport.wait(self.work, op, seq, deadline)
-        self._keep_alive = None
+        self._keep_alive = self.work = None  # the work holds the send buffer too: free it before the reduce
         if self._place is not None:
             out, rows, live = self._place
             out.zero_()
