@@ -23,6 +23,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                           "(NCCL; plain gloo when CUDA is available), else the CPU"),
     "EPCOMM_RANKS_PER_DOMAIN": ("", "ranks per scale-up domain (default: the ranks of a host, if every host "
                                     "holds as many; else one domain)"),
+    "EPCOMM_LINKS": ("h800-cx7", "the links the planner prices when a portable-path Buffer picks its normal-mode "
+                                 "strategy (backend='auto', no strategy=): a planner preset name or a topology file "
+                                 "(.toml or .json, as `epcomm plan --topology` reads); its tiers' rates and "
+                                 "latencies are used, the domains are the group's"),
     "EPCOMM_CACHE_DIR": ("~/.cache/epcomm", "where compiled CUDA kernels are cached"),
     "EPCOMM_DISPATCH_OVERLAP": ("1", "CUDA backend: start a dispatch's sends before the host reads the receive "
                                      "counts (0: one fused kernel after the read)"),

@@ -8,11 +8,13 @@ so every rank reaches the same choice without another exchange.
 
 The portable path's strategy is the planner's (epcomm.planner) fastest for the group's domains. The
 Buffer cannot measure its links at construction nor know the layer it will serve, so the planner
-prices the links of its ``h800-cx7`` preset (NVLink-class links inside a host, a 400 Gb/s NIC per
-GPU between hosts, whose ratio is what ranks the strategies) and its default workload (the benchmark's
-shape: 4096 tokens of 7168 channels, top-8 of 256 experts, rounded up to a multiple of the ranks).
+prices the links EPCOMM_LINKS names: a preset or a topology file, by default ``h800-cx7``
+(NVLink-class links inside a host, a 400 Gb/s NIC per GPU between hosts, whose ratio is what ranks the
+strategies), and its default workload (the benchmark's shape: 4096 tokens of 7168 channels, top-8 of
+256 experts, rounded up to a multiple of the ranks).
 Domains that split one host (EPCOMM_RANKS_PER_DOMAIN) share that host's links, as the planner's
-``split`` presets do: their tiers' times add up.
+``split`` presets do: their tiers' times add up; links of one tier only (a single-domain preset) join
+the domains too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from .backends.cuda.availability import LOW_LATENCY, NORMAL
 
 _log = logging.getLogger("epcomm")
 _MODES = (NORMAL, LOW_LATENCY)
-_LINKS_PRESET = "h800-cx7"
 _PLANNED_EXPERTS = 256  # the planner's default workload; rounded up to a multiple of the group size
 # The planner's names for the portable path's strategies (Buffer's strategy= values).
 _FROM_PLANNER = {"flat": "alltoall", "allgather": "allgather", "hierarchical": "hierarchical"}
@@ -85,14 +86,29 @@ def kernel_strategy(domains: Domains, num_rdma_bytes: int, low_latency_mode: boo
     return "hierarchical" if across and num_rdma_bytes > 0 and not low_latency_mode else "alltoall"
 
 
-@functools.lru_cache(maxsize=64)
-def planned_strategy(domains: Domains) -> tuple[str, str]:
-    """(strategy, why): the planner's fastest normal-mode strategy for these domains, on the links and
-    workload the module docstring names. A planner that fails keeps the all-to-all, and says so."""
-    try:
-        from .planner import Workload, plan, preset
+@functools.lru_cache(maxsize=16)
+def links_topology(links: str):
+    """The planner Topology whose tiers EPCOMM_LINKS names (a preset, or a .toml / .json file); ValueError
+    naming the choices otherwise."""
+    from .planner import load_topology, preset, preset_names
 
-        base = preset(_LINKS_PRESET)
+    if links in preset_names():
+        return preset(links)
+    if links.endswith((".toml", ".json", ".yaml", ".yml")):
+        return load_topology(links)
+    raise ValueError(f"EPCOMM_LINKS={links!r} is neither a planner preset ({', '.join(preset_names())}) nor a "
+                     "topology file (.toml or .json)")
+
+
+@functools.lru_cache(maxsize=64)
+def planned_strategy(domains: Domains, links: str = "h800-cx7") -> tuple[str, str]:
+    """(strategy, why): the planner's fastest normal-mode strategy for these domains, on the links
+    ``links`` names (EPCOMM_LINKS) and the workload the module docstring names. A planner that fails
+    keeps the all-to-all, and says so."""
+    try:
+        from .planner import Workload, plan
+
+        base = links_topology(links)
         num_ranks, num_domains = domains.num_ranks, domains.num_domains
         if num_domains == 1:
             topology = dataclasses.replace(base, name="portable", num_domains=1, gpus_per_domain=num_ranks,
@@ -100,7 +116,8 @@ def planned_strategy(domains: Domains) -> tuple[str, str]:
         else:
             topology = dataclasses.replace(
                 base, name="portable", num_domains=num_domains, gpus_per_domain=domains.ranks_per_domain,
-                inter=base.intra if domains.shared_links else base.inter, shared_links=domains.shared_links)
+                inter=base.intra if domains.shared_links or base.inter is None else base.inter,
+                shared_links=domains.shared_links)
         experts = num_ranks * -(-_PLANNED_EXPERTS // num_ranks)
         report = plan(topology, Workload(num_experts=experts))
     except Exception as error:  # the Buffer still works: the all-to-all is the default
@@ -109,7 +126,7 @@ def planned_strategy(domains: Domains) -> tuple[str, str]:
     priced = ", ".join(f"{_FROM_PLANNER[s.name]} {s.total_us:.0f} us" for s in ranked if not s.reference_only)
     return (_FROM_PLANNER[report.recommendation],
             f"the planner's fastest for {domains.describe()} ({priced}: predicted dispatch + combine on "
-            f"{_LINKS_PRESET}-like links)")
+            f"{links}-like links)")
 
 
 def blocked_reason(per_rank: Sequence[str | None]) -> str:

@@ -37,7 +37,7 @@ _MODES = (NORMAL, LOW_LATENCY)
 _KERNEL_BUILD_S = 900.0  # how long the backend vote waits for a rank that builds the kernels
 # What every rank of a Buffer must choose alike (exchanged when it is built).
 _SHARED_CHOICES = ("backend", "device", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "strategy",
-                   "EPCOMM_RANKS_PER_DOMAIN")
+                   "EPCOMM_RANKS_PER_DOMAIN", "EPCOMM_LINKS")
 # Sequence numbers the construction's exchanges announce in the store (calls count from 1): a peer
 # that has not reached an exchange is named by its timeout.
 _SEQ_AGREEMENT, _SEQ_VOTE = -2, -1
@@ -135,6 +135,9 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
                              "inter-domain (NVSHMEM) buffer: see epcomm.backends.cuda.hierarchical."
                              "rdma_bytes_needed")
         ranks_per_domain_env = _ranks_per_domain_from_env(buf)
+        links = _env.env_str("EPCOMM_LINKS")
+        if backend == "auto" and strategy is None:  # the planner prices these links (an error names the choices)
+            backend_choice.links_topology(links)
         if backend != "reference" and low_latency_mode:  # the environment's low-latency transport
             ll_nvshmem = _env.ll_transport() == "nvshmem" or bool(_env.ll_remote_ranks(buf.group_size))
     except REFUSALS as e:
@@ -143,7 +146,8 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     # asked for the same Buffer, within the timeout.
     shared_choices = [] if error else [
         _BACKENDS.index(backend), int(buf.device.type == "cuda"), buf.num_nvl_bytes, buf.num_rdma_bytes,
-        int(bool(low_latency_mode)), _UNSET if strategy is None else _STRATEGIES.index(strategy), ranks_per_domain_env]
+        int(bool(low_latency_mode)), _UNSET if strategy is None else _STRATEGIES.index(strategy), ranks_per_domain_env,
+        zlib.crc32(links.encode())]
     buf.ranks_per_domain, hosts, gpus = _agree_on_construction(
         buf, error, ranks_per_domain_env if error is None else 0, gpu, shared_choices, _collected_on(buf._group_ranks))
     buf._backend.ranks_per_domain = buf.ranks_per_domain
@@ -165,7 +169,8 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf.backends = {mode: "cuda" if on_kernels[mode] else "reference" for mode in _MODES}
     buf.backend_name = "cuda" if "cuda" in buf.backends.values() else "reference"
     buf.strategy, buf.backend_reasons[NORMAL] = _normal_strategy(backend, strategy, buf.strategy, on_kernels[NORMAL],
-                                                                 domains, buf.backend_reasons[NORMAL], enable_shrink)
+                                                                 domains, buf.backend_reasons[NORMAL], enable_shrink,
+                                                                 _env.env_str("EPCOMM_LINKS"))
     backend_choice.log_choice(buf.rank, buf.group_size, buf.device.type, buf.backends, buf.backend_reasons)
     buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, buf.strategy, on_kernels[NORMAL],
                                             on_kernels[LOW_LATENCY], buf.num_nvl_bytes, buf.num_rdma_bytes,
@@ -222,7 +227,8 @@ def _agree_on_construction(buf: Any, error: Exception | None, ranks_per_domain: 
         if len(set(values)) > 1:
             shown = [_BACKENDS[v] if name == "backend" else (*_STRATEGIES, "unset")[v] if name == "strategy" else
                      ("cuda" if v else "cpu") if name == "device" else
-                     (v or "unset") if name == "EPCOMM_RANKS_PER_DOMAIN" else v for v in values]
+                     (v or "unset") if name == "EPCOMM_RANKS_PER_DOMAIN" else
+                     f"crc32 {v:08x}" if name == "EPCOMM_LINKS" else v for v in values]
             raise ValueError(f"epcomm Buffer(): ranks chose different {name} values (every rank must build the "
                              "same Buffer): " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
     if collected_key and rows[:, 3].tolist() == [collected_key] * buf.group_size:
@@ -280,10 +286,11 @@ def _choose_backends(buf: Any, backend: str, from_env: bool, hosts: list[int], g
 
 
 def _normal_strategy(backend: str, asked: str | None, kernels: str, on_kernels: bool,
-                     domains: backend_choice.Domains, reason: str, shrink: bool) -> tuple[str, str]:
+                     domains: backend_choice.Domains, reason: str, shrink: bool, links: str) -> tuple[str, str]:
     """Normal mode's strategy and the reason that names it: the caller's; else the kernels' default
     on the kernels; else with enable_shrink the all-to-all (the strategy that masks failed ranks on
-    the reference backend); else on 'auto' the planner's fastest for the domains; else the all-to-all."""
+    the reference backend); else on 'auto' the planner's fastest for the domains on ``links``
+    (EPCOMM_LINKS); else the all-to-all."""
     if asked is not None:
         return asked, f"{reason}; strategy {asked}: given"
     if on_kernels:
@@ -291,7 +298,7 @@ def _normal_strategy(backend: str, asked: str | None, kernels: str, on_kernels: 
     if shrink:
         return "alltoall", f"{reason}; strategy alltoall: the one that masks failed ranks (enable_shrink)"
     if backend == "auto":
-        planned, why = backend_choice.planned_strategy(domains)
+        planned, why = backend_choice.planned_strategy(domains, links)
         return planned, f"{reason}; strategy {planned}: {why}"
     return "alltoall", f"{reason}; strategy alltoall: the default (the planner chooses on backend='auto')"
 

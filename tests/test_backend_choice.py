@@ -19,6 +19,7 @@ from routing import make_inputs
 from epcomm import Buffer, Config, backend_choice
 from epcomm.backends.cuda.availability import LOW_LATENCY, NORMAL, mode_blockers
 from epcomm.bench.checks import same_bits
+from epcomm.planner.topology import PRESET_DIR
 from epcomm.utils.launch import group_device
 
 HIDDEN, EXPERTS, TOPK, N = 512, 16, 4, 32
@@ -197,7 +198,7 @@ def test_auto_takes_the_planners_strategy_for_the_domains():
     assert all(r == reasons[0] for r in reasons), "the ranks' reasons differ"
 
 
-def test_planned_strategy_follows_the_links():
+def test_planned_strategy_follows_the_links(tmp_path):
     """The planner's choice for the domains: the all-to-all in one domain and where domains share one
     host's links; hierarchical forwarding where hosts' links join the domains; the default ranks per
     domain is the same on every rank, even for uneven hosts."""
@@ -208,6 +209,14 @@ def test_planned_strategy_follows_the_links():
     assert backend_choice.planned_strategy(domains([1] * 8, 4))[0] == "alltoall"
     assert backend_choice.planned_strategy(domains([1] * 8 + [2] * 8))[0] == "hierarchical"
     assert backend_choice.planned_strategy(domains([1] * 4 + [2] * 4, 8))[0] == "alltoall"
+    # EPCOMM_LINKS: links as fast between hosts as inside them make the flat all-to-all the fastest.
+    assert backend_choice.planned_strategy(domains([1] * 8 + [2] * 8), "8xh200-2x4")[0] == "alltoall"
+    assert backend_choice.planned_strategy(domains([1] * 8 + [2] * 8), "8xh200")[0] == "alltoall"
+    links_file = tmp_path / "links.toml"  # a topology file is read as the preset it copies
+    links_file.write_text((PRESET_DIR / "8xh200-2x4.toml").read_text())
+    assert backend_choice.planned_strategy(domains([1] * 8 + [2] * 8), str(links_file))[0] == "alltoall"
+    with pytest.raises(ValueError, match=r"EPCOMM_LINKS='nvlink' is neither a planner preset"):
+        backend_choice.links_topology("nvlink")
     assert backend_choice.default_ranks_per_domain([1, 1, 2, 2, 2, 2]) == 6
     assert backend_choice.default_ranks_per_domain([1, 1, 2, 2]) == 2
     # The kernels across hosts: the hierarchical kernels when the Buffer reserves their buffer.
@@ -254,6 +263,11 @@ def rank_domains_or_strategy_disagree():
         Buffer(dist.group.WORLD, 1 << 20, backend="auto", strategy=None if first else "alltoall")
     env = env_var("EPCOMM_RANKS_PER_DOMAIN", 1) if not first else contextlib.nullcontext()
     with env, pytest.raises(ValueError, match=r"different EPCOMM_RANKS_PER_DOMAIN values .*rank 0: unset, rank 1: 1"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto")
+    env = env_var("EPCOMM_LINKS", "8xh200-2x4") if not first else contextlib.nullcontext()
+    with env, pytest.raises(ValueError, match=r"different EPCOMM_LINKS values"):
+        Buffer(dist.group.WORLD, 1 << 20, backend="auto")
+    with env_var("EPCOMM_LINKS", "no-such-links"), pytest.raises(ValueError, match=r"EPCOMM_LINKS='no-such-links'"):
         Buffer(dist.group.WORLD, 1 << 20, backend="auto")
     return True
 
