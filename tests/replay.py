@@ -176,6 +176,21 @@ def check_ll_dispatch(tag: str, recv, count, handle, want: oracle.LowLatencyDisp
             assert_bits(f"{tag} {name}[{e}]", got_part[e, :c], want_part[e, :c])
 
 
-def check_ll_combined(tag: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """A low-latency combine equals the oracle's (fp32 in slot order, then bf16) bit for bit."""
+def check_ll_combined(tag: str, got: torch.Tensor, want: torch.Tensor, buf=None, inputs=None) -> None:
+    """A low-latency combine equals the oracle's (fp32 in slot order, then bf16) bit for bit; with ``buf``
+    and this rank's ``inputs`` (x, topk_idx, topk_weights), a combine the CUDA kernels made by partial
+    sums on several ranks (their default without a hook from 64 tokens a rank, EPCOMM_LL_COMBINE_PARTIALS)
+    within the partials' bf16 rounding: each partial rounds once, to 2^-8 of the sum of |w| times the
+    expert's output (under twice |x| after the FP8 round trip), and the result once more."""
+    if buf is not None and getattr(buf.low_latency_ops, "last_combine_partials", False) and dist.get_world_size() > 1:
+        x, topk_idx, topk_weights = (t.to(got.device) for t in inputs)
+        valid = (topk_idx >= 0).float()
+        coef = (topk_weights.abs() * expert_scale(topk_idx.clamp(min=0)) * valid).sum(dim=1, keepdim=True)
+        bound = coef * x.float().abs() * 2
+        want = want.to(got.device).float()
+        error = (got.float() - want).abs()
+        assert got.shape == want.shape and bool(torch.isfinite(got).all()), f"{tag}: shape or non-finite values"
+        assert bool((error <= 2**-7 * (bound + want.abs()) + 1e-30).all()), \
+            f"rank {dist.get_rank()}: {tag} combined (by partial sums) differs from the oracle past bf16 rounding"
+        return
     assert_bits(f"{tag} combined", got, want)

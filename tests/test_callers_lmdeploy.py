@@ -151,7 +151,7 @@ def rank_lmdeploy(name: str, return_recv_hook: bool):
         check_ll_dispatch(tag, recv, masked_m, low_latency.handle, want)
         assert expected_m == (24 * dist.get_world_size() * TOPK + EXPERTS) // EXPERTS
         combined = low_latency.combine(ll_experts(recv, rank), topk_idx, topk_weights)
-        check_ll_combined(tag, combined, want_combined)
+        check_ll_combined(tag, combined, want_combined, low_latency.buffer_low_latency, inputs[rank])
     _buffer_common.destroy()
     _buffer_common = None
     return True
