@@ -7,6 +7,8 @@ every output must be equal bitwise (the rows past a call's valid ones only where
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from conftest import cluster, env_var
 from routing import device, make_inputs
 
 from epcomm import Buffer, Config, oracle
+from epcomm.backends.reference import low_latency as reference_ll
 from epcomm.bench.checks import same_bits
 from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
@@ -142,8 +145,22 @@ def test_layout_in_domains_equals_the_oracle(ranks_per_domain):
     cluster(4).run(rank_layout_in_domains, ranks_per_domain)
 
 
-def rank_low_latency(cases: list[tuple]) -> int:
-    """Each case: (tokens per rank, N, hidden, experts, top-k, routing, seed, mode, masked rank or None)."""
+@contextlib.contextmanager
+def graph_sizes(on: bool):
+    """The reference calls as a CUDA graph capture makes them (no handshake, fixed sizes, nothing read on
+    the host), forced on CPU ranks when ``on``."""
+    saved = reference_ll.in_graph
+    if on:
+        reference_ll.in_graph = lambda device: True
+    try:
+        yield
+    finally:
+        reference_ll.in_graph = saved
+
+
+def rank_low_latency(cases: list[tuple], fixed: tuple[bool, bool] = (False, False)) -> int:
+    """Each case: (tokens per rank, N, hidden, experts, top-k, routing, seed, mode, masked rank or None).
+    ``fixed``: whether the dispatch and the combine take the graph's fixed sizes (graph_sizes)."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = device()
     checked = 0
@@ -158,9 +175,10 @@ def rank_low_latency(cases: list[tuple]) -> int:
                      low_latency_mode=True, backend="reference", enable_shrink=masked is not None)
         if masked is not None:
             buf.low_latency_update_mask_buffer(masked_rank, True)
-        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
-            xs[rank].to(dev), idxs[rank].to(dev), n, experts, use_fp8=use_fp8, round_scale=round_scale,
-            use_ue8m0=use_ue8m0)
+        with graph_sizes(fixed[0]):
+            recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+                xs[rank].to(dev), idxs[rank].to(dev), n, experts, use_fp8=use_fp8, round_scale=round_scale,
+                use_ue8m0=use_ue8m0)
         everyone = oracle.low_latency_dispatch(xs, idxs, experts, n, use_fp8=use_fp8, round_scale=round_scale,
                                                use_ue8m0=use_ue8m0, masked=masked)
         want = everyone[rank]
@@ -186,8 +204,9 @@ def rank_low_latency(cases: list[tuple]) -> int:
                     rows = per_token_cast_back(got.x[0][e, :c], got.x[1][e, :c]) if use_fp8 else got.x[e, :c]
                     y[e, :c] = (rows.float() * scale(d * e_local + e)).to(torch.bfloat16)
                 ys.append(y)
-            combined, _, _ = buf.low_latency_combine(ys[rank].to(dev), idxs[rank].to(dev), weights[rank].to(dev),
-                                                     handle)
+            with graph_sizes(fixed[1]):
+                combined, _, _ = buf.low_latency_combine(ys[rank].to(dev), idxs[rank].to(dev),
+                                                         weights[rank].to(dev), handle)
             want_combined = oracle.low_latency_combine(ys, [g.src_info for g in everyone],
                                                        [g.layout_range for g in everyone], idxs, weights, experts,
                                                        masked=masked)[rank]
@@ -214,6 +233,14 @@ LOW_LATENCY = {
 @pytest.mark.parametrize("ranks", sorted(LOW_LATENCY))
 def test_low_latency_mode_equals_the_oracle(ranks):
     cluster(ranks).run(rank_low_latency, LOW_LATENCY[ranks])
+
+
+@pytest.mark.parametrize("fixed", [(True, True), (True, False), (False, True)],
+                         ids=["graph", "graph-dispatch", "graph-combine"])
+@pytest.mark.parametrize("ranks", sorted(LOW_LATENCY))
+def test_low_latency_graph_sizes_equal_the_oracle(ranks, fixed):
+    """The fixed-size calls a CUDA graph captures, and handles of one kind used by calls of the other."""
+    cluster(ranks).run(rank_low_latency, LOW_LATENCY[ranks], fixed)
 
 
 def test_oracle_on_hand_made_routing():

@@ -13,6 +13,14 @@ as one variable-size all-to-all whose sizes the dispatch derived (each side know
 own entries); the source places the rows by (token, slot) and sums ``acc + w_k * row_k`` in fp32,
 slot 0 first. With ``return_recv_hook`` the all-to-all is issued by the call and the hook
 completes it.
+
+Inside a CUDA graph capture nothing may wait on the host, so there the calls take no handshake (the
+ranks agreed in the eager calls before the capture) and every size is fixed: the receive layout is
+placed from all R * N * K (slot, top-k) entries, invalid ones into a spare row, and the combine
+returns each source a block of N * K rows, entry (token, slot) at its rank among the source's entries
+to this rank; the source reads slot k's row of every token (a zero row where it has none) and adds
+w_k * row_k, slot by slot, the same sum bit for bit. A handle of either kind serves a combine of
+either kind.
 """
 
 from __future__ import annotations
@@ -31,19 +39,36 @@ from .backend import F, Op, ReferenceBackend, to_bytes
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 
 
-def _source_entries(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int, masked: torch.Tensor | None):
-    """This rank's (token, slot) entries that go out, as flat indices ``t * K + k`` ordered by
-    (destination rank, token, slot), and the count per destination (host list)."""
-    num_tokens, num_topk = topk_idx.shape
+def in_graph(device: torch.device) -> bool:
+    """Whether the calls are being captured into a CUDA graph (the fixed-size path, module docstring)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def counts(values: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of 0 .. size - 1 occurs in ``values`` (all below ``size``), as int64: a bincount
+    of a size known beforehand, which on a GPU reads nothing back (bincount reads the maximum)."""
+    return torch.zeros(size, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
+def _destinations(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int,
+                  masked: torch.Tensor | None) -> torch.Tensor:
+    """Each (token, slot) entry's destination rank, flat ``t * K + k``; R where it goes nowhere (id -1,
+    or a masked rank)."""
     flat = topk_idx.flatten()
     dest = torch.where(flat >= 0, flat // experts_per_rank, num_ranks)
     if masked is not None:
         dest = torch.where(masked.to(flat.device)[dest.clamp(max=num_ranks - 1)] & (dest < num_ranks), num_ranks,
                            dest)
-    size = max(flat.numel(), 1)
-    keys = torch.sort(dest * size + torch.arange(flat.numel(), device=flat.device)).values
+    return dest
+
+
+def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, list[int]]:
+    """This rank's (token, slot) entries that go out, as flat indices ``t * K + k`` ordered by
+    (destination rank, token, slot), and the count per destination (host list)."""
+    size = max(dest.numel(), 1)
+    keys = torch.sort(dest * size + torch.arange(dest.numel(), device=dest.device)).values
     per_dest = torch.bincount(dest, minlength=num_ranks + 1)[:num_ranks].tolist()
-    return keys[:sum(per_dest)] % size, per_dest, dest
+    return keys[:sum(per_dest)] % size, per_dest
 
 
 def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
@@ -57,13 +82,17 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     experts_per_rank = num_experts // num_ranks
     n = num_max_tokens
     flags = (FLAG_FP8 * use_fp8) | (FLAG_ROUND_SCALE * round_scale) | (FLAG_UE8M0 * use_ue8m0)
-    headers = be.handshake(Op.LL_DISPATCH, {
-        F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.NUM_TOPK: num_topk, F.MAX_TOKENS: num_max_tokens,
-        F.FLAGS: flags, F.NUM_TOKENS: num_tokens,
-    })
-    wait_ns = be.arrival_wait_ns(headers)
     dev = x.device
-    entries, rows_per_dest, dest = _source_entries(topk_idx, experts_per_rank, num_ranks, masked)
+    graph = in_graph(dev)
+    if graph:
+        wait_ns = torch.zeros(num_ranks, dtype=torch.int64)
+    else:
+        headers = be.handshake(Op.LL_DISPATCH, {
+            F.HIDDEN: hidden, F.NUM_EXPERTS: num_experts, F.NUM_TOPK: num_topk, F.MAX_TOKENS: num_max_tokens,
+            F.FLAGS: flags, F.NUM_TOKENS: num_tokens,
+        })
+        wait_ns = be.arrival_wait_ns(headers)
+    dest = _destinations(topk_idx, experts_per_rank, num_ranks, masked)
 
     # Slot (r, t): token t's payload and its top-k ids as rank r sees them (-1: not for r).
     if use_fp8:
@@ -95,7 +124,6 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     # Outputs, one expert more than the API's: entries of no local expert are written to the extra
     # one, so the placement needs no count on the host.
     rows = n * num_ranks
-    num_scale_cols = hidden // 128 // (4 if use_ue8m0 else 1)
     data_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
     data_buf = torch.empty((experts_per_rank + 1, rows, hidden), dtype=data_dtype, device=dev)
     scales_buf = None
@@ -105,44 +133,17 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     src_info_buf = torch.full((experts_per_rank + 1, rows), -1, dtype=torch.int32, device=dev)
     recv_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=dev)
     layout_range = torch.zeros((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
-    state = {"entries": entries, "rows_per_dest": rows_per_dest, "masked": masked}
+    state: dict = {"dest": dest, "masked": masked}
+    if not graph:
+        state["entries"], state["rows_per_dest"] = _source_entries(dest, num_ranks)
     arrived_ns = torch.zeros(num_ranks, dtype=torch.int64, device="cpu")
 
     def finish() -> None:
         start = time.monotonic_ns()
         pending.wait("low_latency_dispatch", seq, time.monotonic() + be.transport.timeout_s)
-        arrived_ns.add_(wait_ns + (time.monotonic_ns() - start if defer_receive else 0))
-        num_entries = rows * num_topk
-        got = dense(recv[:, :, :4 * num_topk]).view(torch.int32).view(-1).to(torch.int64)
-        local = got - rank * experts_per_rank
-        expert = torch.where((got >= 0) & (local >= 0) & (local < experts_per_rank), local, experts_per_rank)
-        # (expert, entry) ascending = (expert, source, token, slot): the receive layout.
-        order = torch.sort(expert * num_entries + torch.arange(num_entries, device=dev)).values
-        per_expert = torch.bincount(expert, minlength=experts_per_rank + 1)
-        num_valid = int(per_expert[:experts_per_rank].sum())  # the combine's sizes need it on the host
-        order = order[:num_valid]
-        exp, entry = order // num_entries, order % num_entries
-        pos = torch.arange(num_valid, device=dev) - (torch.cumsum(per_expert, 0) - per_expert)[exp]
-        slot = entry // num_topk  # source * N + token
-        target = exp * rows + pos
-        taken = recv.view(rows, -1).view(torch.int64).index_select(0, slot)
-        data_words = hidden * data_buf.element_size() // 8
-        first = id_bytes // 8
-        data_buf.view(-1, hidden).view(torch.int64).index_copy_(0, target, taken[:, first:first + data_words])
-        if scales_buf is not None:
-            begin = id_bytes + data_words * 8
-            scale_bytes = dense(taken.view(torch.uint8)[:, begin:begin + num_scale_cols * 4])
-            scales_buf[exp, pos] = scale_bytes.view(scales_buf.dtype)
-        src_info_buf[exp, pos] = (slot % n).to(torch.int32)
-        recv_count.copy_(per_expert[:experts_per_rank])
-        source = entry // (n * num_topk)
-        blocks = torch.bincount(exp * num_ranks + source, minlength=experts_per_rank * num_ranks)
-        blocks = blocks.view(experts_per_rank, num_ranks)
-        layout_range.copy_(((torch.cumsum(blocks, 1) - blocks) << 32) | blocks)
-        # The combine returns the entries in (source, token, slot) order.
-        by_entry = torch.sort(entry).indices
-        state["combine_rows"] = target[by_entry]
-        state["send_rows"] = blocks.sum(0).tolist()
+        arrived_ns.add_(wait_ns + (time.monotonic_ns() - start if defer_receive and not graph else 0))
+        _place(recv, rank, n, num_ranks, num_topk, id_bytes, data_buf, scales_buf, src_info_buf, recv_count,
+               layout_range, state, fixed=graph)
 
     recv_x = data_buf[:experts_per_rank]
     if use_fp8:
@@ -154,27 +155,98 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     return recv_x, recv_count, handle, finish, arrived_ns
 
 
+def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int, id_bytes: int,
+           data_buf: torch.Tensor, scales_buf: torch.Tensor | None, src_info_buf: torch.Tensor,
+           recv_count: torch.Tensor, layout_range: torch.Tensor, state: dict, fixed: bool) -> None:
+    """Place the received slots in the receive layout and derive what the combine sends back. Eager:
+    the valid entries only (their count read on the host, which sizes the combine); ``fixed`` (a graph):
+    every entry, the invalid ones into the spare expert's first row, and nothing read on the host."""
+    experts_per_rank = data_buf.shape[0] - 1
+    hidden = data_buf.shape[2]
+    rows = n * num_ranks
+    num_entries = rows * num_topk
+    dev = recv.device
+    got = dense(recv[:, :, :4 * num_topk]).view(torch.int32).view(-1).to(torch.int64)
+    local = got - rank * experts_per_rank
+    expert = torch.where((got >= 0) & (local >= 0) & (local < experts_per_rank), local, experts_per_rank)
+    # (expert, entry) ascending = (expert, source, token, slot): the receive layout.
+    order = torch.sort(expert * num_entries + torch.arange(num_entries, device=dev)).values
+    per_expert = counts(expert, experts_per_rank + 1)
+    if not fixed:
+        order = order[:int(per_expert[:experts_per_rank].sum())]  # the combine's sizes need it on the host
+    exp, entry = order // num_entries, order % num_entries
+    valid = exp < experts_per_rank
+    pos = torch.arange(order.numel(), device=dev) - (torch.cumsum(per_expert, 0) - per_expert)[exp]
+    if fixed:
+        pos = torch.where(valid, pos, 0)
+    slot = entry // num_topk  # source * N + token
+    target = exp * rows + pos
+    taken = recv.view(rows, -1).view(torch.int64).index_select(0, slot)
+    data_words = hidden * data_buf.element_size() // 8
+    first = id_bytes // 8
+    data_buf.view(-1, hidden).view(torch.int64).index_copy_(0, target, taken[:, first:first + data_words])
+    if scales_buf is not None:
+        begin = id_bytes + data_words * 8
+        scale_bytes = dense(taken.view(torch.uint8)[:, begin:begin + scales_buf.shape[2] * 4])
+        scales_buf[exp, pos] = scale_bytes.view(scales_buf.dtype)
+    src_info_buf[exp, pos] = (slot % n).to(torch.int32)
+    recv_count.copy_(per_expert[:experts_per_rank])
+    source = entry // (n * num_topk)
+    blocks = counts(exp * num_ranks + source, (experts_per_rank + 1) * num_ranks)
+    blocks = blocks[:experts_per_rank * num_ranks].view(experts_per_rank, num_ranks)
+    layout_range.copy_(((torch.cumsum(blocks, 1) - blocks) << 32) | blocks)
+    # The combine returns the entries in (source, token, slot) order: the rows of x to send, and each
+    # row's place in the fixed-size exchange (a block of N * K rows per source; invalid: a spare row).
+    by_entry = torch.sort(entry).indices
+    state["combine_rows"] = torch.where(valid, target, 0)[by_entry]
+    valid = valid[by_entry]
+    source = source[by_entry]
+    block = n * num_topk
+    if fixed:  # every source's entries, in order: the valid ones before each
+        before = torch.cumsum(valid.view(num_ranks, -1), 1).view(-1) - 1
+    else:
+        per_source = blocks.sum(0)
+        before = torch.arange(valid.numel(), device=dev) - (torch.cumsum(per_source, 0) - per_source)[source]
+        state["send_rows"] = per_source.tolist()
+    state["send_pos"] = torch.where(valid, source * block + before, num_ranks * block)
+
+
 def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             handle: LowLatencyHandle, out: torch.Tensor | None, defer_receive: bool
             ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
-    """Returns (combined_x, finish, wait_ns); combined_x is valid once finish() ran."""
+    """Returns (combined_x, finish, wait_ns); combined_x is valid once finish() ran. The exchange has the
+    sizes the dispatch counted on the host, or (in a graph, or for a handle a graph's dispatch made) a
+    fixed block of N * K rows per source."""
     st = handle.backend_state
     hidden = x.shape[2]
-    send_rows = st["send_rows"]  # back to each source
-    headers = be.handshake(Op.LL_COMBINE, {
-        F.HIDDEN: hidden, F.NUM_EXPERTS: handle.num_experts, F.NUM_TOPK: handle.num_topk,
-        F.MAX_TOKENS: handle.num_max_dispatch_tokens_per_rank, F.NUM_TOKENS: handle.num_tokens,
-    }, counts=send_rows)
-    count_matrix = be.count_matrix(headers)
-    wait_ns = be.arrival_wait_ns(headers)
-    everyone_empty = int(count_matrix.sum()) == 0
-    send = row_words(dense(x).view(-1, hidden)).index_select(0, st["combine_rows"])
-    recv_rows = st["rows_per_dest"]
-    recv = x.new_empty((sum(recv_rows), hidden))
-    pending = None if everyone_empty else be.transport.start_all_to_all(send, send_rows, recv_rows,
-                                                                        out=row_words(recv))
-    seq = be.seq
+    num_ranks = be.num_ranks
     num_tokens, num_topk = handle.num_tokens, handle.num_topk
+    graph = in_graph(x.device)
+    fixed = graph or "send_rows" not in st
+    if graph:
+        wait_ns, everyone_empty = torch.zeros(num_ranks, dtype=torch.int64), False
+    else:
+        headers = be.handshake(Op.LL_COMBINE, {
+            F.HIDDEN: hidden, F.NUM_EXPERTS: handle.num_experts, F.NUM_TOPK: num_topk,
+            F.MAX_TOKENS: handle.num_max_dispatch_tokens_per_rank, F.NUM_TOKENS: num_tokens,
+        }, counts=None if fixed else st["send_rows"])
+        wait_ns = be.arrival_wait_ns(headers)
+        everyone_empty = not fixed and int(be.count_matrix(headers).sum()) == 0
+    rows = row_words(dense(x).view(-1, hidden)).index_select(0, st["combine_rows"])
+    if fixed:
+        block = handle.num_max_dispatch_tokens_per_rank * num_topk
+        send = rows.new_empty((num_ranks * block + 1, rows.shape[1]))  # the last row: invalid entries'
+        send.index_copy_(0, st["send_pos"], rows)
+        recv = x.new_empty((num_ranks * block + 1, hidden))
+        recv[-1].zero_()  # read for every slot a token has no row in
+        sizes = [block] * num_ranks
+        pending = be.transport.start_all_to_all(send[:-1], sizes, sizes, out=row_words(recv[:-1]))
+    else:
+        recv_rows = st["rows_per_dest"]
+        recv = x.new_empty((sum(recv_rows), hidden))
+        pending = None if everyone_empty else be.transport.start_all_to_all(rows, st["send_rows"], recv_rows,
+                                                                            out=row_words(recv))
+    seq = be.seq
     combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                        device=x.device)
     arrived_ns = wait_ns.clone()
@@ -183,15 +255,24 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         start = time.monotonic_ns()
         if pending is not None:
             pending.wait("low_latency_combine", seq, time.monotonic() + be.transport.timeout_s)
-        if defer_receive:
+        if defer_receive and not graph:
             arrived_ns.add_(time.monotonic_ns() - start)
+        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+        words = row_words(recv)
+        if fixed:
+            # Slot k's row of every token (the zero row where it has none, weight 0): acc + w_k * row_k
+            # for a row, acc + 0 (acc unchanged: a sum from +0 is never -0) for none.
+            places = _fixed_places(st, num_ranks, block).view(num_tokens, num_topk)
+            weights = torch.where(st["dest"].view(num_tokens, num_topk) < num_ranks, topk_weights.float(), 0.0)
+            for k in range(num_topk):
+                acc.add_(words.index_select(0, places[:, k]).view(torch.bfloat16).float().mul_(weights[:, k:k + 1]))
+            combined.copy_(acc)
+            return
         # Rows arrive per destination rank by (token, slot). Summed slot by slot (the oracle's fp32
         # order: slot 0 first), one slot's rows gathered at a time (the temporaries stay a slot's
         # share of the receive): a token holds a slot once, so one index_add_ per slot adds
         # w_k * row_k exactly as acc + w_k * row_k, and absent slots add nothing.
         by_slot, tokens, slot_counts = _slot_order(st, num_topk)
-        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-        words = row_words(recv)
         weights = topk_weights.reshape(-1).index_select(0, st["entries"].index_select(0, by_slot)).float()
         begin = 0
         for count in slot_counts:
@@ -203,6 +284,23 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         combined.copy_(acc)
 
     return combined, finish, arrived_ns
+
+
+def _fixed_places(state: dict, num_ranks: int, block: int) -> torch.Tensor:
+    """Where each of this rank's (token, slot) entries comes back in a fixed-size combine's receive:
+    block d holds its entries to rank d in (token, slot) order; entries that went nowhere read the
+    zero row after the blocks. Made once per handle, on the device."""
+    if "fixed_places" not in state:
+        dest = state["dest"]
+        size = dest.numel()
+        keys = torch.sort(dest * max(size, 1) + torch.arange(size, device=dest.device)).values
+        entry, to = keys % max(size, 1), keys // max(size, 1)
+        per_dest = counts(dest, num_ranks + 1)
+        within = torch.arange(size, device=dest.device) - (torch.cumsum(per_dest, 0) - per_dest)[to]
+        places = torch.empty_like(dest)
+        places[entry] = torch.where(to < num_ranks, to * block + within, num_ranks * block)
+        state["fixed_places"] = places
+    return state["fixed_places"]
 
 
 def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -90,7 +90,7 @@ class ReferenceLowLatencyOps:
         pass
 
     def check_combine_args(self, x, handle, out) -> None:
-        if "send_rows" not in handle.backend_state:  # the dispatch's receive derives the combine's sizes
+        if "send_pos" not in handle.backend_state:  # the dispatch's receive derives what the combine sends
             raise ValueError("low_latency_combine: the dispatch of this handle has not been received yet; call its "
                              "receive hook first")
 
@@ -102,7 +102,9 @@ class ReferenceLowLatencyOps:
             raise RuntimeError("epcomm low_latency_dispatch: normal mode masked a failed rank on this Buffer; "
                                "the portable low-latency calls run on the whole group only (clean the mask first)")
         masked = None
-        if mask is not None:  # the ranks masked now, or None when none is
+        if mask is not None and low_latency.in_graph(mask.device):  # a graph reads the mask on the device
+            masked = mask != 0
+        elif mask is not None:  # the ranks masked now, or None when none is
             masked = mask.cpu() != 0
             masked = masked if bool(masked.any()) else None
         recv_x, recv_count, handle, finish, wait_ns = low_latency.dispatch(
@@ -114,7 +116,7 @@ class ReferenceLowLatencyOps:
             finish()
             if cumulative_stats is not None:
                 cumulative_stats.add_(recv_count)
-            if wait_stats is not None:
+            if wait_stats is not None and not low_latency.in_graph(wait_stats.device):  # a graph has no arrivals
                 wait_stats.add_(wait_ns.to(wait_stats.device))
 
         return recv_x, recv_count, handle, complete
@@ -129,7 +131,7 @@ class ReferenceLowLatencyOps:
 
         def complete() -> None:
             finish()
-            if wait_stats is not None:
+            if wait_stats is not None and not low_latency.in_graph(wait_stats.device):
                 wait_stats.add_(wait_ns.to(wait_stats.device))
 
         return combined, complete

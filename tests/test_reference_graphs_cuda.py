@@ -1,0 +1,79 @@
+"""The portable path captured in a CUDA graph on NCCL (one GPU, one rank: ranks that share a GPU run on
+gloo, which no graph captures): low-latency dispatch and combine replayed on new inputs written into the
+captured tensors, each replay checked bit for bit against the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import BACKEND, cluster
+from routing import make_inputs
+
+from epcomm import Buffer, oracle, per_token_cast_back
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs: run with EPCOMM_TEST_BACKEND=nccl on a GPU")]
+
+
+def _expert_outputs(recv_x, first_expert: int) -> torch.Tensor:
+    """Local expert e returns its rows (dequantized) times (global expert + 1) / 2, in bf16."""
+    if isinstance(recv_x, tuple):
+        data, scales = recv_x
+        rows = per_token_cast_back(data.reshape(-1, data.shape[2]), scales.reshape(-1, scales.shape[2]).contiguous())
+        rows = rows.view(data.shape)
+    else:
+        rows = recv_x
+    scale = (torch.arange(rows.shape[0], device=rows.device) + first_expert + 1).float() / 2
+    return (rows.float() * scale.view(-1, 1, 1)).to(torch.bfloat16)
+
+
+def rank_low_latency_graph(n: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool) -> int:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    e_local = num_experts // num_ranks
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
+                 low_latency_mode=True, backend="reference")
+
+    def everyone(seed: int):
+        return [make_inputs(seed, r, n, hidden, num_experts, num_topk, num_ranks, "random") for r in range(num_ranks)]
+
+    static = [t.to(dev) for t in everyone(1)[rank]]  # x, topk_idx, topk_weights: the graph's inputs
+
+    def step():
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(static[0], static[1], n, num_experts,
+                                                                    use_fp8=use_fp8)
+        combined, _, _ = buf.low_latency_combine(_expert_outputs(recv_x, rank * e_local), static[1], static[2],
+                                                 handle)
+        return recv_count, handle, combined
+
+    step()  # eager first: the ranks agree on the shapes, NCCL sets up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_count, handle, combined = step()
+    checked = 0
+    for seed in (2, 3, 4):
+        inputs = everyone(seed)
+        for t, new in zip(static, inputs[rank], strict=True):
+            t.copy_(new)
+        combined.fill_(float("nan"))  # poisoned: the replay must write every row
+        graph.replay()
+        torch.cuda.synchronize()
+        xs, idxs, ws = ([i[k] for i in inputs] for k in range(3))
+        got = oracle.low_latency_dispatch(xs, idxs, num_experts, n, use_fp8=use_fp8)
+        want = got[rank]
+        tag = f"rank {rank} seed {seed} fp8={use_fp8}"
+        assert torch.equal(recv_count.cpu(), want.count.to(recv_count.dtype)), f"{tag}: recv_count"
+        assert torch.equal(handle.layout_range.cpu(), want.layout_range), f"{tag}: layout_range"
+        ys = [_expert_outputs(d.x, r * e_local) for r, d in enumerate(got)]
+        want_combined = oracle.low_latency_combine(ys, [d.src_info for d in got], [d.layout_range for d in got],
+                                                   idxs, ws, num_experts)[rank]
+        assert torch.equal(combined.cpu().view(torch.int16), want_combined.view(torch.int16)), f"{tag}: combined"
+        checked += int(want.count.sum())
+    return checked
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_graph_replays_on_new_inputs(use_fp8):
+    assert cluster(1).run(rank_low_latency_graph, 16, 1024, 8, 4, use_fp8)[0] > 0
