@@ -94,7 +94,7 @@ class ArgumentChecks:
                              shape=(self.num_domains,), device=self.device)
             # Checks of values need the data on the host; the CUDA kernels make them on the device
             # (no host sync, CUDA-graph capturable) and every rank raises the same ValueError.
-            on_host = not self._normal_ops.on_kernels
+            on_host = not self._normal_ops.on_kernels and not self._capturing()
             if on_host and not torch.equal(is_token_in_rank.sum(0).to(torch.int32), num_tokens_per_rank):
                 raise ValueError("num_tokens_per_rank does not match is_token_in_rank.sum(0); pass both from "
                                  "get_dispatch_layout")

@@ -17,6 +17,7 @@ from routing import device, make_inputs
 
 from epcomm import Buffer, Config, oracle
 from epcomm.backends.reference import low_latency as reference_ll
+from epcomm.backends.reference import normal as reference_normal
 from epcomm.bench.checks import same_bits
 from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
@@ -41,8 +42,10 @@ def _rows(x, n: int):
 SCALES = (2.0 ** 20, -(2.0 ** 20), 1.0, 3.0)
 
 
-def rank_normal(cases: list[tuple]) -> int:
-    """Each case: (tokens per rank, hidden, experts, top-k, routing, seed, fp8, alignment, num_worst_tokens, bias)."""
+def rank_normal(cases: list[tuple], fixed: tuple[bool, bool] = (False, False)) -> int:
+    """Each case: (tokens per rank, hidden, experts, top-k, routing, seed, fp8, alignment, num_worst_tokens, bias).
+    ``fixed``: whether the dispatch, and the cached dispatch and combine, take a graph's fixed sizes
+    (graph_sizes; a handle of a fixed-size dispatch keeps them in eager calls)."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = device()
     buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(1024 * 2, num_ranks), backend="reference")
@@ -61,9 +64,15 @@ def rank_normal(cases: list[tuple]) -> int:
         for name, got, want in zip(("per_rank", "per_domain", "per_expert", "in_rank"), layout, want_layout):
             assert (got is None and want is None) or _equal(got.cpu(), want), f"{tag}: layout {name}"
 
-        recv_x, recv_idx, recv_w, expert_list, handle, _ = buf.dispatch(
-            on_dev(x), num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-            topk_idx=idx.to(dev), topk_weights=w.to(dev), expert_alignment=align, num_worst_tokens=worst)
+        if fixed[0]:  # the eager dispatch before a capture: the ranks agree on the shapes
+            buf.dispatch(on_dev(x), num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                         num_tokens_per_expert=layout[2], topk_idx=idx.to(dev), topk_weights=w.to(dev),
+                         num_worst_tokens=worst)
+        with graph_sizes(fixed[0]):
+            recv_x, recv_idx, recv_w, expert_list, handle, _ = buf.dispatch(
+                on_dev(x), num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2], topk_idx=idx.to(dev), topk_weights=w.to(dev),
+                expert_alignment=align, num_worst_tokens=worst)
         everyone = oracle.dispatch(xs, idxs, experts, topk_weights=ws, expert_alignment=align, num_worst_tokens=worst)
         want = everyone[rank]
         assert _equal(_host(recv_x), want.x), f"{tag}: recv_x"
@@ -71,12 +80,15 @@ def rank_normal(cases: list[tuple]) -> int:
         assert _equal(recv_w.cpu(), want.topk_weights), f"{tag}: recv_topk_weights"
         assert expert_list == want.expert_counts, f"{tag}: expert list {expert_list} != {want.expert_counts}"
         in_ranks = [oracle.dispatch_layout(i, experts, num_ranks)[3] for i in idxs]
+        assert bool(handle.backend_state.get("fixed")) == fixed[0], f"{tag}: fixed sizes {fixed}"
         prefix = oracle.count_matrix(in_ranks).cumsum(0).to(torch.int32)
-        assert _equal(handle[0].cpu(), prefix), f"{tag}: handle[0] (rank prefix matrix)"
+        if not fixed[0]:  # a fixed-size handle has no count matrix on the host
+            assert _equal(handle[0].cpu(), prefix), f"{tag}: handle[0] (rank prefix matrix)"
 
         # Cached dispatch of new rows along the same routing.
         xs2 = [per_token_cast_to_fp8(x * 3) if fp8 else x * 3 for x, _, _ in inputs]
-        cached_x = buf.dispatch(on_dev(xs2[rank]), handle=handle)[0]
+        with graph_sizes(fixed[1]):
+            cached_x = buf.dispatch(on_dev(xs2[rank]), handle=handle)[0]
         want_cached = oracle.dispatch_to(rank, xs2, None, experts, num_worst_tokens=worst, in_ranks=in_ranks)
         assert _equal(_host(cached_x), want_cached.x), f"{tag}: cached recv_x"
 
@@ -95,8 +107,9 @@ def rank_normal(cases: list[tuple]) -> int:
             gen = torch.Generator().manual_seed(seed + 7)
             biases = [tuple(torch.randn((n, hidden), generator=gen).to(torch.bfloat16) for _ in range(2))
                       for n in tokens]
-        combined, combined_w, _ = buf.combine(ys[rank].to(dev), handle, topk_weights=ws_back[rank].to(dev),
-                                              bias=tuple(b.to(dev) for b in biases[rank]) if bias else None)
+        with graph_sizes(fixed[1]):
+            combined, combined_w, _ = buf.combine(ys[rank].to(dev), handle, topk_weights=ws_back[rank].to(dev),
+                                                  bias=tuple(b.to(dev) for b in biases[rank]) if bias else None)
         want_x, want_w = oracle.combine(ys, in_ranks, ws_back, biases)[rank]
         assert _equal(combined.cpu(), want_x), f"{tag}: combined_x"
         assert _equal(combined_w.cpu(), want_w), f"{tag}: combined_topk_weights"
@@ -122,6 +135,24 @@ NORMAL = {
 @pytest.mark.parametrize("ranks", sorted(NORMAL))
 def test_normal_mode_equals_the_oracle(ranks):
     cluster(ranks).run(rank_normal, NORMAL[ranks])
+
+
+# What a CUDA graph captures: num_worst_tokens, every rank the same number of tokens.
+NORMAL_GRAPH = {
+    2: [([12, 12], 256, 8, 4, "random", 11, False, 1, 24, True),
+        ([16, 16], 128, 8, 4, "random", 12, True, 1, 32, False),
+        ([16, 16], 128, 4, 2, "all_dropped", 13, False, 1, 32, False)],
+    3: [([9, 9, 9], 384, 12, 3, "random", 14, True, 1, 27, True)],
+    4: [([8, 8, 8, 8], 256, 16, 4, "imbalanced", 15, False, 1, 32, False),
+        ([0, 0, 0, 0], 128, 16, 4, "random", 16, False, 1, 4, False)],
+}
+
+
+@pytest.mark.parametrize("fixed", [(True, True), (True, False)], ids=["graph", "graph-dispatch"])
+@pytest.mark.parametrize("ranks", sorted(NORMAL_GRAPH))
+def test_normal_graph_sizes_equal_the_oracle(ranks, fixed):
+    """The fixed-size calls a CUDA graph captures (and eager calls on their handles) against the oracle."""
+    cluster(ranks).run(rank_normal, NORMAL_GRAPH[ranks], fixed)
 
 
 def rank_layout_in_domains(ranks_per_domain: int) -> bool:
@@ -151,11 +182,11 @@ def graph_sizes(on: bool):
     the host), forced on CPU ranks when ``on``."""
     saved = reference_ll.in_graph
     if on:
-        reference_ll.in_graph = lambda device: True
+        reference_ll.in_graph = reference_normal.in_graph = lambda device: True
     try:
         yield
     finally:
-        reference_ll.in_graph = saved
+        reference_ll.in_graph = reference_normal.in_graph = saved
 
 
 def rank_low_latency(cases: list[tuple], fixed: tuple[bool, bool] = (False, False)) -> int:
@@ -267,3 +298,35 @@ def test_oracle_on_hand_made_routing():
     ys = [d.x for d in ll]  # identity experts: the combine is sum_k w_k x
     out = oracle.low_latency_combine(ys, [d.src_info for d in ll], [d.layout_range for d in ll], idx, w, 4)
     assert out[0].tolist() == [[0, 0.75], [2, 3], [8, 10]]
+
+
+def rank_graph_refusals() -> bool:
+    """What a captured portable dispatch cannot do raises on every rank: no num_worst_tokens, ranks with
+    different token counts; rows past num_worst_tokens, dropped in the graph, raise at the next eager call."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = device()
+    buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(256 * 2, num_ranks), backend="reference")
+
+    def call(tokens: int, worst: int, graph: bool):
+        x, idx, w = (t.to(dev) for t in make_inputs(20, rank, tokens, 128, 8, 4, num_ranks, "random"))
+        layout = buf.get_dispatch_layout(idx, 8)
+        with graph_sizes(graph):
+            return buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
+
+    with pytest.raises(RuntimeError, match="inside a CUDA graph a dispatch needs num_worst_tokens"):
+        call(8, 0, True)
+    call(8 + rank, 64, False)  # eager: the ranks' token counts differ
+    with pytest.raises(RuntimeError, match=r"needs every rank to dispatch the same number of tokens"):
+        call(8, 64, True)
+    call(8, 64, False)
+    call(8, 1, True)  # every rank receives more than one row: dropped, flagged on the device
+    with pytest.raises((RuntimeError, ValueError), match=r"received more rows than num_worst_tokens|refused"):
+        call(8, 64, False)
+    recv_x = call(8, 64, False)[0]  # raised once: the Buffer goes on
+    assert recv_x.shape[0] == 64
+    return True
+
+
+def test_graph_sizes_refuse_what_a_graph_cannot_do():
+    assert all(cluster(2).run(rank_graph_refusals))

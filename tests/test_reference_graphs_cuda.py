@@ -1,6 +1,7 @@
 """The portable path captured in a CUDA graph on NCCL (one GPU, one rank: ranks that share a GPU run on
-gloo, which no graph captures): low-latency dispatch and combine replayed on new inputs written into the
-captured tensors, each replay checked bit for bit against the oracle."""
+gloo, which no graph captures): normal-mode layout, dispatch with num_worst_tokens and combine, and
+low-latency dispatch and combine, replayed on new inputs written into the captured tensors, each replay
+checked bit for bit against the oracle."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from conftest import BACKEND, cluster
 from routing import make_inputs
 
-from epcomm import Buffer, oracle, per_token_cast_back
+from epcomm import Buffer, Config, oracle, per_token_cast_back
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs: run with EPCOMM_TEST_BACKEND=nccl on a GPU")]
@@ -77,3 +78,57 @@ def rank_low_latency_graph(n: int, hidden: int, num_experts: int, num_topk: int,
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 def test_low_latency_graph_replays_on_new_inputs(use_fp8):
     assert cluster(1).run(rank_low_latency_graph, 16, 1024, 8, 4, use_fp8)[0] > 0
+
+
+def rank_normal_graph(tokens: int, hidden: int, num_experts: int, num_topk: int) -> int:
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    worst = tokens * num_ranks
+    buf = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks), backend="reference")
+
+    def everyone(seed: int):
+        return [make_inputs(seed, r, tokens, hidden, num_experts, num_topk, num_ranks, "random")
+                for r in range(num_ranks)]
+
+    static = [t.to(dev) for t in everyone(1)[rank]]
+
+    def step():
+        layout = buf.get_dispatch_layout(static[1], num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            static[0], num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+            topk_idx=static[1], topk_weights=static[2], num_worst_tokens=worst)
+        combined, combined_w, _ = buf.combine((recv_x.float() * 0.5).to(torch.bfloat16), handle, topk_weights=recv_w)
+        return recv_x, recv_idx, combined, combined_w
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    checked = 0
+    for seed in (2, 3, 4):
+        inputs = everyone(seed)
+        for t, new in zip(static, inputs[rank], strict=True):
+            t.copy_(new)
+        for t in outs:
+            t.fill_(float("nan") if t.is_floating_point() else -7)  # poisoned: every replay writes them all
+        graph.replay()
+        torch.cuda.synchronize()
+        recv_x, recv_idx, combined, combined_w = (t.cpu() for t in outs)
+        xs, idxs, ws = ([i[k] for i in inputs] for k in range(3))
+        got = oracle.dispatch(xs, idxs, num_experts, topk_weights=ws, num_worst_tokens=worst)
+        want = got[rank]
+        tag = f"rank {rank} seed {seed}"
+        assert torch.equal(recv_x.view(torch.int16), want.x.view(torch.int16)), f"{tag}: recv_x"
+        assert torch.equal(recv_idx, want.topk_idx), f"{tag}: recv_topk_idx"
+        in_ranks = [oracle.dispatch_layout(i, num_experts, num_ranks)[3] for i in idxs]
+        ys = [(d.x.float() * 0.5).to(torch.bfloat16) for d in got]
+        want_x, want_w = oracle.combine(ys, in_ranks, [d.topk_weights for d in got])[rank]
+        assert torch.equal(combined.view(torch.int16), want_x.view(torch.int16)), f"{tag}: combined_x"
+        assert torch.equal(combined_w, want_w), f"{tag}: combined_topk_weights"
+        checked += want.num_recv
+    return checked
+
+
+def test_normal_graph_replays_on_new_inputs():
+    assert cluster(1).run(rank_normal_graph, 64, 1024, 16, 4)[0] > 0

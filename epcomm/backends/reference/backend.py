@@ -84,12 +84,38 @@ class ReferenceBackend:
         self.decisions_seen: set = set()  # the calls whose masking decision this rank applied
         self.was_masked = False  # a rank was masked since the last call on the whole group (shrink.rejoin)
         self.rejoins = 0
+        # CUDA graphs (normal.py's fixed-size path): the tokens every rank passed to the last eager dispatch,
+        # and a flag a graph's dispatch raises on the device when it received past num_worst_tokens.
+        self.dispatch_tokens: list[int] = []
+        self.graph_overflow = torch.zeros((), dtype=torch.int32, device=device)
+        self._overflow_noted = False
+
+    # ----------------------------------------------------------------- CUDA graphs
+    def note_graph_overflow(self, dropped: torch.Tensor) -> None:
+        """Raise the overflow flag on the device where ``dropped`` (rows past num_worst_tokens) has any."""
+        self.graph_overflow.bitwise_or_(dropped.any().to(torch.int32))
+        self._overflow_noted = True
+
+    def check_graph_overflow(self) -> None:
+        """Raise, once, what a dispatch that could not read the host could not: rows dropped past
+        num_worst_tokens (a host read only once a fixed-size dispatch ran). The handshake of every eager
+        call checks it, and refuses, so the peers raise too."""
+        if self._overflow_noted and bool(self.graph_overflow):
+            self.graph_overflow.zero_()
+            raise RuntimeError("epcomm dispatch: a fixed-size (CUDA graph) dispatch received more rows than "
+                               "num_worst_tokens; the rows past it were left out of its outputs. Pass at least "
+                               "num_tokens * num_ranks")
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
                   refused: bool = False) -> torch.Tensor:
         """Exchange headers; return them as int64 [R, 16 + R] on the host. Raises on refusal or
         mismatch. The header has one size for every operation, so mismatched calls meet here."""
+        try:
+            self.check_graph_overflow()
+            overflow = None
+        except RuntimeError as error:
+            overflow, refused = error, True
         self.seq += 1
         seq = self.seq
         words = [0] * (_HEADER_FIELDS + self.num_ranks)  # built on the host, one tensor: no op per field
@@ -108,6 +134,8 @@ class ReferenceBackend:
         if self.transport.live is not None:  # a masked rank's row is this rank's: it sends nothing
             masked = [r for r in range(self.num_ranks) if r not in self.transport.live]
             headers[masked, _HEADER_FIELDS:] = 0
+        if overflow is not None:
+            raise overflow
         if refused:
             return headers  # the caller raises its own, more precise error
         self._check_agreement(op, headers)

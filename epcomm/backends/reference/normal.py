@@ -9,6 +9,15 @@ from the received top-k ids. Rows travel in ascending token order per destinatio
 rows are ordered by source rank, then source token index, exactly as the kernels order them. The
 combine sends x's rows back unchanged (they are already grouped by source) and sums each source's
 block with one ``index_add_`` in fp32.
+
+Inside a CUDA graph capture (a ``num_worst_tokens`` dispatch, its cached dispatches and combines)
+nothing may wait on the host, so the exchanges have fixed sizes and no handshake (the eager calls
+before the capture agreed, and every rank dispatched the same number of tokens T): each rank sends
+each peer a block of T rows (its tokens for that peer first, in order; a flag word marks them) and
+places what arrives by the flags, source by source, into the num_worst_tokens rows; the combine
+returns the blocks the same way. The rows, their order and the sums are the eager path's. A
+receive past num_worst_tokens cannot raise inside a graph: it is kept out of the outputs and the
+next eager call raises.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from ...handle import DispatchHandle
 from ...utils.tensors import dense, row_words
 from ..rows import check_worst_tokens, scale_kind
 from .backend import F, Op, ReferenceBackend, check_strategy, mark_strategy, to_bytes
+from .low_latency import in_graph
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_domain: int):
@@ -29,8 +39,10 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     experts_per_rank = num_experts // num_ranks
     valid = topk_idx >= 0
     safe = topk_idx.clamp(min=0)
-    num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
-    num_tokens_per_expert.scatter_add_(0, safe[valid], torch.ones_like(safe[valid]))
+    num_tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)  # +1: ids -1
+    num_tokens_per_expert.scatter_add_(0, torch.where(valid, safe, num_experts).flatten(),
+                                       torch.ones_like(safe).flatten())
+    num_tokens_per_expert = num_tokens_per_expert[:num_experts]
     dest_rank = torch.where(valid, safe // experts_per_rank, torch.full_like(safe, num_ranks))
     in_rank = torch.zeros((num_tokens, num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
     in_rank.scatter_(1, dest_rank, True)
@@ -154,6 +166,7 @@ def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scal
     else:
         send_counts = num_tokens_per_rank.tolist()
     headers = dispatch_handshake(be, strategy, x, scales, topk_idx, topk_weights, cached, num_experts, send_counts)
+    be.dispatch_tokens = headers[:, F.NUM_TOKENS].tolist()  # what a graph's dispatch may assume (_dispatch_fixed)
     count_matrix = be.count_matrix(headers)
     recv_counts = count_matrix[:, be.rank].tolist()
     if cached:
@@ -188,6 +201,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
              buffer_uid: str):
     """One handshake (shapes and counts), then in flight together: the rows of x straight into the
     output and the 4-byte words of scales, top-k ids and weights."""
+    if in_graph(x.device) or (handle is not None and handle.backend_state.get("fixed")):
+        return _dispatch_fixed(be, x, scales, handle, is_token_in_rank, topk_idx, topk_weights, num_worst_tokens,
+                               num_experts, buffer_uid)
     rank = be.rank
     cached = handle is not None
     headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens = dispatch_prologue(
@@ -279,6 +295,8 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     the order the peers expect; the weights travel beside them. Each source block is summed in fp32
     with one index_add_ (a block holds a token once, so the sum order is ascending source rank on
     every device)."""
+    if in_graph(x.device) or handle.backend_state.get("fixed"):
+        return _combine_fixed(be, x, handle, topk_weights, biases)
     hidden = x.shape[1]
     count_matrix = combine_handshake(be, "alltoall", hidden, handle, topk_weights, len(biases))
     everyone_empty = int(count_matrix.sum()) == 0
@@ -315,3 +333,137 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     for bias in biases:
         acc += bias.float()
     return acc.to(torch.bfloat16), acc_w
+
+
+def _fixed_handshake(be: ReferenceBackend, op: str, headers: torch.Tensor | None, num_tokens: int) -> None:
+    """The fixed-size exchanges' condition: every rank has ``num_tokens`` tokens. Eager: the handshake's
+    ``headers`` say; in a graph (no handshake) the eager dispatch before the capture did."""
+    tokens = headers[:, F.NUM_TOKENS].tolist() if headers is not None else be.dispatch_tokens
+    if not tokens or set(tokens) != {num_tokens}:
+        raise RuntimeError(f"epcomm {op}: in a CUDA graph the portable path needs every rank to dispatch the same "
+                           f"number of tokens, as in an eager dispatch before the capture (ranks' tokens: "
+                           f"{tokens or 'no eager dispatch yet'}, this rank now {num_tokens})")
+
+
+def _dispatch_fixed(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
+                    handle: DispatchHandle | None, is_token_in_rank: torch.Tensor | None,
+                    topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, num_worst_tokens: int,
+                    num_experts: int, buffer_uid: str):
+    """The dispatch as a CUDA graph captures it (module docstring): a block of T rows per peer, a flag
+    word marking the rows sent, nothing read on the host."""
+    rank, num_ranks = be.rank, be.num_ranks
+    num_tokens, hidden = x.shape
+    cached = handle is not None
+    graph = in_graph(x.device)
+    if cached:
+        is_token_in_rank, num_rows = handle.is_token_in_rank, handle.num_recv_rows
+    elif not num_worst_tokens:
+        raise RuntimeError("epcomm dispatch: inside a CUDA graph a dispatch needs num_worst_tokens (its outputs' fixed "
+                           "row count: nothing may wait on the host for the received count)")
+    else:
+        num_rows = num_worst_tokens
+    headers = None if graph else dispatch_handshake(be, "alltoall", x, scales, topk_idx, topk_weights, cached,
+                                                    num_experts, None)
+    _fixed_handshake(be, "dispatch", headers, num_tokens)
+    dev = x.device
+    block = num_tokens
+    # Pair (t, d), row-major: token t's place in its block for rank d (its rank among d's tokens).
+    place = torch.cumsum(is_token_in_rank.to(torch.int64), 0) - 1
+    send_pos = torch.where(is_token_in_rank, torch.arange(num_ranks, device=dev) * block + place,
+                           num_ranks * block).flatten()
+    token_of = torch.arange(num_tokens, device=dev).repeat_interleave(num_ranks)
+    words = row_words(dense(x))
+    send_x = words.new_empty((num_ranks * block + 1, words.shape[1]))  # the last row: pairs not sent
+    send_x.index_copy_(0, send_pos, words.index_select(0, token_of))
+    meta = _meta_words(scales, None if cached else topk_idx, None if cached else topk_weights)
+    flags = torch.ones((num_tokens, 1), dtype=torch.int32, device=dev)
+    meta = flags if meta is None else torch.cat([flags, meta], dim=1)
+    send_meta = torch.zeros((num_ranks * block + 1, meta.shape[1]), dtype=torch.int32, device=dev)
+    send_meta.index_copy_(0, send_pos, meta.index_select(0, token_of))
+    recv_x = words.new_empty((num_ranks * block, words.shape[1]))
+    sizes = [block] * num_ranks
+    pending = [be.transport.start_all_to_all(send_x[:-1], sizes, sizes, out=recv_x),
+               be.transport.start_all_to_all(send_meta[:-1], sizes, sizes)]
+    deadline = time.monotonic() + be.transport.timeout_s
+    for p in pending:
+        p.wait("dispatch", be.seq, deadline)
+    recv_meta = pending[1].recv
+    # A block's first rows are its source's, in order: output row = rows of the sources before + place.
+    sent = (recv_meta[:, 0] == 1).view(num_ranks, block)
+    per_source = sent.sum(1)
+    out_pos = (torch.cumsum(per_source, 0) - per_source).unsqueeze(1) + torch.arange(block, device=dev)
+    fits = sent & (out_pos < num_rows)
+    be.note_graph_overflow(sent & ~fits)
+    if not graph:
+        be.check_graph_overflow()
+    out_pos = torch.where(fits, out_pos, num_rows).flatten()
+    out_x = x.new_zeros((num_rows + 1, hidden))  # rows past the received ones are zero, as eager
+    row_words(out_x).index_copy_(0, out_pos, recv_x)
+    out_meta = torch.zeros((num_rows + 1, meta.shape[1] - 1), dtype=torch.int32, device=dev)
+    if not cached and topk_idx is not None:  # ids past the received rows are -1
+        first_id = scales.shape[1] if scales is not None else 0
+        out_meta[:, first_id:first_id + topk_idx.shape[1]] = -1
+    out_meta.index_copy_(0, out_pos, recv_meta[:, 1:])
+    recv_x_out, recv_topk_idx, recv_topk_weights = _split_meta(
+        out_x[:num_rows], out_meta[:num_rows], num_rows, num_rows, scales, None if cached else topk_idx,
+        None if cached else topk_weights, rank, num_experts, num_ranks)
+    if cached:
+        return recv_x_out, None, None, None, handle
+    # What the combine needs: each output row's place in the blocks (num_rows * ... : none), and the
+    # token at each place of this rank's send blocks (T: none).
+    out_src = torch.full((num_rows + 1,), num_ranks * block, dtype=torch.int64, device=dev)
+    out_src.index_copy_(0, out_pos, torch.arange(num_ranks * block, device=dev))
+    token_at = torch.full((num_ranks * block + 1,), num_tokens, dtype=torch.int64, device=dev)
+    token_at.index_copy_(0, send_pos, token_of)
+    state = {"fixed": True, "out_src": out_src[:num_rows], "token_at": token_at[:-1]}
+    new_handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_rows,
+                                num_worst_tokens=num_rows, is_token_in_rank=is_token_in_rank, send_counts=[],
+                                recv_counts=[], backend_state=state, count_matrix=None)
+    return recv_x_out, recv_topk_idx, recv_topk_weights, [], new_handle
+
+
+def _combine_fixed(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                   biases: tuple[torch.Tensor, ...]):
+    """The combine of a graph's dispatch (or inside a graph): each row goes back to its place in its
+    source's block; the source sums the blocks in ascending rank order, rows past a block's count
+    into a spare row."""
+    st = strategy_state(handle, "alltoall")
+    if not st.get("fixed"):
+        raise RuntimeError("epcomm combine: inside a CUDA graph the portable combine needs the handle of a dispatch "
+                           "captured with num_worst_tokens (or a cached dispatch of one)")
+    num_ranks, num_tokens, hidden = be.num_ranks, handle.num_tokens, x.shape[1]
+    if not in_graph(x.device):
+        headers = be.handshake(Op.COMBINE, mark_strategy({
+            F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
+            F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
+            F.NUM_TOKENS: num_tokens}, "alltoall"))
+        check_strategy(headers, "alltoall", "combine")
+        _fixed_handshake(be, "combine", headers, num_tokens)
+    block = num_tokens
+    num_rows = handle.num_recv_rows
+    words = row_words(dense(x[:num_rows]))
+    send = words.new_empty((num_ranks * block + 1, words.shape[1]))
+    send.index_copy_(0, st["out_src"], words)
+    recv = words.new_empty((num_ranks * block, words.shape[1]))
+    sizes = [block] * num_ranks
+    pending = [be.transport.start_all_to_all(send[:-1], sizes, sizes, out=recv)]
+    k = topk_weights.shape[1] if topk_weights is not None else 0
+    if k:
+        send_w = torch.zeros((num_ranks * block + 1, k), dtype=torch.float32, device=x.device)
+        send_w.index_copy_(0, st["out_src"], topk_weights[:num_rows].float())
+        pending.append(be.transport.start_all_to_all(send_w[:-1], sizes, sizes))
+    deadline = time.monotonic() + be.transport.timeout_s
+    for p in pending:
+        p.wait("combine", be.seq, deadline)
+    rows = recv.view(torch.bfloat16)
+    acc = torch.zeros((num_tokens + 1, hidden), dtype=torch.float32, device=x.device)
+    acc_w = torch.zeros((num_tokens + 1, k), dtype=torch.float32, device=x.device) if k else None
+    for src in range(num_ranks):  # ascending source rank: the eager path's fp32 order
+        tokens = st["token_at"][src * block:(src + 1) * block]
+        acc.index_add_(0, tokens, rows[src * block:(src + 1) * block].float())
+        if acc_w is not None:
+            acc_w.index_add_(0, tokens, pending[1].recv[src * block:(src + 1) * block])
+    acc = acc[:num_tokens]
+    for bias in biases:
+        acc += bias.float()
+    return acc.to(torch.bfloat16), acc_w[:num_tokens] if acc_w is not None else None

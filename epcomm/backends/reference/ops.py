@@ -53,6 +53,11 @@ class ReferenceNormalOps:
 
     def _run(self, op: str, call):
         """``call(masked ranks)``, through enable_shrink's failed-rank masking where the Buffer has it."""
+        if low_latency.in_graph(self.backend.device):
+            if self.strategy is not normal or self.backend.mask is not None:
+                raise RuntimeError(f"epcomm {op}: inside a CUDA graph the portable path runs strategy='alltoall' "
+                                   "without enable_shrink (its masking agrees on the host)")
+            return call([])
         if self.backend.mask is None:
             return call([])
         if self.strategy is not normal:
