@@ -321,7 +321,7 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
     hook_split = {op: _time_hook_split(fn, case, buf.device) for op, fn in
                   (("dispatch", dispatch_with_hook), ("combine", combine_with_hook))}
     graph_times = _time_ll_graphs(case, buf, dispatch, combine, inputs, rank, tag, failures) \
-        if buf.backend_name == "cuda" else {}
+        if buf.device.type == "cuda" and _graphs_capture(buf) else {}
     kernel_times = {f"{op}_kernel_s": _time_ll_kernels(fn, case, buf.device)
                     for op, fn in (("dispatch", dispatch), ("combine", combine))} if buf.backend_name == "cuda" else {}
 
@@ -354,6 +354,12 @@ def _by_partials(buf: Buffer) -> bool:
     side (EPCOMM_LL_COMBINE_PARTIALS: 1, or auto from 64 tokens a rank): its result is checked
     within their rounding too."""
     return bool(getattr(buf.low_latency_ops, "last_combine_partials", False))
+
+
+def _graphs_capture(buf: Buffer) -> bool:
+    """Whether the low-latency calls capture in a CUDA graph: the kernels, or the portable path on NCCL
+    (gloo, which shared GPUs run on, cannot be captured)."""
+    return buf.backend_name == "cuda" or str(dist.get_backend(buf.group)) == "nccl"
 
 
 def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combine: Callable[[], Any],
