@@ -18,6 +18,7 @@ from routing import device, make_inputs
 from epcomm import Buffer, Config, oracle
 from epcomm.backends.reference import low_latency as reference_ll
 from epcomm.backends.reference import normal as reference_normal
+from epcomm.backends.reference import ops as reference_ops
 from epcomm.bench.checks import same_bits
 from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
@@ -180,13 +181,15 @@ def test_layout_in_domains_equals_the_oracle(ranks_per_domain):
 def graph_sizes(on: bool):
     """The reference calls as a CUDA graph capture makes them (no handshake, fixed sizes, nothing read on
     the host), forced on CPU ranks when ``on``."""
-    saved = reference_ll.in_graph
-    if on:
-        reference_ll.in_graph = reference_normal.in_graph = lambda device: True
+    modules = (reference_ll, reference_normal, reference_ops)
+    saved = [m.in_graph for m in modules]
+    for m in modules if on else ():
+        m.in_graph = lambda device: True
     try:
         yield
     finally:
-        reference_ll.in_graph = reference_normal.in_graph = saved
+        for m, f in zip(modules, saved, strict=True):
+            m.in_graph = f
 
 
 def rank_low_latency(cases: list[tuple], fixed: tuple[bool, bool] = (False, False)) -> int:

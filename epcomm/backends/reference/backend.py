@@ -63,6 +63,12 @@ _AGREE = {
 }
 
 
+def in_graph(device: torch.device) -> bool:
+    """Whether the calls are being captured into a CUDA graph: then nothing may wait on the host, and
+    the exchanges take fixed sizes (low_latency.py, normal.py)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class ReferenceBackend:
     name = "reference"
 

@@ -34,14 +34,9 @@ from ...fp8 import pack_ue8m0, quantize_groups
 from ...handle import LowLatencyHandle
 from ...utils.tensors import dense, row_words
 from ..rows import low_latency_scales_layout, round_up
-from .backend import F, Op, ReferenceBackend, to_bytes
+from .backend import F, Op, ReferenceBackend, in_graph, to_bytes
 
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
-
-
-def in_graph(device: torch.device) -> bool:
-    """Whether the calls are being captured into a CUDA graph (the fixed-size path, module docstring)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def counts(values: torch.Tensor, size: int) -> torch.Tensor:
@@ -67,7 +62,7 @@ def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, l
     (destination rank, token, slot), and the count per destination (host list)."""
     size = max(dest.numel(), 1)
     keys = torch.sort(dest * size + torch.arange(dest.numel(), device=dest.device)).values
-    per_dest = torch.bincount(dest, minlength=num_ranks + 1)[:num_ranks].tolist()
+    per_dest = counts(dest, num_ranks + 1)[:num_ranks].tolist()
     return keys[:sum(per_dest)] % size, per_dest
 
 
@@ -313,7 +308,7 @@ def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor,
                              ).values % max(entries.numel(), 1)
         state["by_slot"] = by_slot
         state["slot_tokens"] = entries.index_select(0, by_slot) // num_topk
-        state["slot_counts"] = torch.bincount(slot, minlength=num_topk).tolist()
+        state["slot_counts"] = counts(slot, num_topk).tolist()
     return state["by_slot"], state["slot_tokens"], state["slot_counts"]
 
 

@@ -29,8 +29,7 @@ import torch
 from ...handle import DispatchHandle
 from ...utils.tensors import dense, row_words
 from ..rows import check_worst_tokens, scale_kind
-from .backend import F, Op, ReferenceBackend, check_strategy, mark_strategy, to_bytes
-from .low_latency import in_graph
+from .backend import F, Op, ReferenceBackend, check_strategy, in_graph, mark_strategy, to_bytes
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_domain: int):

@@ -10,7 +10,7 @@ import torch
 
 from ...handle import LowLatencyHandle
 from . import allgather, hierarchical, low_latency, normal, shrink
-from .backend import ReferenceBackend
+from .backend import ReferenceBackend, in_graph
 
 # The module of each normal-mode strategy (the same functions, the same results).
 _STRATEGIES: dict[str, ModuleType] = {"alltoall": normal, "allgather": allgather, "hierarchical": hierarchical}
@@ -53,7 +53,7 @@ class ReferenceNormalOps:
 
     def _run(self, op: str, call):
         """``call(masked ranks)``, through enable_shrink's failed-rank masking where the Buffer has it."""
-        if low_latency.in_graph(self.backend.device):
+        if in_graph(self.backend.device):
             if self.strategy is not normal or self.backend.mask is not None:
                 raise RuntimeError(f"epcomm {op}: inside a CUDA graph the portable path runs strategy='alltoall' "
                                    "without enable_shrink (its masking agrees on the host)")
@@ -107,7 +107,7 @@ class ReferenceLowLatencyOps:
             raise RuntimeError("epcomm low_latency_dispatch: normal mode masked a failed rank on this Buffer; "
                                "the portable low-latency calls run on the whole group only (clean the mask first)")
         masked = None
-        if mask is not None and low_latency.in_graph(mask.device):  # a graph reads the mask on the device
+        if mask is not None and in_graph(mask.device):  # a graph reads the mask on the device
             masked = mask != 0
         elif mask is not None:  # the ranks masked now, or None when none is
             masked = mask.cpu() != 0
@@ -121,7 +121,7 @@ class ReferenceLowLatencyOps:
             finish()
             if cumulative_stats is not None:
                 cumulative_stats.add_(recv_count)
-            if wait_stats is not None and not low_latency.in_graph(wait_stats.device):  # a graph has no arrivals
+            if wait_stats is not None and not in_graph(wait_stats.device):  # a graph has no arrivals
                 wait_stats.add_(wait_ns.to(wait_stats.device))
 
         return recv_x, recv_count, handle, complete
@@ -136,7 +136,7 @@ class ReferenceLowLatencyOps:
 
         def complete() -> None:
             finish()
-            if wait_stats is not None and not low_latency.in_graph(wait_stats.device):
+            if wait_stats is not None and not in_graph(wait_stats.device):
                 wait_stats.add_(wait_ns.to(wait_stats.device))
 
         return combined, complete
