@@ -44,6 +44,7 @@ from .normal import (
     dispatch_prologue,
     dispatch_result,
     exchange_expert_counts,
+    received_expert_list,
     strategy_state,
 )
 
@@ -80,8 +81,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     t_max = max(tokens_per_rank)
     nobody_receives = int(count_matrix.sum()) == 0
 
-    # Per-expert counts, exchanged exactly as the all-to-all strategy does (same results).
-    num_recv_tokens_per_expert_list = None if cached else \
+    # Per-expert counts: from the received top-k ids, else (no ids) the caller's, exchanged.
+    num_recv_tokens_per_expert_list = None if cached or topk_idx is not None else \
         exchange_expert_counts(be, num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens)
 
     num_recv_tokens = sum(recv_counts)
@@ -111,6 +112,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
 
     if cached:
         return recv_x_out, None, None, None, handle
+    if recv_topk_idx is not None and not num_worst_tokens:
+        num_recv_tokens_per_expert_list = received_expert_list(recv_topk_idx, num_recv_tokens, num_experts // num_ranks,
+                                                               expert_alignment, num_worst_tokens)
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), num_recv_tokens_per_expert_list,
                            buffer_uid, x, num_recv_tokens, num_worst_tokens, is_token_in_rank, send_counts,
                            recv_counts, count_matrix, {"strategy": STRATEGY, "recv_pos": recv_pos,

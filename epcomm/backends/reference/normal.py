@@ -72,6 +72,15 @@ def expert_list(recv_per_expert: torch.Tensor, expert_alignment: int, num_worst_
     return [(c + a - 1) // a * a for c in recv_per_expert.sum(0).tolist()]
 
 
+def received_expert_list(recv_topk_idx: torch.Tensor, num_recv: int, experts_per_rank: int, expert_alignment: int,
+                         num_worst_tokens: int) -> list[int] | None:
+    """The per-expert list counted from the received top-k ids (local ids; -1 for other ranks'), as the
+    oracle states it: no exchange of the caller's counts."""
+    local = recv_topk_idx[:num_recv]
+    per_expert = torch.bincount(local[local >= 0], minlength=experts_per_rank)
+    return expert_list(per_expert.unsqueeze(0), expert_alignment, num_worst_tokens)
+
+
 def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int,
                            expert_alignment: int, num_worst_tokens: int) -> list[int] | None:
     """``start_expert_counts`` and ``expert_list`` in one blocking call."""
@@ -247,9 +256,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     if cached:
         return recv_x_out, None, None, None, handle
     if recv_topk_idx is not None and not num_worst_tokens:
-        local = recv_topk_idx[:num_recv]
-        per_expert = torch.bincount(local[local >= 0], minlength=num_experts // be.num_ranks)
-        experts = expert_list(per_expert.unsqueeze(0), expert_alignment, num_worst_tokens)
+        experts = received_expert_list(recv_topk_idx, num_recv, num_experts // be.num_ranks, expert_alignment,
+                                       num_worst_tokens)
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), experts, buffer_uid, x, num_recv,
                            num_worst_tokens, is_token_in_rank, send_counts, recv_counts, count_matrix,
                            {"order": order})
