@@ -40,8 +40,11 @@ FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 
 
 def counts(values: torch.Tensor, size: int) -> torch.Tensor:
-    """How often each of 0 .. size - 1 occurs in ``values`` (all below ``size``), as int64: a bincount
-    of a size known beforehand, which on a GPU reads nothing back (bincount reads the maximum)."""
+    """How often each of 0 .. size - 1 occurs in ``values`` (all below ``size``), as int64. On a GPU a
+    scatter_add_ of that size, which reads nothing back (bincount reads the maximum on the host);
+    elsewhere bincount, several times faster there."""
+    if values.device.type != "cuda":
+        return torch.bincount(values, minlength=size)
     return torch.zeros(size, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
