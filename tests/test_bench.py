@@ -15,7 +15,7 @@ import epcomm
 from epcomm.bench import checks, metrics, report
 from epcomm.bench.__main__ import main
 from epcomm.bench.options import parse_int_list
-from epcomm.bench.workloads import make_rank_inputs
+from epcomm.bench.workloads import make_rank_inputs, plan_cases
 from epcomm.cli import main as cli_main
 
 
@@ -210,6 +210,20 @@ def test_tiny_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert "epcomm-reference" in captured.out and "a2a/disp" in captured.out and "peak MB" in captured.out
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_rank_runs_the_device_copy_beside(tmp_path):
+    """At one rank the normal-mode cases begin with a plain device copy of x, checked, in the same run."""
+    out = tmp_path / "results.json"
+    assert main(["--num-ranks", "1", "--modes", "normal", "--tokens", "16", "--hidden", "256", "--topk", "4",
+                 "--experts", "8", "--dtype", "bf16", "--warmup", "1", "--iters", "3", "--backend", "reference",
+                 "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    copies = [r for r in records if r["impl"].endswith("-copy")]
+    assert len(copies) == 1 and copies[0]["baseline"] and copies[0]["checked"] is True, copies
+    assert copies[0]["dispatch_bytes_per_rank"] == [16 * 256 * 2] and copies[0]["dispatch_us"] > 0, copies[0]
+    assert not any(c.kind == "copy" for c in plan_cases(["normal"], [16], [8], [256], 4, 8, 8, [8], ["bf16"], 1, 2, 0,
+                                                        "reference", num_ranks=2))
 
 
 def test_hierarchical_run_reports_each_tier(tmp_path):

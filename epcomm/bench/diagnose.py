@@ -34,7 +34,7 @@ from typing import Any
 JITTER_FLAG_PCT = 20.0
 STRAGGLER_RATIO = 2.0
 STRAGGLER_MIN_EXCESS_US = 50.0
-PREDICTION_TOLERANCE = 0.25  # the bar: |measured - predicted| <= 25% of measured
+PREDICTION_TOLERANCE = 0.25  # the planner's bar: |measured - predicted| <= 25% of measured
 OPS = ("dispatch", "cached_dispatch", "combine")
 
 

@@ -55,7 +55,7 @@ def run(opts: Options, probe: dict | None = None) -> tuple[list[dict], list[str]
                        opts.backend, strategies=opts.strategies, diagnose=opts.diagnose,
                        straggler=opts.straggler, straggler_delay_us=opts.straggler_delay_us,
                        with_deep_ep=opts.pg_backend == "nccl" and runner.deep_ep_available(),
-                       ranks_per_domain=opts.ranks_per_domain, num_groups=opts.groups)
+                       ranks_per_domain=opts.ranks_per_domain, num_groups=opts.groups, num_ranks=opts.num_ranks)
     _log(f"epcomm.bench: {opts.num_ranks} rank(s) on {opts.pg_backend}, {len(cases)} configuration(s), "
          f"{opts.warmup} warm-up(s) + {opts.iters} timed call(s) each")
     records: list[dict] = []

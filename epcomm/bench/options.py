@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "without GPUs, on CPU processes (gloo); every result is checked against a "
                     "single-process reference and printed beside a plain all_to_all_single of the same "
                     "routing (in normal mode also beside Megatron-LM's layout + permute + all-to-all "
-                    "sequence), with each implementation's peak memory. Times are the slowest rank's median.",
+                    "sequence, and at one rank beside a device copy of x), with each implementation's peak "
+                    "memory. Times are the slowest rank's median.",
         epilog="Lists take commas or doubling ranges: --tokens 128..16384. Defaults in brackets are "
                "GPU / CPU.")
     def d(name: str) -> str:

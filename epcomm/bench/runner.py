@@ -26,6 +26,7 @@ from .workloads import (
     AG,
     ALLGATHER,
     ALLTOALL,
+    COPY,
     DEEP_EP,
     HIERARCHICAL,
     MEGATRON,
@@ -62,6 +63,8 @@ def run_case(case: Case) -> dict[str, Any]:
         return _run_allgather_baseline(case, inputs, rank, device, tag)
     if case.kind == MEGATRON:
         return _run_megatron(case, inputs, rank, tag)
+    if case.kind == COPY:
+        return _run_copy(case, inputs, rank, device, tag)
     if case.mode == NORMAL:
         return _run_normal(case, inputs, rank, tag)
     return _run_low_latency(case, inputs, rank, tag)
@@ -504,6 +507,30 @@ def _run_a2a(case: Case, inputs: list[RankInputs], rank: int, device: torch.devi
         "impl": f"{backend}-a2a", "strategy": case.strategy, "samples_s": samples, "peak_memory": peaks,
         "num_domains": 1,
         "buffer_bytes": send.nbytes + recv.nbytes,
+        "dispatch_s": dispatch_s, "combine_s": combine_s,
+        "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
+        "failures": failures,
+    }
+
+
+def _run_copy(case: Case, inputs: list[RankInputs], rank: int, device: torch.device, tag: str) -> dict[str, Any]:
+    """A plain copy of this rank's x into another tensor on its device ("dispatch") and back
+    ("combine"): the bytes a one-rank dispatch moves with no communication, layout or permute. The
+    portable path's one-rank times are judged against it."""
+    x = inputs[rank].x
+    copy, back = torch.empty_like(x), torch.empty_like(x)
+    failures: list[str] = []
+    copy.fill_(float("nan"))
+    back.fill_(float("nan"))
+    before, samples, peaks = _straggle(case, rank, device), {}, {}
+    dispatch_s, _ = _timed(lambda: copy.copy_(x), case, device, before, samples, "dispatch", peaks=peaks)
+    combine_s, _ = _timed(lambda: back.copy_(copy), case, device, before, samples, "combine", peaks=peaks)
+    if not (checks.same_bits(copy, x) and checks.same_bits(back, x)):
+        failures.append(f"{tag}: the copies differ from x")
+    num_bytes = x.numel() * x.element_size()
+    return {
+        "impl": f"{device.type}-copy", "strategy": case.strategy, "samples_s": samples, "peak_memory": peaks,
+        "num_domains": 1, "buffer_bytes": copy.nbytes + back.nbytes,
         "dispatch_s": dispatch_s, "combine_s": combine_s,
         "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
         "failures": failures,

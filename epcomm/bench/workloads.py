@@ -15,11 +15,12 @@ import torch
 NORMAL, LOW_LATENCY = "normal", "low_latency"
 MODES = (NORMAL, LOW_LATENCY)
 # What a case runs: the Buffer, the plain all_to_all_single baseline, the allgather baseline
-# (all_gather_into_tensor for dispatch, reduce_scatter_tensor for combine), or Megatron-LM's
-# alltoall dispatcher sequence (bench/megatron.py; normal mode).
-EPCOMM, A2A, AG, MEGATRON = "epcomm", "a2a", "allgather", "megatron"
+# (all_gather_into_tensor for dispatch, reduce_scatter_tensor for combine), Megatron-LM's
+# alltoall dispatcher sequence (bench/megatron.py; normal mode), or a plain copy of x on the device
+# (normal mode, one rank: what no communication costs, the yardstick of the portable path there).
+EPCOMM, A2A, AG, MEGATRON, COPY = "epcomm", "a2a", "allgather", "megatron", "copy"
 DEEP_EP = "deep_ep"  # DeepEP's own Buffer (normal mode), run beside epcomm where it is importable
-BASELINES = (A2A, AG, MEGATRON)
+BASELINES = (A2A, AG, MEGATRON, COPY)
 ALLTOALL, ALLGATHER, HIERARCHICAL = "alltoall", "allgather", "hierarchical"
 STRATEGIES = (ALLTOALL, ALLGATHER, HIERARCHICAL)  # Buffer(strategy=...) of the normal-mode epcomm cases
 
@@ -58,6 +59,8 @@ class Case:
             who = "allgather-baseline"
         elif self.kind == MEGATRON:
             who = "megatron-a2a-baseline"
+        elif self.kind == COPY:
+            who = "copy-baseline"
         elif self.kind == DEEP_EP:
             who = f"deep_ep {self.dtype}"
         else:
@@ -154,9 +157,10 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                num_experts: int, ll_experts: int, num_sms: list[int], dtypes: list[str], warmup: int,
                iters: int, seed: int, backend: str, strategies: list[str] | tuple[str, ...] = (ALLTOALL,),
                diagnose: bool = False, straggler: int | None = None, straggler_delay_us: float = 0.0,
-               with_deep_ep: bool = False, ranks_per_domain: int = 0, num_groups: int | None = None) -> list[Case]:
-    """Cases in run order: for each shape, the baselines first (normal mode: also Megatron-LM's sequence),
-    then epcomm per SM count, dtype and strategy.
+               with_deep_ep: bool = False, ranks_per_domain: int = 0, num_groups: int | None = None,
+               num_ranks: int = 0) -> list[Case]:
+    """Cases in run order: for each shape, the baselines first (normal mode: also Megatron-LM's sequence,
+    and on ``num_ranks`` 1 a device copy of x), then epcomm per SM count, dtype and strategy.
 
     Low-latency dispatch is FP8, as the benchmark's method has it, whatever ``dtypes`` says; strategies
     apply to normal mode only (the allgather baseline runs when ``allgather`` is among them).
@@ -178,6 +182,8 @@ def plan_cases(modes: list[str], tokens: list[int], ll_tokens: list[int], hidden
                 cases.append(Case(kind=A2A, num_sms=None, dtype="bf16", **common))
                 if mode == NORMAL:
                     cases.append(Case(kind=MEGATRON, num_sms=None, dtype="bf16", **common))
+                if mode == NORMAL and num_ranks == 1:
+                    cases.append(Case(kind=COPY, num_sms=None, dtype="bf16", **common))
                 if ALLGATHER in mode_strategies:
                     cases.append(Case(kind=AG, num_sms=None, dtype="bf16", strategy=ALLGATHER, **common))
                 for sms in num_sms:
