@@ -79,8 +79,7 @@ class Buffer(ArgumentChecks):
         # Low-latency double buffering: each call takes the next of two slots.
         self._ll_counter = 0
         self._ll_cleanings = 0
-        # The end of the last eager low-latency call run on the communication stream (async_finish):
-        # the next call on the caller's stream waits for it (_run_low_latency).
+        # The end of the last eager async low-latency call: the next call on the caller's stream waits for it.
         self._ll_async_done: torch.cuda.Event | None = None
         self._ll_pending: dict[int, str] = {}
         # Argument shapes a low-latency call of this Buffer passed the checks with (_ll_checked_now).
@@ -567,8 +566,7 @@ class Buffer(ArgumentChecks):
             topk_weights: ``[T, K]`` f32 weights of the non-negative entries.
             handle: the ``LowLatencyHandle`` of that dispatch.
             use_logfmt: LogFMT-compressed combine: not implemented (NotImplementedError).
-            zero_copy: read the expert outputs from ``get_next_low_latency_combine_buffer(handle)``, which the
-                caller wrote; ``x`` gives only the shape (DeepEP's semantics).
+            zero_copy: read ``get_next_low_latency_combine_buffer(handle)``, written by the caller (x: the shape).
             async_finish, return_recv_hook: as in ``low_latency_dispatch``.
             out: ``[T, H]`` bf16 to write the result into, or None to allocate it.
             combine_wait_recv_cost_stats: ``[R]`` int64 accumulating the wait for each rank (ns), or None.
@@ -598,8 +596,7 @@ class Buffer(ArgumentChecks):
                                                 num_sms, src_signals, src_signal_expect_value)
         except _REFUSALS as error:
             self._refuse(Op.LL_COMBINE, error)
-        if zero_copy:
-            x = self._backend.ll_combine_buffers[self._ll_counter % 2]
+        x = self._backend.ll_combine_buffers[self._ll_counter % 2] if zero_copy else x  # DeepEP reads that buffer
         slot = self._take_ll_slot("low_latency_combine", x.shape, topk_idx.shape, zero_copy, return_recv_hook)
 
         def run():  # without a hook the receive is launched already (the event covers it)
