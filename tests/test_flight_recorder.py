@@ -61,6 +61,26 @@ def test_a_timeout_record_names_phase_and_calls_the_recorder():
     assert not info.any()  # cleared as the layout says
 
 
+def test_a_family_keeping_its_hook_is_freed_without_a_collection():
+    """The CUDA families keep ``hook(self, ...)`` on themselves: the hook must not hold them, or their
+    device memory would live until the cyclic collector ran (destroyed and collected Buffers kept it)."""
+    import gc
+    import weakref
+
+    class Family:  # a CUDA family's part the hook sees: a recorder, counters read on a timeout
+        recorder = None
+
+    ops = Family()
+    ops.flight = fr.hook(ops, "intranode", lambda o: {"calls": 1})
+    gone = weakref.ref(ops)
+    gc.disable()
+    try:
+        del ops
+        assert gone() is None, "the hook keeps its ops alive: a reference cycle"
+    finally:
+        gc.enable()
+
+
 def test_recorder_file_and_off_switch(tmp_path):
     rec = fr.FlightRecorder("abc-0", 1, (4, 5), 2.0)
     for i in range(fr.RING_CALLS + 3):
