@@ -249,7 +249,7 @@ class Buffer(ArgumentChecks):
         """Tell the peers this rank refused its arguments (so they raise too), then raise."""
         ops = self._normal_ops if op in (Op.DISPATCH, Op.COMBINE) else self._ll_ops
         try:
-            if not ops.on_kernels:  # on the kernel path no handshake: the peers' bounded waits name this rank
+            if not ops.on_kernels and not self._capturing():  # kernels, graphs: no handshake (bounded waits)
                 try:
                     self._backend.handshake(op, {}, refused=True)
                 except RuntimeError:

@@ -48,7 +48,7 @@ def quantize_groups(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.T
     """Returns (e4m3 [T, H], fp32 scales [T, ceil(H/128)]) following the module rule."""
     xg, hidden = _grouped(x)
     amax = xg.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    scale = amax * torch.full_like(amax, 1.0 / FP8_MAX)  # made on the device: no host copy (graph capture)
     if round_scale:
         scale = round_scale_up_pow2(scale)
         inv = torch.ones_like(scale) / scale  # exact: scale is a power of two

@@ -70,8 +70,8 @@ class DispatchHandle:
         if self._rank_prefix is None:
             if self.count_matrix is None:
                 raise NotImplementedError("handle[0] (rank_prefix_matrix): the counts of this dispatch were not kept "
-                                          "(a num_worst_tokens dispatch of the CUDA backend captured in a CUDA "
-                                          "graph, or on the hierarchical kernels)")
+                                          "(a num_worst_tokens dispatch captured in a CUDA graph, or on the "
+                                          "hierarchical kernels)")
             counts = torch.as_tensor(self.count_matrix, dtype=torch.int64, device=self.is_token_in_rank.device)
             self._rank_prefix = counts.cumsum(0, dtype=torch.int32)
         return self._rank_prefix

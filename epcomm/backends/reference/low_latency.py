@@ -51,9 +51,9 @@ def counts(values: torch.Tensor, size: int) -> torch.Tensor:
 def _destinations(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int,
                   masked: torch.Tensor | None) -> torch.Tensor:
     """Each (token, slot) entry's destination rank, flat ``t * K + k``; R where it goes nowhere (id -1,
-    or a masked rank)."""
+    an id past the experts, which only a graph lets through unchecked, or a masked rank)."""
     flat = topk_idx.flatten()
-    dest = torch.where(flat >= 0, flat // experts_per_rank, num_ranks)
+    dest = torch.where((flat >= 0) & (flat < experts_per_rank * num_ranks), flat // experts_per_rank, num_ranks)
     if masked is not None:
         dest = torch.where(masked.to(flat.device)[dest.clamp(max=num_ranks - 1)] & (dest < num_ranks), num_ranks,
                            dest)
@@ -287,18 +287,17 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
 def _fixed_places(state: dict, num_ranks: int, block: int) -> torch.Tensor:
     """Where each of this rank's (token, slot) entries comes back in a fixed-size combine's receive:
     block d holds its entries to rank d in (token, slot) order; entries that went nowhere read the
-    zero row after the blocks. Made once per handle, on the device."""
-    if "fixed_places" not in state:
-        dest = state["dest"]
-        size = dest.numel()
-        keys = torch.sort(dest * max(size, 1) + torch.arange(size, device=dest.device)).values
-        entry, to = keys % max(size, 1), keys // max(size, 1)
-        per_dest = counts(dest, num_ranks + 1)
-        within = torch.arange(size, device=dest.device) - (torch.cumsum(per_dest, 0) - per_dest)[to]
-        places = torch.empty_like(dest)
-        places[entry] = torch.where(to < num_ranks, to * block + within, num_ranks * block)
-        state["fixed_places"] = places
-    return state["fixed_places"]
+    zero row after the blocks. Made by every combine, on the device (a graph's replay rewrites the
+    dispatch's ``dest``, so nothing derived from it may be kept)."""
+    dest = state["dest"]
+    size = dest.numel()
+    keys = torch.sort(dest * max(size, 1) + torch.arange(size, device=dest.device)).values
+    entry, to = keys % max(size, 1), keys // max(size, 1)
+    per_dest = counts(dest, num_ranks + 1)
+    within = torch.arange(size, device=dest.device) - (torch.cumsum(per_dest, 0) - per_dest)[to]
+    places = torch.empty_like(dest)
+    places[entry] = torch.where(to < num_ranks, to * block + within, num_ranks * block)
+    return places
 
 
 def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -36,7 +36,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     """Counts per rank, per domain and per expert, and which ranks each token goes to (-1 ignored)."""
     num_tokens = topk_idx.shape[0]
     experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # past the experts: only a graph skips the host check
     safe = topk_idx.clamp(min=0)
     num_tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)  # +1: ids -1
     num_tokens_per_expert.scatter_add_(0, torch.where(valid, safe, num_experts).flatten(),
@@ -449,7 +449,7 @@ def _combine_fixed(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle
     block = num_tokens
     num_rows = handle.num_recv_rows
     words = row_words(dense(x[:num_rows]))
-    send = words.new_empty((num_ranks * block + 1, words.shape[1]))
+    send = words.new_zeros((num_ranks * block + 1, words.shape[1]))  # rows a receiver dropped add +0
     send.index_copy_(0, st["out_src"], words)
     recv = words.new_empty((num_ranks * block, words.shape[1]))
     sizes = [block] * num_ranks

@@ -129,6 +129,9 @@ class ReferenceLowLatencyOps:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 out: torch.Tensor | None, slot: int, mask: torch.Tensor | None, wait_stats: torch.Tensor | None,
                 hook: bool, overlap=None):
+        if overlap is not None and in_graph(x.device):
+            raise RuntimeError("epcomm low_latency_combine: overlap=True on the portable path polls the signals "
+                               "from the host, which a CUDA graph cannot; capture without overlap")
         if overlap is not None:  # x is read once the expert GEMM has computed it
             low_latency.wait_computed(overlap, handle, self.backend.transport.timeout_s)
         combined, finish, wait_ns = low_latency.combine(self.backend, x, topk_idx, topk_weights, handle, out,
