@@ -323,8 +323,9 @@ def _run_low_latency(case: Case, inputs: list[RankInputs], rank: int, tag: str) 
 
     hook_split = {op: _time_hook_split(fn, case, buf.device) for op, fn in
                   (("dispatch", dispatch_with_hook), ("combine", combine_with_hook))}
-    graph_times = _time_ll_graphs(case, buf, dispatch, combine, inputs, rank, tag, failures) \
-        if buf.device.type == "cuda" and _graphs_capture(buf) else {}
+    # CUDA graphs: the kernels, or the portable path on NCCL (gloo, which shared GPUs run on, captures none).
+    captures = buf.backend_name == "cuda" or (buf.device.type == "cuda" and str(dist.get_backend(buf.group)) == "nccl")
+    graph_times = _time_ll_graphs(case, buf, dispatch, combine, inputs, rank, tag, failures) if captures else {}
     kernel_times = {f"{op}_kernel_s": _time_ll_kernels(fn, case, buf.device)
                     for op, fn in (("dispatch", dispatch), ("combine", combine))} if buf.backend_name == "cuda" else {}
 
@@ -357,12 +358,6 @@ def _by_partials(buf: Buffer) -> bool:
     side (EPCOMM_LL_COMBINE_PARTIALS: 1, or auto from 64 tokens a rank): its result is checked
     within their rounding too."""
     return bool(getattr(buf.low_latency_ops, "last_combine_partials", False))
-
-
-def _graphs_capture(buf: Buffer) -> bool:
-    """Whether the low-latency calls capture in a CUDA graph: the kernels, or the portable path on NCCL
-    (gloo, which shared GPUs run on, cannot be captured)."""
-    return buf.backend_name == "cuda" or str(dist.get_backend(buf.group)) == "nccl"
 
 
 def _time_ll_graphs(case: Case, buf: Buffer, dispatch: Callable[[], Any], combine: Callable[[], Any],
@@ -518,23 +513,16 @@ def _run_copy(case: Case, inputs: list[RankInputs], rank: int, device: torch.dev
     ("combine"): the bytes a one-rank dispatch moves with no communication, layout or permute. The
     portable path's one-rank times are judged against it."""
     x = inputs[rank].x
-    copy, back = torch.empty_like(x), torch.empty_like(x)
-    failures: list[str] = []
-    copy.fill_(float("nan"))
-    back.fill_(float("nan"))
+    copy, back = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))  # poisoned: the timed calls fill
     before, samples, peaks = _straggle(case, rank, device), {}, {}
     dispatch_s, _ = _timed(lambda: copy.copy_(x), case, device, before, samples, "dispatch", peaks=peaks)
     combine_s, _ = _timed(lambda: back.copy_(copy), case, device, before, samples, "combine", peaks=peaks)
-    if not (checks.same_bits(copy, x) and checks.same_bits(back, x)):
-        failures.append(f"{tag}: the copies differ from x")
+    same = checks.same_bits(copy, x) and checks.same_bits(back, x)
     num_bytes = x.numel() * x.element_size()
-    return {
-        "impl": f"{device.type}-copy", "strategy": case.strategy, "samples_s": samples, "peak_memory": peaks,
-        "num_domains": 1, "buffer_bytes": copy.nbytes + back.nbytes,
-        "dispatch_s": dispatch_s, "combine_s": combine_s,
-        "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
-        "failures": failures,
-    }
+    return {"impl": f"{device.type}-copy", "strategy": case.strategy, "samples_s": samples, "peak_memory": peaks,
+            "num_domains": 1, "buffer_bytes": copy.nbytes + back.nbytes, "dispatch_s": dispatch_s,
+            "combine_s": combine_s, "dispatch_bytes": num_bytes, "combine_bytes": num_bytes,
+            "failures": [] if same else [f"{tag}: the copies differ from x"]}
 
 
 def _run_allgather_baseline(case: Case, inputs: list[RankInputs], rank: int, device: torch.device,
