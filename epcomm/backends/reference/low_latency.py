@@ -63,10 +63,9 @@ def _destinations(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int,
 def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, list[int]]:
     """This rank's (token, slot) entries that go out, as flat indices ``t * K + k`` ordered by
     (destination rank, token, slot), and the count per destination (host list)."""
-    size = max(dest.numel(), 1)
-    keys = torch.sort(dest * size + torch.arange(dest.numel(), device=dest.device)).values
+    entries = torch.sort(dest, stable=True).indices
     per_dest = counts(dest, num_ranks + 1)[:num_ranks].tolist()
-    return keys[:sum(per_dest)] % size, per_dest
+    return entries[:sum(per_dest)], per_dest
 
 
 def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
@@ -162,19 +161,18 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     experts_per_rank = data_buf.shape[0] - 1
     hidden = data_buf.shape[2]
     rows = n * num_ranks
-    num_entries = rows * num_topk
     dev = recv.device
     got = dense(recv[:, :, :4 * num_topk]).view(torch.int32).view(-1).to(torch.int64)
     local = got - rank * experts_per_rank
     expert = torch.where((got >= 0) & (local >= 0) & (local < experts_per_rank), local, experts_per_rank)
     # (expert, entry) ascending = (expert, source, token, slot): the receive layout.
-    order = torch.sort(expert * num_entries + torch.arange(num_entries, device=dev)).values
+    exp, entry = torch.sort(expert, stable=True)
     per_expert = counts(expert, experts_per_rank + 1)
     if not fixed:
-        order = order[:int(per_expert[:experts_per_rank].sum())]  # the combine's sizes need it on the host
-    exp, entry = order // num_entries, order % num_entries
+        num_valid = int(per_expert[:experts_per_rank].sum())  # the combine's sizes need it on the host
+        exp, entry = exp[:num_valid], entry[:num_valid]
     valid = exp < experts_per_rank
-    pos = torch.arange(order.numel(), device=dev) - (torch.cumsum(per_expert, 0) - per_expert)[exp]
+    pos = torch.arange(exp.numel(), device=dev) - (torch.cumsum(per_expert, 0) - per_expert)[exp]
     if fixed:
         pos = torch.where(valid, pos, 0)
     slot = entry // num_topk  # source * N + token
@@ -290,11 +288,9 @@ def _fixed_places(state: dict, num_ranks: int, block: int) -> torch.Tensor:
     zero row after the blocks. Made by every combine, on the device (a graph's replay rewrites the
     dispatch's ``dest``, so nothing derived from it may be kept)."""
     dest = state["dest"]
-    size = dest.numel()
-    keys = torch.sort(dest * max(size, 1) + torch.arange(size, device=dest.device)).values
-    entry, to = keys % max(size, 1), keys // max(size, 1)
+    to, entry = torch.sort(dest, stable=True)
     per_dest = counts(dest, num_ranks + 1)
-    within = torch.arange(size, device=dest.device) - (torch.cumsum(per_dest, 0) - per_dest)[to]
+    within = torch.arange(dest.numel(), device=dest.device) - (torch.cumsum(per_dest, 0) - per_dest)[to]
     places = torch.empty_like(dest)
     places[entry] = torch.where(to < num_ranks, to * block + within, num_ranks * block)
     return places
@@ -306,8 +302,7 @@ def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor,
     if "by_slot" not in state:
         entries = state["entries"]  # flat t * K + k, in receive order
         slot = entries % num_topk
-        by_slot = torch.sort(slot * max(entries.numel(), 1) + torch.arange(entries.numel(), device=entries.device)
-                             ).values % max(entries.numel(), 1)
+        by_slot = torch.sort(slot, stable=True).indices
         state["by_slot"] = by_slot
         state["slot_tokens"] = entries.index_select(0, by_slot) // num_topk
         state["slot_counts"] = counts(slot, num_topk).tolist()

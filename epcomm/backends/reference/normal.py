@@ -104,15 +104,23 @@ def dispatch_handshake(be: ReferenceBackend, strategy: str, x: torch.Tensor, sca
     return headers
 
 
-def combine_handshake(be: ReferenceBackend, strategy: str, hidden: int, handle: DispatchHandle,
-                      topk_weights: torch.Tensor | None, num_biases: int) -> torch.Tensor:
-    """The combine handshake of every normal-mode strategy; returns the count matrix [src, dst]."""
+def combine_headers(be: ReferenceBackend, strategy: str, hidden: int, handle: DispatchHandle,
+                    topk_weights: torch.Tensor | None, num_biases: int, counts: list[int] | None) -> torch.Tensor:
+    """The combine handshake of every normal-mode strategy, with ``counts`` (the rows each rank gets
+    back) or none (the fixed-size path); returns the headers."""
     headers = be.handshake(Op.COMBINE, mark_strategy({
         F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
         F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: num_biases,
         F.NUM_TOKENS: handle.num_tokens,
-    }, strategy), counts=handle.recv_counts)
+    }, strategy), counts=counts)
     check_strategy(headers, strategy, "combine")
+    return headers
+
+
+def combine_handshake(be: ReferenceBackend, strategy: str, hidden: int, handle: DispatchHandle,
+                      topk_weights: torch.Tensor | None, num_biases: int) -> torch.Tensor:
+    """The combine handshake with the handle's counts; returns the count matrix [src, dst]."""
+    headers = combine_headers(be, strategy, hidden, handle, topk_weights, num_biases, handle.recv_counts)
     count_matrix = be.count_matrix(headers)
     live = be.transport.expected()  # masked ranks return nothing
     if count_matrix[live, be.rank].tolist() != [handle.send_counts[r] for r in live]:
@@ -342,7 +350,7 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     return acc.to(torch.bfloat16), acc_w
 
 
-def _fixed_handshake(be: ReferenceBackend, op: str, headers: torch.Tensor | None, num_tokens: int) -> None:
+def _check_equal_tokens(be: ReferenceBackend, op: str, headers: torch.Tensor | None, num_tokens: int) -> None:
     """The fixed-size exchanges' condition: every rank has ``num_tokens`` tokens. Eager: the handshake's
     ``headers`` say; in a graph (no handshake) the eager dispatch before the capture did."""
     tokens = headers[:, F.NUM_TOKENS].tolist() if headers is not None else be.dispatch_tokens
@@ -371,7 +379,7 @@ def _dispatch_fixed(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor 
         num_rows = num_worst_tokens
     headers = None if graph else dispatch_handshake(be, "alltoall", x, scales, topk_idx, topk_weights, cached,
                                                     num_experts, None)
-    _fixed_handshake(be, "dispatch", headers, num_tokens)
+    _check_equal_tokens(be, "dispatch", headers, num_tokens)
     dev = x.device
     block = num_tokens
     # Pair (t, d), row-major: token t's place in its block for rank d (its rank among d's tokens).
@@ -440,12 +448,8 @@ def _combine_fixed(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle
                            "captured with num_worst_tokens (or a cached dispatch of one)")
     num_ranks, num_tokens, hidden = be.num_ranks, handle.num_tokens, x.shape[1]
     if not in_graph(x.device):
-        headers = be.handshake(Op.COMBINE, mark_strategy({
-            F.HIDDEN: hidden, F.HAS_WEIGHTS: int(topk_weights is not None),
-            F.NUM_TOPK: topk_weights.shape[1] if topk_weights is not None else -1, F.FLAGS: len(biases),
-            F.NUM_TOKENS: num_tokens}, "alltoall"))
-        check_strategy(headers, "alltoall", "combine")
-        _fixed_handshake(be, "combine", headers, num_tokens)
+        headers = combine_headers(be, "alltoall", hidden, handle, topk_weights, len(biases), None)
+        _check_equal_tokens(be, "combine", headers, num_tokens)
     block = num_tokens
     num_rows = handle.num_recv_rows
     words = row_words(dense(x[:num_rows]))
