@@ -108,6 +108,7 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf._backend = ReferenceBackend(buf.group, buf.device, buf.uid, _env.timeout_s())
     backend_from_env = backend is None
     backend = backend if backend is not None else _env.env_str("EPCOMM_BACKEND")
+    links = _env.env_str("EPCOMM_LINKS")  # what the planner prices (backend_choice.planned_strategy)
     ll_nvshmem = False
     try:
         if error is not None:
@@ -135,7 +136,6 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
                              "inter-domain (NVSHMEM) buffer: see epcomm.backends.cuda.hierarchical."
                              "rdma_bytes_needed")
         ranks_per_domain_env = _ranks_per_domain_from_env(buf)
-        links = _env.env_str("EPCOMM_LINKS")
         if backend == "auto" and strategy is None:  # the planner prices these links (an error names the choices)
             backend_choice.links_topology(links)
         if backend != "reference" and low_latency_mode:  # the environment's low-latency transport
@@ -170,7 +170,7 @@ def build(buf: Any, group: dist.ProcessGroup | None, num_nvl_bytes: int, num_rdm
     buf.backend_name = "cuda" if "cuda" in buf.backends.values() else "reference"
     buf.strategy, buf.backend_reasons[NORMAL] = _normal_strategy(backend, strategy, buf.strategy, on_kernels[NORMAL],
                                                                  domains, buf.backend_reasons[NORMAL], enable_shrink,
-                                                                 _env.env_str("EPCOMM_LINKS"))
+                                                                 links)
     backend_choice.log_choice(buf.rank, buf.group_size, buf.device.type, buf.backends, buf.backend_reasons)
     buf._normal_ops, buf._ll_ops = make_ops(buf.group, buf.device, buf._backend, buf.strategy, on_kernels[NORMAL],
                                             on_kernels[LOW_LATENCY], buf.num_nvl_bytes, buf.num_rdma_bytes,

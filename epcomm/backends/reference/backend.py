@@ -102,26 +102,24 @@ class ReferenceBackend:
         self.graph_overflow.bitwise_or_(dropped.any().to(torch.int32))
         self._overflow_noted = True
 
-    def check_graph_overflow(self) -> None:
-        """Raise, once, what a dispatch that could not read the host could not: rows dropped past
-        num_worst_tokens (a host read only once a fixed-size dispatch ran). The handshake of every eager
-        call checks it, and refuses, so the peers raise too."""
-        if self._overflow_noted and bool(self.graph_overflow):
-            self.graph_overflow.zero_()
-            raise RuntimeError("epcomm dispatch: a fixed-size (CUDA graph) dispatch received more rows than "
-                               "num_worst_tokens; the rows past it were left out of its outputs. Pass at least "
-                               "num_tokens * num_ranks")
+    def take_graph_overflow(self) -> RuntimeError | None:
+        """The error, once, of what a dispatch that could not read the host could not report: rows dropped
+        past num_worst_tokens (a host read only once a fixed-size dispatch ran). The handshake of every
+        eager call takes it, and refuses, so the peers raise too."""
+        if not (self._overflow_noted and bool(self.graph_overflow)):
+            return None
+        self.graph_overflow.zero_()
+        return RuntimeError("epcomm dispatch: a fixed-size (CUDA graph) dispatch received more rows than "
+                            "num_worst_tokens; the rows past it were left out of its outputs. Pass at least "
+                            "num_tokens * num_ranks")
 
     # ----------------------------------------------------------------- agreement
     def handshake(self, op: Op, fields: dict[F, int], counts: list[int] | None = None,
                   refused: bool = False) -> torch.Tensor:
         """Exchange headers; return them as int64 [R, 16 + R] on the host. Raises on refusal or
         mismatch. The header has one size for every operation, so mismatched calls meet here."""
-        try:
-            self.check_graph_overflow()
-            overflow = None
-        except RuntimeError as error:
-            overflow, refused = error, True
+        overflow = self.take_graph_overflow()
+        refused = refused or overflow is not None
         self.seq += 1
         seq = self.seq
         words = [0] * (_HEADER_FIELDS + self.num_ranks)  # built on the host, one tensor: no op per field

@@ -409,8 +409,9 @@ def _dispatch_fixed(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor 
     out_pos = (torch.cumsum(per_source, 0) - per_source).unsqueeze(1) + torch.arange(block, device=dev)
     fits = sent & (out_pos < num_rows)
     be.note_graph_overflow(sent & ~fits)
-    if not graph:
-        be.check_graph_overflow()
+    overflow = None if graph else be.take_graph_overflow()  # eager: this rank raises now, as check_worst_tokens
+    if overflow is not None:
+        raise overflow
     out_pos = torch.where(fits, out_pos, num_rows).flatten()
     out_x = x.new_zeros((num_rows + 1, hidden))  # rows past the received ones are zero, as eager
     row_words(out_x).index_copy_(0, out_pos, recv_x)
