@@ -432,10 +432,9 @@ def _dispatch_fixed(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor 
     token_at = torch.full((num_ranks * block + 1,), num_tokens, dtype=torch.int64, device=dev)
     token_at.index_copy_(0, send_pos, token_of)
     state = {"fixed": True, "out_src": out_src[:num_rows], "token_at": token_at[:-1]}
-    new_handle = DispatchHandle(buffer_uid=buffer_uid, num_tokens=num_tokens, hidden=hidden, num_recv_tokens=num_rows,
-                                num_worst_tokens=num_rows, is_token_in_rank=is_token_in_rank, send_counts=[],
-                                recv_counts=[], backend_state=state, count_matrix=None)
-    return recv_x_out, recv_topk_idx, recv_topk_weights, [], new_handle
+    # No counts reach the host: the handle's are empty, its rows num_worst_tokens, its count matrix unknown.
+    return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), None, buffer_uid, x, num_rows, num_rows,
+                           is_token_in_rank, [], [], None, state)
 
 
 def _combine_fixed(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
