@@ -23,7 +23,7 @@ from conftest import (
     nvshmem_found,
     poison_allocator,
 )
-from routing import make_inputs
+from routing import combined_matches, make_inputs, partials_bound
 
 from epcomm import Buffer
 from epcomm.backends.cuda.low_latency import partials_fit
@@ -59,28 +59,6 @@ def _expert_stand_in(recv_x, use_fp8: bool) -> torch.Tensor:
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and same_bits(a, b)
-
-
-def _combined_matches(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | None) -> bool:
-    """Bitwise, or (a combine by partial sums on several ranks) within ``bound`` (_partials_bound)."""
-    if bound is None:
-        return _bits_equal(got, ref)
-    if got.shape != ref.shape or not bool(torch.isfinite(got).all()):
-        return False
-    error = (got.float() - ref.float()).abs()
-    return bool((error <= 2**-7 * (bound + ref.float().abs()) + 1e-30).all())
-
-
-def _partials_bound(x, topk_idx, weights, expert_scale) -> torch.Tensor:
-    """What the partials of a combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS) can add up to,
-    per channel: sum over the token's pairs of |w| * |expert output|, the output being the
-    dispatched row times expert_scale(local expert) (x, or its FP8 round trip: under twice |x|, FP8
-    subnormals included) rounded to bf16. Each rank's partial is rounded to bf16 once (2^-8 of
-    itself), the output once more (2^-8 of itself): the error stays within 2^-8 (bound + 2 |ref|),
-    and _combined_matches allows 2^-7 (bound + |ref|)."""
-    valid = (topk_idx >= 0).float()
-    coef = (weights.abs() * expert_scale(topk_idx.clamp(min=0)) * valid).sum(dim=1, keepdim=True)
-    return coef * x.float().abs() * 2
 
 
 def _partials_expected(buf, n: int, num_experts: int, hidden: int, num_topk: int) -> bool:
@@ -146,7 +124,7 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         if backend == "cuda":  # by partial sums exactly when asked for (or by auto) and without a hook
             assert buf.low_latency_ops.last_combine_partials == by_partials, tag
             if by_partials and num_ranks > 1:
-                bound = _partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
+                bound = partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
         outs[backend] = dict(rows=_valid_rows(recv_x, recv_count), recv_count=recv_count.clone(),
                              layout_range=handle.layout_range.clone(), src_info=handle.src_info.clone(),
                              recv_stats=recv_stats, wait_stats=wait_stats, combined=combined.clone(),
@@ -160,12 +138,12 @@ def rank_ll_vs_reference(tokens_per_rank, n, hidden, num_experts, num_topk, rout
         if rank == num_ranks - 1:
             assert int(got["recv_count"].sum()) == 0, tag
         else:
-            assert _combined_matches(got["combined"], ref["combined"], bound), \
+            assert combined_matches(got["combined"], ref["combined"], bound), \
                 f"{tag}: combined differs from the reference"
         return 0
     for key in ("recv_count", "layout_range", "src_info", "recv_stats"):
         assert _bits_equal(got[key], ref[key]), f"{tag}: {key} differs from the reference backend"
-    assert _combined_matches(got["combined"], ref["combined"], bound), f"{tag}: combined differs from the reference"
+    assert combined_matches(got["combined"], ref["combined"], bound), f"{tag}: combined differs from the reference"
     if bound is not None and hidden >= 4096 and num_tokens >= 64:  # partials were added: some rounding shows
         assert not _bits_equal(got["combined"], ref["combined"]), f"{tag}: bitwise equal; were partials summed?"
     assert len(got["rows"]) == len(ref["rows"]), tag
@@ -365,7 +343,7 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False, pattern="pla
         w_static.copy_(w)
         nonlocal bound
         if partials and num_ranks > 1:
-            bound = _partials_bound(x_static, idx_static, w_static,
+            bound = partials_bound(x_static, idx_static, w_static,
                                     lambda e: torch.full_like(e, 0.5, dtype=torch.float32))
 
     load(1)
@@ -378,7 +356,7 @@ def rank_ll_graph(n, hidden, num_experts, num_topk, partials=False, pattern="pla
         torch.cuda.synchronize()
         want = step(ref, x_static.clone(), idx_static.clone(), w_static.clone())
         assert _bits_equal(outputs[0], want[0]), f"rank {rank} replay {seed}: recv_count differs from the reference"
-        assert _combined_matches(outputs[1], want[1], bound), \
+        assert combined_matches(outputs[1], want[1], bound), \
             f"rank {rank} replay {seed}: combined differs from the reference backend"
     assert buf.low_latency_ops.last_combine_partials == partials, f"rank {rank}: combine by partial sums not taken"
     buf.destroy()
@@ -437,9 +415,9 @@ def rank_ll_graph_of_one_dispatch(n, hidden, num_experts, num_topk):
         results.append((got_count.clone(), combined.clone()))
     bound = None
     if num_ranks > 1 and buf.low_latency_ops.last_combine_partials:
-        bound = _partials_bound(x, idx, w, lambda e: torch.full_like(e, 0.5, dtype=torch.float32))
+        bound = partials_bound(x, idx, w, lambda e: torch.full_like(e, 0.5, dtype=torch.float32))
     assert _bits_equal(results[0][0], results[1][0]), f"rank {rank}: eager recv_count after the replays differs"
-    assert _combined_matches(results[0][1], results[1][1], bound), \
+    assert combined_matches(results[0][1], results[1][1], bound), \
         f"rank {rank}: eager combine after the replays differs"
     buf.destroy()
     ref.destroy()
@@ -820,9 +798,9 @@ def rank_ll_arrival(senders: str = "auto"):
         for name in ("recv_count", "layout_range", "src_info"):
             assert _bits_equal(got[name], want[name]), f"{tag}: {name} differs from the reference backend"
         if combine:  # by partial sums (auto from 64 tokens): within their bf16 rounding on several ranks
-            bound = (_partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
+            bound = (partials_bound(x, topk_idx, weights, lambda e: (e % e_local).float().add(1) / 4)
                      if cuda.low_latency_ops.last_combine_partials and num_ranks > 1 else None)
-            assert _combined_matches(got["combined"], want["combined"], bound), f"{tag}: combined differs"
+            assert combined_matches(got["combined"], want["combined"], bound), f"{tag}: combined differs"
         assert len(got["rows"]) == len(want["rows"]), tag
         for j, (a, b) in enumerate(zip(got["rows"], want["rows"])):
             assert _bits_equal(a, b), f"{tag}: received rows of part {j} differ from the reference backend"
