@@ -9,30 +9,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import BACKEND, cluster
+from replay import ll_experts
 from routing import make_inputs
 
-from epcomm import Buffer, Config, oracle, per_token_cast_back
+from epcomm import Buffer, Config, oracle
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs: run with EPCOMM_TEST_BACKEND=nccl on a GPU")]
 
 
-def _expert_outputs(recv_x, first_expert: int) -> torch.Tensor:
-    """Local expert e returns its rows (dequantized) times (global expert + 1) / 2, in bf16."""
-    if isinstance(recv_x, tuple):
-        data, scales = recv_x
-        rows = per_token_cast_back(data.reshape(-1, data.shape[2]), scales.reshape(-1, scales.shape[2]).contiguous())
-        rows = rows.view(data.shape)
-    else:
-        rows = recv_x
-    scale = (torch.arange(rows.shape[0], device=rows.device) + first_expert + 1).float() / 2
-    return (rows.float() * scale.view(-1, 1, 1)).to(torch.bfloat16)
-
-
 def rank_low_latency_graph(n: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool) -> int:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    e_local = num_experts // num_ranks
     buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(n, hidden, num_ranks, num_experts),
                  low_latency_mode=True, backend="reference")
 
@@ -44,7 +32,7 @@ def rank_low_latency_graph(n: int, hidden: int, num_experts: int, num_topk: int,
     def step():
         recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(static[0], static[1], n, num_experts,
                                                                     use_fp8=use_fp8)
-        combined, _, _ = buf.low_latency_combine(_expert_outputs(recv_x, rank * e_local), static[1], static[2],
+        combined, _, _ = buf.low_latency_combine(ll_experts(recv_x, rank), static[1], static[2],
                                                  handle)
         return recv_count, handle, combined
 
@@ -67,7 +55,7 @@ def rank_low_latency_graph(n: int, hidden: int, num_experts: int, num_topk: int,
         tag = f"rank {rank} seed {seed} fp8={use_fp8}"
         assert torch.equal(recv_count.cpu(), want.count.to(recv_count.dtype)), f"{tag}: recv_count"
         assert torch.equal(handle.layout_range.cpu(), want.layout_range), f"{tag}: layout_range"
-        ys = [_expert_outputs(d.x, r * e_local) for r, d in enumerate(got)]
+        ys = [ll_experts(d.x, r) for r, d in enumerate(got)]
         want_combined = oracle.low_latency_combine(ys, [d.src_info for d in got], [d.layout_range for d in got],
                                                    idxs, ws, num_experts)[rank]
         assert torch.equal(combined.cpu().view(torch.int16), want_combined.view(torch.int16)), f"{tag}: combined"
