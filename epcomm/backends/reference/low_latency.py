@@ -4,9 +4,10 @@ Dispatch moves each token once per destination rank, in fixed slots: the send bu
 ``[R, N, row]`` (N = num_max_dispatch_tokens_per_rank), slot ``(r, t)`` holding token t's data (FP8
 and scales, or BF16) and its top-k ids, ids set to -1 where the expert is not on rank r (or r is
 masked) and in the slots past the rank's tokens. So one ``all_to_all_single`` of a size every rank
-knows moves everything: no counts exchange, no host wait for sizes. The receiver sorts its (source,
-slot, top-k) entries by (local expert, source, token, slot) on the device, which is the receive
-layout: per expert, one block per source rank in rank order.
+knows moves everything: no counts exchange, no host wait for sizes. The receiver places its
+(source, token, slot) entries by (local expert, source, token, slot) on the device, which is the
+receive layout: per expert, one block per source rank in rank order (an entry's row in its expert
+is a running count: the entries arrive in that order already).
 
 Combine returns each (token, slot) entry's row to its source, in (token, slot) order per source,
 as one variable-size all-to-all whose sizes the dispatch derived (each side knows them from its
@@ -58,6 +59,14 @@ def _destinations(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int,
         dest = torch.where(masked.to(flat.device)[dest.clamp(max=num_ranks - 1)] & (dest < num_ranks), num_ranks,
                            dest)
     return dest
+
+
+def running_count(keys: torch.Tensor, size: int) -> torch.Tensor:
+    """For each element of ``keys`` (values below ``size``), how many earlier elements have its value:
+    the scan of a one-hot table, which a GPU runs far faster than the stable sort it replaces."""
+    seen = torch.zeros((size, keys.numel()), dtype=torch.int32, device=keys.device)
+    seen.scatter_(0, keys.view(1, -1), 1)
+    return seen.cumsum(1, dtype=torch.int32).gather(0, keys.view(1, -1)).view(-1).to(torch.int64) - 1
 
 
 def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, list[int]]:
@@ -157,7 +166,10 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
            recv_count: torch.Tensor, layout_range: torch.Tensor, state: dict, fixed: bool) -> None:
     """Place the received slots in the receive layout and derive what the combine sends back. Eager:
     the valid entries only (their count read on the host, which sizes the combine); ``fixed`` (a graph):
-    every entry, the invalid ones into the spare expert's first row, and nothing read on the host."""
+    every entry, the invalid ones into the spare expert's first row, and nothing read on the host.
+
+    The entries, (source, token, slot) ascending, are already in the layout's order within an expert,
+    so an entry's row in its expert is the count of earlier entries of that expert (running_count)."""
     experts_per_rank = data_buf.shape[0] - 1
     hidden = data_buf.shape[2]
     rows = n * num_ranks
@@ -165,16 +177,16 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     got = dense(recv[:, :, :4 * num_topk]).view(torch.int32).view(-1).to(torch.int64)
     local = got - rank * experts_per_rank
     expert = torch.where((got >= 0) & (local >= 0) & (local < experts_per_rank), local, experts_per_rank)
-    # (expert, entry) ascending = (expert, source, token, slot): the receive layout.
-    exp, entry = torch.sort(expert, stable=True)
     per_expert = counts(expert, experts_per_rank + 1)
-    if not fixed:
-        num_valid = int(per_expert[:experts_per_rank].sum())  # the combine's sizes need it on the host
-        exp, entry = exp[:num_valid], entry[:num_valid]
-    valid = exp < experts_per_rank
-    pos = torch.arange(exp.numel(), device=dev) - (torch.cumsum(per_expert, 0) - per_expert)[exp]
+    pos = running_count(expert, experts_per_rank + 1)
+    entry = torch.arange(expert.numel(), device=dev)
+    valid = expert < experts_per_rank
     if fixed:
-        pos = torch.where(valid, pos, 0)
+        exp, pos = expert, torch.where(valid, pos, 0)
+    else:
+        entry = entry[valid]  # read on the host: the combine's sizes need the count
+        exp, pos = expert[entry], pos[entry]
+        valid = valid[entry]
     slot = entry // num_topk  # source * N + token
     target = exp * rows + pos
     taken = recv.view(rows, -1).view(torch.int64).index_select(0, slot)
@@ -191,12 +203,10 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     blocks = counts(exp * num_ranks + source, (experts_per_rank + 1) * num_ranks)
     blocks = blocks[:experts_per_rank * num_ranks].view(experts_per_rank, num_ranks)
     layout_range.copy_(((torch.cumsum(blocks, 1) - blocks) << 32) | blocks)
-    # The combine returns the entries in (source, token, slot) order: the rows of x to send, and each
-    # row's place in the fixed-size exchange (a block of N * K rows per source; invalid: a spare row).
-    by_entry = torch.sort(entry).indices
-    state["combine_rows"] = torch.where(valid, target, 0)[by_entry]
-    valid = valid[by_entry]
-    source = source[by_entry]
+    # The combine returns the entries in (source, token, slot) order, the order here: the rows of x to
+    # send, and each row's place in the fixed-size exchange (a block of N * K rows per source; invalid:
+    # a spare row).
+    state["combine_rows"] = torch.where(valid, target, 0)
     block = n * num_topk
     if fixed:  # every source's entries, in order: the valid ones before each
         before = torch.cumsum(valid.view(num_ranks, -1), 1).view(-1) - 1
@@ -257,11 +267,13 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         words = row_words(recv)
         if fixed:
             # Slot k's row of every token (the zero row where it has none, weight 0): acc + w_k * row_k
-            # for a row, acc + 0 (acc unchanged: a sum from +0 is never -0) for none.
+            # for a row, acc + 0 (acc unchanged: a sum from +0 is never -0) for none. Every slot's rows
+            # come in one gather (a receive's worth); bf16 * fp32 is the fp32 product, one op.
             places = _fixed_places(st, num_ranks, block).view(num_tokens, num_topk)
             weights = torch.where(st["dest"].view(num_tokens, num_topk) < num_ranks, topk_weights.float(), 0.0)
+            rows = words.index_select(0, places.t().flatten()).view(torch.bfloat16).view(num_topk, num_tokens, hidden)
             for k in range(num_topk):
-                acc.add_(words.index_select(0, places[:, k]).view(torch.bfloat16).float().mul_(weights[:, k:k + 1]))
+                acc.add_(rows[k] * weights[:, k:k + 1])
             combined.copy_(acc)
             return
         # Rows arrive per destination rank by (token, slot). Summed slot by slot (the oracle's fp32
@@ -274,8 +286,8 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         for count in slot_counts:
             end = begin + count
             if count:
-                rows = words.index_select(0, by_slot[begin:end]).view(torch.bfloat16).float()
-                acc.index_add_(0, tokens[begin:end], rows.mul_(weights[begin:end, None]))
+                rows = words.index_select(0, by_slot[begin:end]).view(torch.bfloat16)
+                acc.index_add_(0, tokens[begin:end], rows * weights[begin:end, None])
             begin = end
         combined.copy_(acc)
 
@@ -288,12 +300,7 @@ def _fixed_places(state: dict, num_ranks: int, block: int) -> torch.Tensor:
     zero row after the blocks. Made by every combine, on the device (a graph's replay rewrites the
     dispatch's ``dest``, so nothing derived from it may be kept)."""
     dest = state["dest"]
-    to, entry = torch.sort(dest, stable=True)
-    per_dest = counts(dest, num_ranks + 1)
-    within = torch.arange(dest.numel(), device=dest.device) - (torch.cumsum(per_dest, 0) - per_dest)[to]
-    places = torch.empty_like(dest)
-    places[entry] = torch.where(to < num_ranks, to * block + within, num_ranks * block)
-    return places
+    return torch.where(dest < num_ranks, dest * block + running_count(dest, num_ranks + 1), num_ranks * block)
 
 
 def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
