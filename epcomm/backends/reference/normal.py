@@ -386,19 +386,24 @@ def _dispatch_fixed(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor 
     place = torch.cumsum(is_token_in_rank.to(torch.int64), 0) - 1
     send_pos = torch.where(is_token_in_rank, torch.arange(num_ranks, device=dev) * block + place,
                            num_ranks * block).flatten()
+    # The token at each place of the send blocks (T: none; the extra last place takes the pairs not
+    # sent), so each block row is gathered straight from x.
     token_of = torch.arange(num_tokens, device=dev).repeat_interleave(num_ranks)
+    token_at = torch.full((num_ranks * block + 1,), num_tokens, dtype=torch.int64, device=dev)
+    token_at.index_copy_(0, send_pos, token_of)
+    token_at = token_at[:-1]
+    sent_here = (token_at < num_tokens).unsqueeze(1)
+    source_token = token_at.clamp(max=max(num_tokens - 1, 0))  # a row no one reads where none is sent
     words = row_words(dense(x))
-    send_x = words.new_empty((num_ranks * block + 1, words.shape[1]))  # the last row: pairs not sent
-    send_x.index_copy_(0, send_pos, words.index_select(0, token_of))
+    send_x = words.index_select(0, source_token)
     meta = _meta_words(scales, None if cached else topk_idx, None if cached else topk_weights)
     flags = torch.ones((num_tokens, 1), dtype=torch.int32, device=dev)
     meta = flags if meta is None else torch.cat([flags, meta], dim=1)
-    send_meta = torch.zeros((num_ranks * block + 1, meta.shape[1]), dtype=torch.int32, device=dev)
-    send_meta.index_copy_(0, send_pos, meta.index_select(0, token_of))
+    send_meta = torch.where(sent_here, meta.index_select(0, source_token), 0)  # flag 0: not sent
     recv_x = words.new_empty((num_ranks * block, words.shape[1]))
     sizes = [block] * num_ranks
-    pending = [be.transport.start_all_to_all(send_x[:-1], sizes, sizes, out=recv_x),
-               be.transport.start_all_to_all(send_meta[:-1], sizes, sizes)]
+    pending = [be.transport.start_all_to_all(send_x, sizes, sizes, out=recv_x),
+               be.transport.start_all_to_all(send_meta, sizes, sizes)]
     deadline = time.monotonic() + be.transport.timeout_s
     for p in pending:
         p.wait("dispatch", be.seq, deadline)
@@ -426,12 +431,10 @@ def _dispatch_fixed(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor 
     if cached:
         return recv_x_out, None, None, None, handle
     # What the combine needs: each output row's place in the blocks (num_rows * ... : none), and the
-    # token at each place of this rank's send blocks (T: none).
+    # token at each place of this rank's send blocks.
     out_src = torch.full((num_rows + 1,), num_ranks * block, dtype=torch.int64, device=dev)
     out_src.index_copy_(0, out_pos, torch.arange(num_ranks * block, device=dev))
-    token_at = torch.full((num_ranks * block + 1,), num_tokens, dtype=torch.int64, device=dev)
-    token_at.index_copy_(0, send_pos, token_of)
-    state = {"fixed": True, "out_src": out_src[:num_rows], "token_at": token_at[:-1]}
+    state = {"fixed": True, "out_src": out_src[:num_rows], "token_at": token_at}
     # No counts reach the host: the handle's are empty, its rows num_worst_tokens, its count matrix unknown.
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), None, buffer_uid, x, num_rows, num_rows,
                            is_token_in_rank, [], [], None, state)
