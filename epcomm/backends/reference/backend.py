@@ -106,7 +106,11 @@ class ReferenceBackend:
         """The error, once, of what a dispatch that could not read the host could not report: rows dropped
         past num_worst_tokens (a host read only once a fixed-size dispatch ran). The handshake of every
         eager call takes it, and refuses, so the peers raise too."""
-        if not (self._overflow_noted and bool(self.graph_overflow)):
+        if not self._overflow_noted:
+            return None
+        if self.graph_overflow.is_cuda:  # a replay may run on any stream: wait for every one
+            torch.cuda.synchronize(self.graph_overflow.device)
+        if not bool(self.graph_overflow):
             return None
         self.graph_overflow.zero_()
         return RuntimeError("epcomm dispatch: a fixed-size (CUDA graph) dispatch received more rows than "
