@@ -14,9 +14,6 @@ Usage (on a GPU machine, from the repository root):
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 import time
 from collections import defaultdict
@@ -29,6 +26,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ll_profile import decode_step_inputs  # noqa: E402
+from profiling import cprofile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.cuda import low_latency as cuda_ll  # noqa: E402
@@ -47,20 +45,6 @@ def _per_call_us(fn, calls: int = 200) -> tuple[float, float]:
     host = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
     return host, (time.perf_counter() - start) / calls * 1e6
-
-
-def _cprofile(fn, calls: int, order: str, rows: int) -> str:
-    """cProfile of ``calls`` calls of ``fn`` (collective: every rank calls it), its ``rows`` top lines."""
-    dist.barrier()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(rows)
-    return out.getvalue()
 
 
 def _timed_methods(spent: dict[str, list[float]]):
@@ -145,9 +129,9 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str:
 
     if rank == 0:
         say("cProfile of 50 eager steps (dispatch + combine), by cumulative time\n" +
-            _cprofile(step, 50, "cumulative", 35))
+            cprofile_calls(step, 50, "cumulative", 35))
     else:
-        _cprofile(step, 50, "cumulative", 35)
+        cprofile_calls(step, 50, "cumulative", 35)
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(20):
@@ -205,7 +189,7 @@ def _normal_profile(n: int, hidden: int, num_experts: int, num_topk: int) -> str
         host, whole = _per_call_us(fn, 50)
         say(f"eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
     for name, fn in (("dispatch", dispatch), ("cached dispatch", cached), ("combine", combine)):
-        text = _cprofile(fn, 100, "tottime", 25)
+        text = cprofile_calls(fn, 100, "tottime", 25)
         if rank == 0:
             say(f"cProfile of 100 eager calls of {name}, by own time\n" + text)
     dist.barrier()

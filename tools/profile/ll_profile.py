@@ -20,9 +20,6 @@ the write and not after the read waits for dirty lines going back to HBM, not fo
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 import time
 
@@ -31,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, ".")
 
-from profiling import kernel_lines, last_call_lines, profile_calls  # noqa: E402
+from profiling import cprofile_calls, kernel_lines, last_call_lines, profile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.bench.timing import cold_start, l2_flush_buffer  # noqa: E402
@@ -111,17 +108,9 @@ def _profile(n: int, hidden: int, num_experts: int, num_topk: int, after: str, c
         torch.cuda.synchronize()
         whole = (time.perf_counter() - start) / 50 * 1e6
         lines.append(f"rank {rank} T={n}: eager {name}: host {host:.1f} us per call, with the GPU {whole:.1f} us")
-    dist.barrier()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(50):
-        buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True)
-    profiler.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    text = cprofile_calls(lambda: buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True), 50, "tottime", 30)
     if rank == 0:
-        lines.append(f"rank 0 T={n}: host profile of 50 eager dispatches\n" + out.getvalue())
+        lines.append(f"rank 0 T={n}: host profile of 50 eager dispatches\n" + text)
     dist.barrier()
     buf.destroy()
     return "\n".join(lines)

@@ -6,6 +6,9 @@ else runs in it), and a call's timeline of where the host and the GPU are at eac
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from collections.abc import Callable
 
@@ -18,6 +21,22 @@ def short_name(name: str) -> str:
     (instantiations of one kernel stay apart)."""
     head, bracket, template = name.split("(")[0].removeprefix("void ").partition("<")
     return (head.split("::")[-1].strip() + bracket + template)[:40]
+
+
+def cprofile_calls(fn: Callable[[], object], calls: int, order: str, rows: int) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (collective: every rank calls it), its ``rows`` top lines by
+    ``order``; the device caught up after (on CPU ranks nothing to wait for)."""
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(rows)
+    return out.getvalue()
 
 
 def profile_calls(fn: Callable[[], object], calls: int, warmup: int = 0) -> torch.profiler.profile:

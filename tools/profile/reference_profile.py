@@ -12,9 +12,6 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -25,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, ".")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profiling import kernel_lines, profile_calls  # noqa: E402
+from profiling import cprofile_calls, kernel_lines, profile_calls  # noqa: E402
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.bench.workloads import make_pattern_topk_idx  # noqa: E402
@@ -47,19 +44,6 @@ def _per_call_us(fn, dev: torch.device, calls: int) -> float:
         fn()
     _sync(dev)
     return (time.perf_counter() - start) / calls * 1e6
-
-
-def _cprofile(fn, dev: torch.device, calls: int, rows: int) -> str:
-    dist.barrier()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    _sync(dev)
-    profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
-    return out.getvalue()
 
 
 def rank_profile(tokens: int, ll_tokens: int, hidden: int, num_experts: int, ll_experts: int, calls: int,
@@ -114,14 +98,11 @@ def rank_profile(tokens: int, ll_tokens: int, hidden: int, num_experts: int, ll_
             dist.barrier()
             prof = profile_calls(fn, calls, warmup=2)
             lines.extend(f"rank {rank}: {line}" for line in kernel_lines(prof, calls, name)[:8])
-    if times_only:
-        pass
-    elif rank == 0:
+    if not times_only:
         for name, fn in ops.items():
-            say(f"cProfile of {calls} calls of {name}, by own time\n" + _cprofile(fn, dev, calls, 18))
-    else:
-        for fn in ops.values():
-            _cprofile(fn, dev, calls, 1)
+            text = cprofile_calls(fn, calls, "tottime", 18)  # (collective: every rank profiles)
+            if rank == 0:
+                say(f"cProfile of {calls} calls of {name}, by own time\n" + text)
     dist.barrier()
     buf.destroy()
     ll.destroy()
