@@ -238,16 +238,20 @@ def combine(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, topk_
         }, counts=None if fixed else st["send_rows"])
         wait_ns = be.arrival_wait_ns(headers)
         everyone_empty = not fixed and int(be.count_matrix(headers).sum()) == 0
-    rows = row_words(dense(x).view(-1, hidden)).index_select(0, st["combine_rows"])
+    x_words = row_words(dense(x).view(-1, hidden))
     if fixed:
         block = handle.num_max_dispatch_tokens_per_rank * num_topk
-        send = rows.new_empty((num_ranks * block + 1, rows.shape[1]))  # the last row: invalid entries'
-        send.index_copy_(0, st["send_pos"], rows)
+        # The row of x at each place of the send blocks (the extra last place takes the invalid
+        # entries; places no entry takes send row 0, which no one reads): one gather straight from x.
+        row_at = torch.zeros(num_ranks * block + 1, dtype=torch.int64, device=x.device)
+        row_at.index_copy_(0, st["send_pos"], st["combine_rows"])
+        send = x_words.index_select(0, row_at[:-1])
         recv = x.new_empty((num_ranks * block + 1, hidden))
         recv[-1].zero_()  # read for every slot a token has no row in
         sizes = [block] * num_ranks
-        pending = be.transport.start_all_to_all(send[:-1], sizes, sizes, out=row_words(recv[:-1]))
+        pending = be.transport.start_all_to_all(send, sizes, sizes, out=row_words(recv[:-1]))
     else:
+        rows = x_words.index_select(0, st["combine_rows"])
         recv_rows = st["rows_per_dest"]
         recv = x.new_empty((sum(recv_rows), hidden))
         pending = None if everyone_empty else be.transport.start_all_to_all(rows, st["send_rows"], recv_rows,
