@@ -521,11 +521,11 @@ def _ll_trace(use_hook, partials):
     buf = _buffer("cuda", n, hidden, num_experts)
     # the mode taken (else the partial sums' order below would go untested)
     assert buf.low_latency_ops.combine_by_partials(num_experts, hidden, n, 4, use_hook) == partials
-    # The fused dispatch fits the device (a kernel whose shared memory outgrew it would send every
-    # call through the two kernels, correct but slower, and nothing else would say so).
+    # Both phases of a dispatch fit one launch on the device (a kernel whose shared memory outgrew it
+    # would send every call through two launches, correct but slower, and nothing else would say so).
     ll = buf.low_latency_ops
     fused = ll.lib.epcomm_ll_dispatch_fused_fit(ll.num_sms) == 1
-    assert fused, "dispatch_fused does not fit one block per SM: every dispatch would take the two kernels"
+    assert fused, "ll::dispatch does not fit one block per SM: every dispatch would take two launches"
 
     traces = buf.low_latency_ops.trace()
     recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, n, num_experts, use_fp8=True,

@@ -84,7 +84,7 @@ int num_blocks(int num_tokens, int chunk) {
     return blocks > 0 ? blocks : 1;
 }
 
-// Whether `blocks` blocks of a fused kernel (kThreads each) can all be resident at once: its blocks
+// Whether `blocks` blocks of a kernel (kThreads each) can all be resident at once: its blocks
 // wait for each other's signals, so all must run together (the cooperative launch guarantees it,
 // or refuses).
 // Asked once per kernel, with the most shared memory a call may use (the calls stay fast).
@@ -145,7 +145,8 @@ void epcomm_ll_trace_shape(int* blocks, int* points) {
 }
 
 // phase 1: send (and return); phase 2: receive (the hook), with the same record; phase 0: both
-// in one kernel (no hook), or one after the other where its blocks cannot all be resident.
+// in one launch (no hook), or one after the other where its blocks cannot all be resident. Every
+// phase launches the same kernel (ll::dispatch), as DeepEP does: a profiler shows one per call.
 static int launch_dispatch(const LLDispatchCall* call, int phase, cudaStream_t stream) {
     const LLDispatchCall& c = *call;
     if (c.num_experts > ll::kMaxExperts) return static_cast<int>(cudaErrorInvalidValue);
@@ -168,7 +169,7 @@ static int launch_dispatch(const LLDispatchCall* call, int phase, cudaStream_t s
     set_ptr(a.recv_count, c.recv_count);
     set_ptr(a.layout_range, c.layout_range);
     set_ptr(a.cumulative_stats, c.cumulative_stats);
-    a.arrival = phase == 0 ? c.arrival : 0;  // the fused kernel's alone (dispatch_mode)
+    a.arrival = phase == 0 ? c.arrival : 0;  // both phases in one launch alone (dispatch_mode)
     a.defer_acks = phase == 0;
     a.arrival_msg_bytes = c.arrival_msg_bytes;
     a.arrival_key = c.arrival_key;
@@ -188,43 +189,50 @@ static int launch_dispatch(const LLDispatchCall* call, int phase, cudaStream_t s
     }
     const size_t shared = (1 + segments) * sizeof(int) * static_cast<size_t>(num_experts);
     const bool together = c.block_receive != 0;
+    auto kernel = together ? ll::dispatch<true> : ll::dispatch<false>;
     if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
-        (together ? fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms)
-                  : fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms))) {
-        const cudaError_t launched = together ? launch_cooperative(ll::dispatch_fused<true>, num_sms, shared, stream, a)
-                                              : launch_cooperative(ll::dispatch_fused<false>, num_sms, shared, stream, a);
+        (together ? fits_at_once<ll::dispatch<true>>(num_sms, kMaxSendShared, num_sms)
+                  : fits_at_once<ll::dispatch<false>>(num_sms, kMaxSendShared, num_sms))) {
+        a.phase = ll::kBothPhases;
+        const cudaError_t launched = launch_cooperative(kernel, num_sms, shared, stream, a);
         if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
-        // Fewer SMs than the device has are ours (MPS, green contexts): the two kernels instead.
+        // Fewer SMs than the device has are ours (MPS, green contexts): the two phases instead.
         (void)cudaGetLastError();
     }
     a.arrival = 0;
-    // The hook's send: a block per token range (no token parts: idle blocks would spin on the
+    // The send: a block per token range (no token parts: idle blocks would spin on the
     // acknowledgements on every SM, and a hook's send must leave the SMs to the work beside it).
-    if (phase != 2)
-        ll::dispatch_send<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
-    if (phase != 1)
-        ll::dispatch_recv<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
+    if (phase != 2) {
+        a.phase = ll::kSendPhase;
+        kernel<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, shared, stream>>>(a);
+    }
+    // The receive: a block per SM, as in one launch (its blocks wait only for the peers' signals).
+    if (phase != 1) {
+        a.phase = ll::kReceivePhase;
+        kernel<<<num_sms, ll::kThreads, shared, stream>>>(a);
+    }
     return static_cast<int>(cudaGetLastError());
 }
 
-// Whether a dispatch without a hook can run as one cooperative kernel here (dispatch_fused, either
-// receive, one block per SM with the most shared memory a call uses); else every such call takes
-// the two kernels (slower: docs/TUNING.md, fused dispatch), which the tests must see.
+// Whether a dispatch without a hook can run as one cooperative launch here (either receive, one
+// block per SM with the most shared memory a call uses); else every such call takes two launches
+// (slower: docs/TUNING.md, fused dispatch), which the tests must see.
 int epcomm_ll_dispatch_fused_fit(int num_sms) {
-    return fits_at_once<ll::dispatch_fused<true>>(num_sms, kMaxSendShared, num_sms) &&
-                   fits_at_once<ll::dispatch_fused<false>>(num_sms, kMaxSendShared, num_sms)
+    return fits_at_once<ll::dispatch<true>>(num_sms, kMaxSendShared, num_sms) &&
+                   fits_at_once<ll::dispatch<false>>(num_sms, kMaxSendShared, num_sms)
                ? 1
                : 0;
 }
 
-// Whether a combine by partial sums can launch here: its send kernel fits one block per SM of the
+// Whether a combine by partial sums can launch here: its kernel fits one block per SM of the
 // device (registers, shared memory). Not whether the process may use every SM: under MPS or green
 // contexts the cooperative launch can still be refused at the call, which then raises.
 int epcomm_ll_combine_partials_fit(int num_sms) {
-    return fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms) ? 1 : 0;
+    return fits_at_once<ll::combine_partials>(num_sms, 0, num_sms) ? 1 : 0;
 }
 
-// phases as in launch_dispatch
+// phases as in launch_dispatch; every phase launches one kernel: ll::combine (<true>: single-batch
+// overlap) or, by partial sums, ll::combine_partials.
 static int launch_combine(const LLCombineCall* call, int phase, cudaStream_t stream) {
     const LLCombineCall& c = *call;
     ll::CombineArgs a{};
@@ -238,48 +246,63 @@ static int launch_combine(const LLCombineCall* call, int phase, cudaStream_t str
     a.request_bytes = c.request_bytes;
     a.area_tag = static_cast<uint32_t>(c.area_tag);
     a.defer_acks = phase == 0;
-    const int num_experts = c.num_experts;
+    const int num_sms = c.context.num_sms, num_experts = c.num_experts;
+    const int recv_blocks = num_blocks(c.num_tokens, a.chunk_tokens);
+    if (c.partials != 0) {
+        // Its send's blocks wait for each other through the peers: all resident at once, or not
+        // launched (the host then raises; fewer SMs than the device has, under MPS or green contexts).
+        if (!fits_at_once<ll::combine_partials>(num_sms, 0, num_sms))
+            return static_cast<int>(cudaErrorCooperativeLaunchTooLarge);
+        if (phase == 0 && recv_blocks <= num_sms) {
+            a.phase = ll::kBothPhases;
+            return static_cast<int>(launch_cooperative(ll::combine_partials, num_sms, 0, stream, a));
+        }
+        if (phase != 2) {
+            a.phase = ll::kSendPhase;
+            const cudaError_t launched = launch_cooperative(ll::combine_partials, num_sms, 0, stream, a);
+            if (launched != cudaSuccess) return static_cast<int>(launched);
+        }
+        if (phase != 1) {
+            a.phase = ll::kReceivePhase;
+            ll::combine_partials<<<recv_blocks, ll::kThreads, 0, stream>>>(a);
+        }
+        return static_cast<int>(cudaGetLastError());
+    }
+    // The send's blocks: single-batch overlap's (the send waits for the expert GEMM on the blocks
+    // it is left: the GEMM holds the other SMs); with every peer mapped, one per SM, each taking its
+    // units a batch at a time; else one per (local expert, source).
+    bool any_remote = false;
+    for (int r = 0; r < a.num_ranks; ++r) any_remote |= a.peers.bufs[r] == nullptr;
+    int send_blocks = num_sms, send_threads = ll::kThreads;
     if (c.computed != 0) {
-        // Single-batch overlap: the send kernel waits for the expert GEMM on the blocks it is left
-        // (the GEMM holds the other SMs); the receive is the usual one, after it or in the hook.
         set_ptr(a.computed, c.computed);
         set_ptr(a.packed_recv_count, c.packed_recv_count);
         a.block_m = c.block_m;
         a.signals_per_expert = c.signals_per_expert;
         a.threshold = c.threshold;
-        const int blocks = c.send_blocks > 0 && c.send_blocks < num_experts ? c.send_blocks : num_experts;
-        if (phase != 2) ll::combine_send_overlap<<<blocks > 0 ? blocks : 1, ll::kUnitThreads, 0, stream>>>(a);
-        if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
-        return static_cast<int>(cudaGetLastError());
-    }
-    if (c.partials != 0) {
-        // Its blocks wait for each other through the peers: all resident at once, or not launched
-        // (the host then raises; fewer SMs than the device has, under MPS or green contexts).
-        const int num_sms = c.context.num_sms;
-        if (phase == 0 && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
-            fits_at_once<ll::combine_partials_fused>(num_sms, 0, num_sms))
-            return static_cast<int>(launch_cooperative(ll::combine_partials_fused, num_sms, 0, stream, a));
-        if (phase != 2) {
-            if (!fits_at_once<ll::combine_partials_send>(num_sms, 0, num_sms))
-                return static_cast<int>(cudaErrorCooperativeLaunchTooLarge);
-            const cudaError_t launched = launch_cooperative(ll::combine_partials_send, num_sms, 0, stream, a);
-            if (launched != cudaSuccess) return static_cast<int>(launched);
+        send_blocks = c.send_blocks > 0 && c.send_blocks < num_experts ? c.send_blocks : num_experts;
+        send_threads = ll::kUnitThreads;
+    } else if (any_remote) {
+        send_blocks = num_experts, send_threads = ll::kUnitThreads;
+    } else {
+        a.units_together = true;
+        // Both phases in one cooperative launch, where it fits.
+        if (phase == 0 && recv_blocks <= num_sms && fits_at_once<ll::combine<false>>(num_sms, 0, num_sms)) {
+            a.phase = ll::kBothPhases;
+            const cudaError_t launched = launch_cooperative(ll::combine<false>, num_sms, 0, stream, a);
+            if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
+            (void)cudaGetLastError();  // fewer SMs than the device has are ours: two launches instead
         }
-        if (phase != 1) ll::combine_partials_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
-        return static_cast<int>(cudaGetLastError());
     }
-    // Phase 0 with every peer mapped: one cooperative kernel (combine_fused), where it fits.
-    const int num_sms = c.context.num_sms;
-    bool any_remote = false;
-    for (int r = 0; r < a.num_ranks; ++r) any_remote |= a.peers.bufs[r] == nullptr;
-    if (phase == 0 && !any_remote && num_blocks(c.num_tokens, a.chunk_tokens) <= num_sms &&
-        fits_at_once<ll::combine_fused>(num_sms, 0, num_sms)) {
-        const cudaError_t launched = launch_cooperative(ll::combine_fused, num_sms, 0, stream, a);
-        if (launched != cudaErrorCooperativeLaunchTooLarge) return static_cast<int>(launched);
-        (void)cudaGetLastError();  // fewer SMs than the device has are ours: the two kernels instead
+    const auto kernel = c.computed != 0 ? ll::combine<true> : ll::combine<false>;
+    if (phase != 2) {
+        a.phase = ll::kSendPhase;
+        kernel<<<send_blocks > 0 ? send_blocks : 1, send_threads, 0, stream>>>(a);
     }
-    if (phase != 2) ll::combine_send<<<num_experts > 0 ? num_experts : 1, ll::kUnitThreads, 0, stream>>>(a);
-    if (phase != 1) ll::combine_recv<<<num_blocks(c.num_tokens, a.chunk_tokens), ll::kThreads, 0, stream>>>(a);
+    if (phase != 1) {
+        a.phase = ll::kReceivePhase;
+        kernel<<<recv_blocks, ll::kThreads, 0, stream>>>(a);
+    }
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -6,12 +6,12 @@
 # Text summaries under $OUT/ncu-ll-T<tokens>.txt (OUT defaults to /tmp/epcomm-ncu; the .ncu-rep
 # reports stay in /tmp: too large).
 # Usage: bash tools/profile/ncu_ll.sh [tokens...]   (default: 1 128)
-#   NCU_KERNELS=regex  kernels to profile [dispatch_fused|combine_send|combine_recv]
+#   NCU_KERNELS=regex  kernels to profile [dispatch|combine]
 #   NCU_SKIP=N         launches of those to skip first (warm-up) [3]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tools/ci/gpu_env.sh /tmp/epcomm-ncu
-kernels=${NCU_KERNELS:-dispatch_fused|combine_send|combine_recv}
+kernels=${NCU_KERNELS:-dispatch|combine}
 status=0
 for t in "${@:-1 128}"; do
   for tokens in $t; do

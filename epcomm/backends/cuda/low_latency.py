@@ -5,17 +5,17 @@ stores), or the NVSHMEM symmetric heap, where peers mapped over NVLink still get
 and the others (other nodes; or those EPCOMM_LL_REMOTE_RANKS lists, so one host tests the path)
 get NVSHMEM puts and signals. The kernels are the same; only the library differs.
 
-Each call is a send kernel, launched by the call, and a receive kernel, launched by the receive
-hook (or right after the send kernel when there is no hook): between the two no SM is held. Both
-read the call counter from the GPU and take their data positions from device tensors, so a decode
-step captured in a CUDA graph replays with new inputs; there is no host sync anywhere.
+Each call is one kernel (ll::dispatch, ll::combine), launched by the call with both phases, or,
+with a receive hook, its send phase by the call and its receive phase by the hook: between the two
+no SM is held. Both read the call counter from the GPU and take their data positions from device
+tensors, so a decode step captured in a CUDA graph replays with new inputs; there is no host sync anywhere.
 
 Outputs follow the API's layout exactly as the reference backend builds it: expert e's rows hold
 the blocks of sources 0..R-1 in rank order, each in ascending (token, top-k slot) order, so the
 receive side is bitwise equal to the reference (FP8 casts included), and combine sums in fp32 in
 top-k slot order, as the reference does. A combine by partial sums (EPCOMM_LL_COMBINE_PARTIALS: 1,
 or auto from 64 tokens a rank; IPC only, no hook) has the expert side return one bf16 partial sum
-per (token, rank) instead (combine_partials_send): the same at one rank, within bf16 rounding on
+per (token, rank) instead (ll::combine_partials): the same at one rank, within bf16 rounding on
 more.
 
 Errors found by the kernels are written to pinned host memory, one record per slot, and raised
@@ -106,7 +106,7 @@ def slot_bytes_needed(num_max_tokens: int, hidden: int, num_ranks: int, num_expe
 
 
 def request_bytes(num_topk: int) -> int:
-    """A combine-by-partials request record (combine_partials_send): a header (the pair count and
+    """A combine-by-partials request record (ll::combine_partials): a header (the pair count and
     the call counter, 8 bytes unused), then per pair 16 bytes (the local expert * N + row and the
     weight, each beside the call counter)."""
     return 16 + 16 * num_topk

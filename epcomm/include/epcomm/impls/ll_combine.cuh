@@ -33,7 +33,9 @@ struct CombineArgs {
     int request_bytes;
     uint32_t area_tag;  // the shape tag of the slot layout's dispatch area (arrival_key's high half)
     bool defer_acks;    // a call without a hook: its next call acknowledges it (pay_owed_acks)
-    // Single-batch overlap (combine_send_overlap; unused elsewhere): a unit's rows go once the expert
+    int phase;          // Phase
+    bool units_together;  // the send's units a block's batch at a time (every peer mapped; else one a block)
+    // Single-batch overlap (combine<true>; unused elsewhere): a unit's rows go once the expert
     // GEMM has raised the words of their blocks (block_m rows of a local expert each) to `threshold`.
     const uint32_t* computed;      // [E_local][signals_per_expert]: comp_signal, or src_signals (one an expert)
     const int* packed_recv_count;  // [E_local] the rows the GEMM computes (comp_signal), or nullptr
@@ -128,7 +130,7 @@ __device__ void send_combine_unit(const CombineArgs& a, int64_t seq, int64_t pre
     }
     // The caller's topk_idx must be its dispatch's (the handle's copy is what the kernels use). The
     // blocks of local expert 0 compare them and mark their signals: every receiver waits for those
-    // (combine_recv's blocks wait for every expert), so every rank sees the verdict.
+    // (the receive's blocks wait for every expert), so every rank sees the verdict.
     bool differs = local_e == 0 && topk_differs(a, tid, num_threads);
     if constexpr (kOverlap) differs |= local_e == 0 && counts_differ(a, tid, num_threads);
     const int64_t invalid = __syncthreads_or(differs) ? kInvalidInputBit : 0;
@@ -292,7 +294,7 @@ __device__ void receive_combined_tokens(const CombineArgs& a, int64_t seq, const
     }
 }
 
-// The receive role of a combine's last kernel (combine_fused, or the hook's combine_recv): the
+// The receive role of the combine kernel (after its send, or in the hook's launch): the
 // block's tokens summed, then, with a hook, the slot acknowledged by the last block (without one
 // the next call acknowledges it: pay_owed_acks).
 __device__ __forceinline__ void receive_combine_role(const CombineArgs& a, int64_t seq, const Layout& lay) {
@@ -304,7 +306,7 @@ __device__ __forceinline__ void receive_combine_role(const CombineArgs& a, int64
     trace_point(a.trace, 1, kTraceEnd);
 }
 
-// The send role of a fused combine (no hook, every peer mapped): block b returns the rows of its
+// The send role of a combine with every peer mapped: block b returns the rows of its
 // units b, b + grid, ... (up to kMaxFusedGroups at a time), its 16 warps sharing their pieces, and
 // thread m signals unit m once the block's stores are done. Then the same blocks receive: the
 // units' last stores and the receives' first waits overlap, where two kernels put the send
@@ -358,54 +360,35 @@ __device__ void send_combine_units_together(const CombineArgs& a, int64_t seq, i
     trace_point(a.trace, 0, kTraceSignalled);
 }
 
-// The call's send kernel: one block per (local expert, source).
-__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send(CombineArgs a) {
+// The low-latency combine kernel, launched as the dispatch kernel is: once with both phases (no
+// hook; cooperative, every peer mapped: the units a batch at a time, then the same blocks sum), or
+// the send and then the hook's receive. A send by units one at a time (peers reached through Net)
+// runs a block per (local expert, source); with single-batch overlap, beside the expert GEMM on
+// as few blocks as the caller leaves it (kOverlap), block b takes the units b, b + grid, ... in order
+// (local expert-major, the order a grouped GEMM computes them in), each once the GEMM has computed
+// its rows.
+template <bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 1) combine(CombineArgs a) {
     uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    trace_point(a.trace, 0, kTraceStart);
-    send_combine_unit<false>(a, seq, prev, lay, blockIdx.x);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
-    trace_point(a.trace, 0, kTraceEnd);
-}
-
-// Single-batch overlap: the send kernel runs beside the expert GEMM on as few blocks as the caller
-// leaves it (num_sms); block b takes the units b, b + grid, ... in order (local expert-major, the
-// order a grouped GEMM computes them in), each once the GEMM has computed its rows.
-__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) combine_send_overlap(CombineArgs a) {
-    uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    trace_point(a.trace, 0, kTraceStart);
-    for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x) send_combine_unit<true>(a, seq, prev, lay, unit);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
-    trace_point(a.trace, 0, kTraceEnd);
-}
-
-// Without a hook, with every peer mapped: one cooperative kernel returns the rows and then sums
-// them (its blocks wait for each other's signals: all resident at once).
-__global__ void __launch_bounds__(kThreads, 1) combine_fused(CombineArgs a) {
-    uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
-    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    trace_point(a.trace, 0, kTraceStart);
-    send_combine_units_together(a, seq, prev, lay);
-    finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
-    trace_point(a.trace, 0, kTraceEnd);
-    receive_combine_role(a, seq, lay);
-}
-
-// The receive hook's kernel.
-__global__ void __launch_bounds__(kThreads, 1) combine_recv(CombineArgs a) {
-    uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
+    int64_t seq;
+    if (a.phase == kReceivePhase) {
+        seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    } else {
+        seq = next_seq(mine);
+        const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+        if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
+        trace_point(a.trace, 0, kTraceStart);
+        if (!kOverlap && a.units_together) {
+            send_combine_units_together(a, seq, prev, lay);
+        } else {
+            for (int unit = blockIdx.x; unit < a.num_experts; unit += gridDim.x)
+                send_combine_unit<kOverlap>(a, seq, prev, lay, unit);
+        }
+        finish_send_kernel(mine, seq, a.slot, {false, 0, a.area_tag}, a.defer_acks);
+        trace_point(a.trace, 0, kTraceEnd);
+        if (a.phase == kSendPhase) return;
+    }
     receive_combine_role(a, seq, lay);
 }
 

@@ -75,8 +75,7 @@ __device__ __forceinline__ int64_t partials_requests_offset(const Layout& lay, i
     return lay.combine_data + static_cast<int64_t>(num_ranks) * n * hidden * 2;
 }
 
-// The send kernel's work (combine_partials_send, or the first role of combine_partials_fused);
-// returns the call counter.
+// The send phase of combine_partials; returns the call counter.
 __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     __shared__ bool skip_dst[kMaxRanks];
     __shared__ int src_tokens[kMaxRanks];  // tokens of each source's requests; -1: they never came
@@ -297,8 +296,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     return seq;
 }
 
-// The receive of a combine by partial sums (combine_partials_recv, or the second role of
-// combine_partials_fused): block b owns a range of tokens; a token's output is the sum, in rank
+// The receive phase of combine_partials: block b owns a range of tokens; a token's output is the sum, in rank
 // order, of the partials of the ranks its sent pairs went to.
 __device__ __forceinline__ void receive_partials_role(const CombineArgs& a, int64_t seq) {
     __shared__ bool arrived[kMaxRanks];
@@ -377,16 +375,15 @@ __device__ __forceinline__ void receive_partials_role(const CombineArgs& a, int6
     trace_point(a.trace, 1, kTraceEnd);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) combine_partials_send(CombineArgs a) { send_partials_role(a); }
-
-__global__ void __launch_bounds__(kThreads, 1) combine_partials_recv(CombineArgs a) {
-    receive_partials_role(a, reinterpret_cast<const int64_t*>(a.peers.bufs[a.rank] + kSlotSeqOffset)[a.slot]);
-}
-
-// Both in one cooperative kernel: the sums' waits start as a block's partials are out, not after
-// the send kernel's drain and the receive kernel's start (docs/TUNING.md, fused partials combine).
-__global__ void __launch_bounds__(kThreads, 1) combine_partials_fused(CombineArgs a) {
-    receive_partials_role(a, send_partials_role(a));
+// The combine by partial sums: both phases in one cooperative launch (the send's blocks wait for
+// each other through the peers), whose sums' waits start as a block's partials are out, not after
+// a send launch's drain and a receive launch's start (docs/TUNING.md, fused partials combine); or,
+// where a call's token blocks outnumber the SMs, the send and the receive in two launches.
+__global__ void __launch_bounds__(kThreads, 1) combine_partials(CombineArgs a) {
+    const int64_t seq = a.phase == kReceivePhase
+                            ? reinterpret_cast<const int64_t*>(a.peers.bufs[a.rank] + kSlotSeqOffset)[a.slot]
+                            : send_partials_role(a);
+    if (a.phase != kSendPhase) receive_partials_role(a, seq);
 }
 
 }  // namespace ll

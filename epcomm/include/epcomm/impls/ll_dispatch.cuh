@@ -1,5 +1,5 @@
-// Low-latency dispatch entry points: the send kernel and the receive kernel of a call with a
-// receive hook, and the fused kernel (send, then receive) of a call without one.
+// The low-latency dispatch kernel: one kernel a call, launched once with both phases (no hook) or
+// twice, the send and then the hook's receive, as DeepEP launches its own.
 #pragma once
 
 #include "ll_dispatch_recv.cuh"
@@ -7,44 +7,37 @@
 namespace epcomm {
 namespace ll {
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_send(DispatchArgs a) {
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);  // (never by arrival: a.arrival is 0)
-    send_dispatch_messages(a, m, send_plan(a, m));
-}
-
-// The receive hook's kernel: one block per (local expert, source).
-__global__ void __launch_bounds__(kUnitThreads, kUnitBlocksPerSm) dispatch_recv(DispatchArgs a) {
-    trace_point(a.trace, 1, kTraceStart);
-    uint8_t* mine = a.peers.bufs[a.rank];
-    const int64_t seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
-    const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    __shared__ int counts[kMaxRanks];
-    receive_dispatch_unit(a, seq, lay, blockIdx.x, 1, WarpGroup{0, kUnitThreads, 0, counts}, blockIdx.x);
-    trace_point(a.trace, 1, kTraceReceived);
-    finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
-    trace_point(a.trace, 1, kTraceEnd);
-}
-
-// Without a hook, one kernel sends and then receives: each block, once its sends are out, takes
-// (local expert, source) units in turn. Its blocks wait for each other's signals, so it is launched
-// cooperatively (every block resident at once; see the launcher). kBlockReceive: the block's units
-// together (balanced over blocks, or one block's units at a time under a failed-rank mask) instead
-// of a warp group per unit.
+// Both phases: each block, once its sends are out, receives (its blocks wait for each other's
+// signals, so this launch is cooperative: every block resident at once; see the launcher).
+// kSendPhase: a block per token range. kReceivePhase: the same receive as both phases' (one block
+// per SM), with the data already in flight or landed. kBlockReceive: a block's units together
+// (balanced over blocks, or one block's units at a time under a failed-rank mask) instead of a
+// warp group per unit.
 template <bool kBlockReceive>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch(DispatchArgs a) {
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
-    const ArrivalMode m = dispatch_mode(a, lay, a.peers.bufs[a.rank]);
-    const SendPlan plan = send_plan(a, m);
-    const int64_t seq = send_dispatch_messages(a, m, plan);
+    uint8_t* mine = a.peers.bufs[a.rank];
+    const int plane = a.phase == kReceivePhase ? 1 : 0;  // the trace's timeline of a receive launch
+    ArrivalMode m{};
+    SendPlan plan{};
+    int64_t seq;
+    if (a.phase == kReceivePhase) {
+        trace_point(a.trace, plane, kTraceStart);
+        seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+    } else {
+        m = dispatch_mode(a, lay, mine);
+        plan = send_plan(a, m);
+        seq = send_dispatch_messages(a, m, plan);
+        if (a.phase == kSendPhase) return;
+    }
     if (m.on) {
         // (all of them sending: every block receives after its sends)
         receive_dispatch_arrival(a, m, seq, lay, plan.senders < static_cast<int>(gridDim.x) ? plan.senders : 0);
     } else if constexpr (kBlockReceive) {
         if (a.mask == nullptr)
-            receive_dispatch_balanced(a, seq, lay);
+            receive_dispatch_balanced(a, seq, lay, plane);
         else
-            receive_dispatch_units_together(a, seq, lay);
+            receive_dispatch_units_together(a, seq, lay, plane);
     } else {
         // The units are split among groups of warps, enough groups that every unit has one at once
         // (288 units on 132 blocks: 4 groups of 4 warps): a block's units in turn would each add a
@@ -57,13 +50,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_fused(DispatchArgs a) {
         const WarpGroup g{group * group_threads, group_threads, groups == 1 ? 0 : 1 + group, counts[group]};
         const int first_unit = static_cast<int>(blockIdx.x) * groups;
         for (int unit = first_unit + group; unit < a.num_experts; unit += static_cast<int>(gridDim.x) * groups)
-            receive_dispatch_unit(a, seq, lay, unit, 0, g, first_unit);
+            receive_dispatch_unit(a, seq, lay, unit, plane, g, first_unit);
     }
     if (m.poison) poison_arrival_area(a, m);
     if (a.trace != nullptr) __syncthreads();  // every copy of the block is done
-    trace_point(a.trace, 0, kTraceReceived);
+    trace_point(a.trace, plane, kTraceReceived);
     finish_recv_kernel(a.peers, a.num_ranks, a.rank, a.slot, lay.acks, seq, a.mask, a.defer_acks);
-    trace_point(a.trace, 0, kTraceEnd);
+    trace_point(a.trace, plane, kTraceEnd);
 }
 
 }  // namespace ll

@@ -121,14 +121,14 @@ __device__ void receive_dispatch_unit(const DispatchArgs& a, int64_t seq, const 
     g.sync();  // counts[] is reused by the group's next unit
 }
 
-// The fused dispatch's receive role for calls with many rows per unit (the host's choice:
+// The dispatch kernel's receive role for calls with many rows per unit (the host's choice:
 // EPCOMM_LL_BLOCK_RECEIVE): a block takes its units (unit blockIdx.x + m * gridDim.x)
 // kMaxFusedGroups at a time, waits for all of their counts, and its 16 warps share their messages'
 // pieces, instead of each unit's group of warps copying its own rows, where the unit with the
 // most rows sets the kernel's end (random top-8 of 288 at 128 tokens: ~11 rows against 3.6 on
 // average, copied by 4 warps while the block's other warps idle). With few rows the wait for
 // every unit's count first costs more than it saves (docs/TUNING.md, block receive auto).
-__device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t seq, const Layout& lay) {
+__device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t seq, const Layout& lay, int plane) {
     __shared__ int counts[kMaxFusedGroups][kMaxRanks];
     __shared__ int begins[kMaxFusedGroups];     // the unit's first row in its expert's packed rows
     __shared__ int pieces_end[kMaxFusedGroups];  // pieces of the batch's units up to this one's (inclusive)
@@ -143,7 +143,7 @@ __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t s
             counts[tid / R][tid % R] = wait_source_count(a, seq, lay, mine, unit / R, unit % R, tid % R);
         }
         __syncthreads();
-        if (batch == static_cast<int>(blockIdx.x)) trace_point(a.trace, 0, kTraceArrived);
+        if (batch == static_cast<int>(blockIdx.x)) trace_point(a.trace, plane, kTraceArrived);
         if (tid == 0) {
             int run = 0;
             for (int m = 0; m < units; ++m) {
@@ -173,14 +173,14 @@ __device__ void receive_dispatch_units_together(const DispatchArgs& a, int64_t s
     }
 }
 
-// The block receive of the fused dispatch (dispatch_fused without a mask): the rows spread evenly
+// The block receive of the dispatch kernel (without a mask): the rows spread evenly
 // over the whole grid instead of by (expert, source) unit, whose batches left the last block
 // copying well after the median one (docs/TUNING.md, balanced fused receive). Every block waits for
 // all units' counts (they arrive close together), numbers their messages' pieces in unit order and
 // takes an equal contiguous share. Blocks must agree on every count, so only without failed-rank
 // masking (a rank masked mid-call reads as 0 to the blocks that look later); a timeout or a shape
 // mismatch gives the call up, whose outputs are invalid anyway.
-__device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, const Layout& lay) {
+__device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, const Layout& lay, int plane) {
     // The send role's per-expert counts (2 E ints of dynamic shared memory) are free now: they
     // hold each unit's count, then, in place, the exclusive prefix of the units' pieces (E + 1).
     extern __shared__ int pieces_before[];
@@ -193,7 +193,7 @@ __device__ void receive_dispatch_balanced(const DispatchArgs& a, int64_t seq, co
     for (int u = tid; u < E; u += kThreads)  // one block's waits feed the wait-cost statistics
         pieces_before[u] = pieces * wait_source_count(a, seq, lay, mine, u / R, blockIdx.x == 0 ? u % R : -1, u % R);
     __syncthreads();
-    trace_point(a.trace, 0, kTraceArrived);
+    trace_point(a.trace, plane, kTraceArrived);
     // Exclusive scan: thread i sums a contiguous segment of units, the block scans the segment
     // sums; each thread then rewrites its own segment.
     const int per = (E + kThreads - 1) / kThreads, lo = min(E, tid * per), hi = min(E, lo + per);

@@ -7,6 +7,10 @@
 namespace epcomm {
 namespace ll {
 
+// What a launch of a call's kernel does (the C ABI's `phase`): both phases (a call without a receive
+// hook), or its send, then, in the hook, its receive.
+enum Phase : int { kBothPhases = 0, kSendPhase = 1, kReceivePhase = 2 };
+
 // ------------------------------------------------------------------ dispatch
 struct DispatchArgs {
     Peers peers;
@@ -38,11 +42,12 @@ struct DispatchArgs {
     int* info;
     uint64_t timeout_ns;
     int64_t* trace;           // [2, kTraceBlocks, kTracePoints] phase timeline, or nullptr
-    // by arrival (ArrivalMode): whether this launch may (the fused kernel; FP8 with fp32 scales, IPC,
+    // by arrival (ArrivalMode): whether this launch may (both phases in one; FP8 with fp32 scales, IPC,
     // no masking: the host's choice), an arrival message's bytes and the shape's arrival key
     int arrival, arrival_msg_bytes;
     int64_t arrival_key;
     bool defer_acks;          // a call without a hook: its next call acknowledges it (pay_owed_acks)
+    int phase;                // Phase
 };
 
 // ------------------------------------------------------------------ dispatch by arrival

@@ -34,10 +34,10 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, Arrival
     }
 }
 
-// The last block of a receive kernel to finish (all reads of the slot are done) acknowledges the
+// The last block of a receive phase to finish (all reads of the slot are done) acknowledges the
 // call to every rank, so their next sends into this slot may start: the receive of a call with a
-// hook. A call without one (`deferred`: the fused kernels, send and receive kernels launched
-// together, every by-arrival path) acknowledges at its next call instead (pay_owed_acks).
+// hook. A call without one (`deferred`: both phases in one launch or two launched together, every
+// by-arrival path) acknowledges at its next call instead (pay_owed_acks).
 // A GPU-scope fence, on purpose: an ack publishes no data a peer reads, it only says that this
 // rank's loads of the slot are done. They are: each fed a store, an address or a branch issued
 // before the block's barrier, and the count orders every barrier before the acks. That relies on

@@ -47,13 +47,9 @@ __device__ __forceinline__ bool signal_of_call(int64_t v, int64_t seq) {
 }
 constexpr int kWarpsPerBlock = 16;             // send and combine-receive kernels: 512 threads
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
-constexpr int kUnitWarps = 8;                  // the per-(expert, source) kernels: 256 threads
-// Their blocks resident per SM. They launch one block per (local expert, source): E blocks. Left
-// free, nvcc's register count fits 2 blocks per SM, so a typical E needs a second wave, which adds a
-// block's whole latency (wait, copy, fence, signal). The IPC build fits 3 without spills; the NVSHMEM
-// build's put paths spill at that register count, so it keeps 2 (docs/TUNING.md, unit blocks per SM).
-constexpr int kUnitBlocksPerSm = kNetReachesUnmapped ? 2 : 3;
-constexpr int kUnitThreads = kUnitWarps * kWarpSize;
+// A combine's send by units one at a time (peers reached through Net, or beside the expert GEMM):
+// a block of 256 threads per (local expert, source), two resident per SM at the kernel's registers.
+constexpr int kUnitThreads = 8 * kWarpSize;
 constexpr int kMaxFusedGroups = 8;             // warp groups of the fused dispatch's receive role (2 warps each)
 constexpr int kMaxChunkEntries = 1024;         // (token, slot) pairs one block of a send or combine receive owns
 constexpr int kMaxExperts = 4096;             // the send kernel counts pairs per expert in shared memory
@@ -67,8 +63,8 @@ __device__ __forceinline__ void give_up(int* gave_up) {
 
 // Phase timeline of a call (tools/profile/ll_profile.py): with a trace array, thread 0 of every
 // block stores the global timer at each point it passes, after the barrier that ends the phase (and,
-// at kTraceSm, not a time: its SM). A call's two kernels write planes 0 (send; the whole fused
-// dispatch) and 1 (receive). Off (null) in every normal call: one untaken branch per point.
+// at kTraceSm, not a time: its SM). A call's send phase writes plane 0 (a dispatch's receive too
+// when in the same launch), its receive phase plane 1. Off (null) in every normal call: one untaken branch per point.
 constexpr int kTracePoints = 15, kTraceBlocks = 4096;
 enum TracePoint {  // 0-9 in the order a block passes them; 10-13 break up the dispatch's send phases; 14 no time
     kTraceStart = 0,
