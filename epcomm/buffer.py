@@ -46,8 +46,8 @@ class Buffer(ArgumentChecks):
         num_qps_per_rank: accepted for DeepEP compatibility (>= 1); no queue pairs are used.
         allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, comm: accepted for DeepEP compatibility.
         explicitly_destroy: the caller frees the Buffer with ``destroy()``.
-        enable_shrink: failed-rank masking (``low_latency_update_mask_buffer``); on the portable path a normal-mode
-            call also masks a peer that fails in it and completes over the live ranks (docs/ERRORS.md).
+        enable_shrink: failed-rank masking (``low_latency_update_mask_buffer``); a normal-mode call also masks a
+            peer that fails in it and completes over the live ranks (docs/ERRORS.md).
         backend: **[ext]** ``'auto'`` (default, or ``EPCOMM_BACKEND``): each mode on the CUDA kernels where every
             rank can run it, else on the reference backend; ``'cuda'``; ``'reference'``. See ``backend_reasons``.
         strategy: **[ext]** normal mode's ``'alltoall'``, ``'allgather'`` (reference only) or ``'hierarchical'``;
@@ -668,7 +668,7 @@ class Buffer(ArgumentChecks):
             raise RuntimeError("failed-rank masking needs Buffer(..., enable_shrink=True)")
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark a rank as failed or alive; the low-latency calls (and portable normal-mode calls) skip masked ranks.
+        """Mark a rank as failed or alive; low-latency and normal-mode calls skip masked ranks.
 
         Arguments:
             rank_to_mask: the rank, in [0, R).

@@ -77,11 +77,40 @@ def _check_combine(combined, out, rank: int, num_ranks: int, seed: int, masked: 
     assert torch.equal(combined.view(torch.int16), want.view(torch.int16))
 
 
-def rank_exits(path: str, when: str, dead: int, num_ranks: int):
-    rank = dist.get_rank()
+def shrink_buffer(kind: str) -> Buffer:
+    """A Buffer with enable_shrink on the portable path ("reference"), or on the kernels: "intranode", or
+    "hierarchical" over domains of two ranks (the failed rank then inside one and across the others)."""
     with peer_timeout(TIMEOUT_S):
-        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
-    x, idx, w = _inputs(rank, num_ranks, 1)
+        if kind == "reference":
+            return Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
+        if kind == "intranode":
+            return Buffer(dist.group.WORLD, 1 << 26, backend="cuda", enable_shrink=True)
+        from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
+
+        num_ranks = dist.get_world_size()
+        rdma = rdma_bytes_needed(NUM_TOKENS, HIDDEN, 2, num_ranks, 2, NUM_TOPK, HIDDEN // 128)
+        os.environ["EPCOMM_RANKS_PER_DOMAIN"] = "2"
+        try:
+            return Buffer(dist.group.WORLD, 1 << 26, rdma, backend="cuda", strategy="hierarchical",
+                          enable_shrink=True)
+        finally:
+            del os.environ["EPCOMM_RANKS_PER_DOMAIN"]
+
+
+def _on(buf: Buffer, tensors):
+    """``tensors`` on the Buffer's device (the oracle's inputs are on the host)."""
+    return tuple(t.to(buf.device) for t in tensors)
+
+
+def _host(out) -> tuple:
+    """A dispatch's outputs with its tensors on the host (the oracle's side), the handle as it is."""
+    return tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in out)
+
+
+def rank_exits(path: str, when: str, dead: int, num_ranks: int, kind: str = "reference"):
+    rank = dist.get_rank()
+    buf = shrink_buffer(kind)
+    x, idx, w = _on(buf, _inputs(rank, num_ranks, 1))
     dist.barrier()
     if rank == dead and when == "before_dispatch":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -98,25 +127,25 @@ def rank_exits(path: str, when: str, dead: int, num_ranks: int):
         if rank == dead:
             os.kill(os.getpid(), signal.SIGKILL)
     else:
-        _check_live_dispatch(out, rank, num_ranks, 1, {dead})
+        _check_live_dispatch(_host(out), rank, num_ranks, 1, {dead})
     start = time.monotonic()
-    combined = buf.combine(out[0], out[4])[0]
+    combined = buf.combine(out[0], out[4])[0].cpu()
     record["combine_s"] = time.monotonic() - start
     _check_combine(combined, out, rank, num_ranks, 1, {dead}, routed)
     if when == "before_combine":  # a cached dispatch of the handle made before: the dead rank's rows are zero
-        cached = buf.dispatch(x, handle=out[4])[0]
+        cached = buf.dispatch(x, handle=out[4])[0].cpu()
         sources = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(out[4].recv_counts))
-        want = out[0].clone()
+        want = out[0].cpu()
         want[sources == dead] = 0
         assert torch.equal(cached.view(torch.int16), want.view(torch.int16))
     status = torch.zeros(num_ranks, dtype=torch.int32)
     buf.low_latency_query_mask_buffer(status)
     record["masked"] = torch.nonzero(status).flatten().tolist()
     start = time.monotonic()  # the next calls do not wait for the masked rank
-    x2, idx2, w2 = _inputs(rank, num_ranks, 2)
+    x2, idx2, w2 = _on(buf, _inputs(rank, num_ranks, 2))
     out2 = _dispatch(buf, x2, idx2, w2)
-    _check_live_dispatch(out2, rank, num_ranks, 2, {dead})
-    _check_combine(buf.combine(out2[0], out2[4])[0], out2, rank, num_ranks, 2, {dead}, {dead})
+    _check_live_dispatch(_host(out2), rank, num_ranks, 2, {dead})
+    _check_combine(buf.combine(out2[0], out2[4])[0].cpu(), out2, rank, num_ranks, 2, {dead}, {dead})
     record["next_s"] = time.monotonic() - start
     buf.low_latency_clean_mask_buffer()  # every rank waited for again: the dead one is masked anew
     buf.low_latency_query_mask_buffer(status)
@@ -124,7 +153,7 @@ def rank_exits(path: str, when: str, dead: int, num_ranks: int):
     start = time.monotonic()
     out3 = _dispatch(buf, x2, idx2, w2)
     record["after_clean_s"] = time.monotonic() - start
-    _check_live_dispatch(out3, rank, num_ranks, 2, {dead})
+    _check_live_dispatch(_host(out3), rank, num_ranks, 2, {dead})
     buf.low_latency_query_mask_buffer(status)
     record["masked_again"] = torch.nonzero(status).flatten().tolist()
     with open(os.path.join(path, f"rank{rank}.json"), "w") as f:
@@ -134,11 +163,11 @@ def rank_exits(path: str, when: str, dead: int, num_ranks: int):
 @pytest.mark.parametrize("num_ranks,dead,when", [(3, 1, "before_dispatch"), (4, 2, "before_combine"),
                                                  (3, 2, "before_combine"), (4, 0, "before_dispatch"),
                                                  (3, 1, "silent_before_dispatch")])
-def test_failed_peer_is_masked_and_the_call_completes(num_ranks, dead, when):
+def test_failed_peer_is_masked_and_the_call_completes(num_ranks, dead, when, kind="reference", backend="gloo"):
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(num_ranks, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+        cluster = LocalCluster(num_ranks, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
         try:
-            cluster.run(rank_exits, tmp, when, dead, num_ranks, timeout_s=90)
+            cluster.run(rank_exits, tmp, when, dead, num_ranks, kind, timeout_s=90)
         except RankFailure as failure:
             assert set(failure.errors) == {dead} and "died" in failure.errors[dead], failure.errors
         finally:
@@ -173,12 +202,11 @@ def test_other_strategies_refuse_shrink_in_normal_mode(strategy):
         cluster.close()
 
 
-def rank_wakes_up_masked(path: str):
+def rank_wakes_up_masked(path: str, kind: str = "reference"):
     """Rank 1 goes silent for longer than the timeout, then calls: its peers masked it, so it raises."""
     rank = dist.get_rank()
-    with peer_timeout(TIMEOUT_S):
-        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
-    x, idx, w = _inputs(rank, 3, 1)
+    buf = shrink_buffer(kind)
+    x, idx, w = _on(buf, _inputs(rank, 3, 1))
     dist.barrier()
     if rank == 1:
         time.sleep(1.5 * TIMEOUT_S)
@@ -190,16 +218,16 @@ def rank_wakes_up_masked(path: str):
             json.dump({"s": time.monotonic() - start, "error": str(error.value)}, f)
         return
     out = _dispatch(buf, x, idx, w)
-    _check_live_dispatch(out, rank, 3, 1, {1})
+    _check_live_dispatch(_host(out), rank, 3, 1, {1})
     buf.combine(out[0], out[4])
     time.sleep(3 * TIMEOUT_S)  # the late rank's calls find its peers still there
 
 
-def test_a_rank_masked_while_silent_raises_when_it_calls():
+def test_a_rank_masked_while_silent_raises_when_it_calls(kind="reference", backend="gloo"):
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(3, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+        cluster = LocalCluster(3, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
         try:
-            cluster.run(rank_wakes_up_masked, tmp, timeout_s=90)
+            cluster.run(rank_wakes_up_masked, tmp, kind, timeout_s=90)
         finally:
             cluster.close()
         with open(os.path.join(tmp, "late.json")) as f:
@@ -207,13 +235,12 @@ def test_a_rank_masked_while_silent_raises_when_it_calls():
     assert late["s"] < 2 * TIMEOUT_S + MARGIN_S, late
 
 
-def rank_masked_by_hand():
+def rank_masked_by_hand(kind: str = "reference"):
     """Every rank masks rank 2: ranks 0 and 1 run without waiting for it and rank 2 refuses to take
     part; once every rank cleans the mask, all three run together again."""
     rank = dist.get_rank()
-    with peer_timeout(TIMEOUT_S):
-        buf = Buffer(dist.group.WORLD, 1 << 26, backend="reference", enable_shrink=True)
-    x, idx, w = _inputs(rank, 3, 1)
+    buf = shrink_buffer(kind)
+    x, idx, w = _on(buf, _inputs(rank, 3, 1))
     buf.low_latency_update_mask_buffer(2, True)
     if rank == 2:
         with pytest.raises(RuntimeError, match="rank 2 is masked as failed"):
@@ -221,19 +248,22 @@ def rank_masked_by_hand():
     else:
         start = time.monotonic()
         out = _dispatch(buf, x, idx, w)
-        _check_live_dispatch(out, rank, 3, 1, {2})
-        _check_combine(buf.combine(out[0], out[4])[0], out, rank, 3, 1, {2}, {2})
+        _check_live_dispatch(_host(out), rank, 3, 1, {2})
+        _check_combine(buf.combine(out[0], out[4])[0].cpu(), out, rank, 3, 1, {2}, {2})
         assert time.monotonic() - start < 1.0
     buf.low_latency_clean_mask_buffer()
     dist.barrier()
-    out = _dispatch(buf, x, idx, w)
-    _check_live_dispatch(out, rank, 3, 1, set())
-    _check_combine(buf.combine(out[0], out[4])[0], out, rank, 3, 1, set(), set())
+    for _ in range(2):  # (on the kernels: the first call after the clean meets, zeroes and runs on them)
+        out = _dispatch(buf, x, idx, w)
+        _check_live_dispatch(_host(out), rank, 3, 1, set())
+        _check_combine(buf.combine(out[0], out[4])[0].cpu(), out, rank, 3, 1, set(), set())
+    if kind != "reference":  # the second call ran on the kernels again
+        assert not buf.normal_ops.off_kernels
 
 
-def test_masked_by_hand_then_cleaned_restores_every_rank():
-    cluster = LocalCluster(3, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+def test_masked_by_hand_then_cleaned_restores_every_rank(kind="reference", backend="gloo"):
+    cluster = LocalCluster(3, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
     try:
-        cluster.run(rank_masked_by_hand, timeout_s=60)
+        cluster.run(rank_masked_by_hand, kind, timeout_s=60)
     finally:
         cluster.close()

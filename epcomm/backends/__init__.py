@@ -29,6 +29,10 @@ def make_ops(group: dist.ProcessGroup, device: torch.device, reference: Referenc
             from .cuda.intranode import CudaIntranode
 
             normal = CudaIntranode(group, device, num_nvl_bytes, timeout_s)
+        if reference.mask is not None:  # enable_shrink: a failed rank's calls go on without it (shrink.py)
+            from .shrink import ShrinkingKernels
+
+            normal = ShrinkingKernels(normal, ReferenceNormalOps(reference, "alltoall"))
     low_latency: LowLatencyOps = ReferenceLowLatencyOps(reference)
     if low_latency_on_kernels:
         from .cuda.low_latency import CudaLowLatency

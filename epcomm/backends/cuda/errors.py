@@ -241,9 +241,13 @@ class ErrorTable:
         failed = self.op_names.get(failed_op, family.unknown_op) if failed_op is not None else family.unknown_op
         head = family.head.format(failed=failed, op=op)
         tail = family.fatal_tail if exception is RuntimeError else ""
-        if flight is not None and entry is not None and entry.name == "kErrTimeout":
+        timed_out = entry is not None and entry.name == "kErrTimeout"
+        if flight is not None and timed_out:
             tail += flight(failed if failed_op is not None else op, op, phase_name, ranks)
-        return exception(f"epcomm {head} on rank {rank}: {text}{tail}")
+        error = exception(f"epcomm {head} on rank {rank}: {text}{tail}")
+        if timed_out:  # the ranks waited for, for failed-rank masking (backends/shrink.py)
+            error.timed_out_ranks = ranks
+        return error
 
     def check(self, info: np.ndarray, op: str, rank: int, num_ranks: int, refusals_at: int | None = None,
               flight: FlightHook | None = None) -> None:

@@ -240,6 +240,15 @@ class CudaHierarchical:
         finally:
             self.sym.close()
 
+    def reset(self) -> None:
+        """Zero this rank's buffers, counters and error words: the calls restart from the first (with
+        every peer doing the same between two meetings, where no kernel runs: failed-rank masking's
+        restore)."""
+        for t in (self.shared.tensor, self.sym.tensor, self.refused, self.cached_recv, self.info, self.summary):
+            t.zero_()
+        self.failed = False
+        torch.cuda.synchronize(self.device)
+
     def check_errors(self, op: str) -> None:
         """Raise what the kernels reported (call after a sync that covers them)."""
         code = int(self.info_np[0])

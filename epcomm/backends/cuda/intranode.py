@@ -176,6 +176,13 @@ class CudaIntranode:
     def local_memory(self, rdma: bool) -> torch.Tensor | None:
         return None if rdma else self.buffer
 
+    def reset(self) -> None:
+        """Zero this rank's buffer and error words: the calls restart from the first (with every peer
+        doing the same between two meetings, where no kernel runs: failed-rank masking's restore)."""
+        self.buffer.zero_()
+        self.info.zero_()
+        torch.cuda.synchronize(self.device)
+
     # ------------------------------------------------------------------ helpers
     def _send_blocks(self, num_sms: int, work: str) -> int:
         """SMs given to sending (the rest receive or reduce): send_blocks, with the share

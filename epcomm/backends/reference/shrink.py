@@ -117,12 +117,16 @@ def run_masked(be: ReferenceBackend, op: str, call: Callable[[list[int]], object
         try:
             return call(follow_mask(be, op))
         except PeerTimeoutError as error:
-            failed = agree(be, error)
-            be.mask[torch.tensor(failed, dtype=torch.long, device=be.mask.device)] = 1
-            if be.rank in failed:
-                raise RuntimeError(f"epcomm {op}: rank {be.rank} is masked as failed (its peers gave up on it "
-                                   "past the timeout); it takes no part in normal-mode calls until the mask is "
-                                   "cleaned on every rank") from None
+            mask_failed(be, op, agree(be, error))
+
+
+def mask_failed(be: ReferenceBackend, op: str, failed: list[int]) -> None:
+    """Mask the ``failed`` ranks the survivors agreed on; raise where this rank is one of them."""
+    be.mask[torch.tensor(failed, dtype=torch.long, device=be.mask.device)] = 1
+    if be.rank in failed:
+        raise RuntimeError(f"epcomm {op}: rank {be.rank} is masked as failed (its peers gave up on it past the "
+                           "timeout); it takes no part in normal-mode calls until the mask is cleaned on every "
+                           "rank") from None
 
 
 def mask_routing(be: ReferenceBackend, masked: list[int], num_experts: int, num_tokens_per_rank, is_token_in_rank,
