@@ -20,8 +20,9 @@ pytestmark = [
     pytest.mark.skipif(BACKEND != "nccl", reason="CUDA kernels: run with EPCOMM_TEST_BACKEND=nccl on GPUs"),
 ]
 
-CASES = [("intranode", 3, 1, "before_dispatch"), ("intranode", 4, 2, "before_combine"),
-         ("intranode", 3, 2, "before_combine"), ("intranode", 3, 1, "silent_before_dispatch"),
+CASES = [("intranode", 2, 1, "before_combine"), ("intranode", 3, 1, "before_dispatch"),
+         ("intranode", 4, 2, "before_combine"), ("intranode", 3, 1, "silent_before_dispatch"),
+         ("intranode", 8, 5, "before_dispatch"),
          ("hierarchical", 4, 1, "before_dispatch"), ("hierarchical", 4, 2, "before_combine")]
 
 
