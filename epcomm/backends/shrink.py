@@ -109,7 +109,7 @@ class ShrinkingKernels:
         """After the kernels' ``error``: agree with the live ranks on the failed ones and mask them (this
         call then runs on the portable path), or raise ``error`` where it was no peer's timeout."""
         ranks = getattr(error, "timed_out_ranks", None)
-        if not ranks:
+        if ranks is None:
             raise error
         timeout = PeerTimeoutError(str(error))
         timeout.seq, timeout.missing, timeout.deadline = self.backend.seq, ranks, 0.0

@@ -245,8 +245,10 @@ class ErrorTable:
         if flight is not None and timed_out:
             tail += flight(failed if failed_op is not None else op, op, phase_name, ranks)
         error = exception(f"epcomm {head} on rank {rank}: {text}{tail}")
-        if timed_out:  # the ranks waited for, for failed-rank masking (backends/shrink.py)
-            error.timed_out_ranks = ranks
+        # For failed-rank masking (backends/shrink.py): the ranks waited for; none known where a peer
+        # gave the call up (it may be one that waited for the failed rank).
+        if timed_out or (entry is not None and entry.name == "kErrPeerGaveUp"):
+            error.timed_out_ranks = ranks if timed_out else []
         return error
 
     def check(self, info: np.ndarray, op: str, rank: int, num_ranks: int, refusals_at: int | None = None,
