@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TEST_ENV, peer_timeout
+from conftest import TEST_ENV, env_var, peer_timeout
 from routing import make_inputs
 
 from epcomm import Buffer, oracle
@@ -87,14 +87,10 @@ def shrink_buffer(kind: str) -> Buffer:
             return Buffer(dist.group.WORLD, 1 << 26, backend="cuda", enable_shrink=True)
         from epcomm.backends.cuda.hierarchical import rdma_bytes_needed
 
-        num_ranks = dist.get_world_size()
-        rdma = rdma_bytes_needed(NUM_TOKENS, HIDDEN, 2, num_ranks, 2, NUM_TOPK, HIDDEN // 128)
-        os.environ["EPCOMM_RANKS_PER_DOMAIN"] = "2"
-        try:
+        rdma = rdma_bytes_needed(NUM_TOKENS, HIDDEN, 2, dist.get_world_size(), 2, NUM_TOPK, HIDDEN // 128)
+        with env_var("EPCOMM_RANKS_PER_DOMAIN", 2):
             return Buffer(dist.group.WORLD, 1 << 26, rdma, backend="cuda", strategy="hierarchical",
                           enable_shrink=True)
-        finally:
-            del os.environ["EPCOMM_RANKS_PER_DOMAIN"]
 
 
 def _on(buf: Buffer, tensors):

@@ -13,8 +13,6 @@ kernels' buffers, they meet again and the kernels run again; a rank missing ther
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..handle import DispatchHandle
@@ -89,9 +87,8 @@ class ShrinkingKernels:
         if torch.cuda.is_current_stream_capturing():
             return True
         be = self.backend
-        self.backend.seq += 1  # the portable path's call number: the store's keys for this call (agree)
-        masked = bool(be.mask.any())
-        if masked:
+        be.seq += 1  # the portable path's call number: the store's keys for this call (agree)
+        if bool(be.mask.any()):
             self.off_kernels = True
             return False
         if self.off_kernels:
@@ -111,11 +108,9 @@ class ShrinkingKernels:
         ranks = getattr(error, "timed_out_ranks", None)
         if ranks is None:
             raise error
-        timeout = PeerTimeoutError(str(error))
-        timeout.seq, timeout.missing, timeout.deadline = self.backend.seq, ranks, 0.0
         self.off_kernels = True
         try:
-            failed = shrink.agree(self.backend, timeout)
+            failed = shrink.agree(self.backend, PeerTimeoutError(str(error), self.backend.seq, ranks))
         except PeerTimeoutError:
             raise error from None
         shrink.mask_failed(self.backend, op, failed)
@@ -127,13 +122,7 @@ class ShrinkingKernels:
         be = self.backend
         torch.cuda.synchronize(be.device)  # no kernel of this rank still runs on its buffers
         try:
-            shrink.rejoin(be)
-            self.kernels.reset()
-            missing = be.transport.meet(f"reset-{be.rejoins}", time.monotonic() + be.transport.timeout_s)
-            if missing:
-                error = PeerTimeoutError(f"epcomm {op}: rank(s) {missing} did not meet after the mask was cleaned")
-                error.seq, error.missing, error.deadline = f"reset-{be.rejoins}", missing, 0.0
-                raise error
+            shrink.rejoin(be, self.kernels.reset)
         except PeerTimeoutError as error:
             shrink.mask_failed(be, op, shrink.agree(be, error))
             return False

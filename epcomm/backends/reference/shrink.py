@@ -44,26 +44,32 @@ def follow_mask(be: ReferenceBackend, op: str) -> list[int]:
     return masked
 
 
-def rejoin(be: ReferenceBackend) -> None:
+def rejoin(be: ReferenceBackend, reset: Callable[[], None] | None = None) -> None:
     """The first call after the mask was cleaned: every rank meets in the store (bounded), on the whole
-    group again, and takes the highest call number announced (a masked rank made fewer calls). A
-    rank still missing fails this call as a timeout would, and is masked anew."""
+    group again, and takes the highest call number announced (a masked rank made fewer calls); with
+    ``reset`` (the kernels' buffers zeroed), every rank then resets and meets again, so no peer writes
+    into a buffer before its owner has zeroed it. A rank still missing fails this call as a timeout
+    would, and is masked anew."""
     be.was_masked = False
     be.rejoins += 1
     transport = be.transport
     transport.use(list(range(be.num_ranks)))
     tag = f"rejoin-{be.rejoins}"
     store = transport._store
-    if store is None:
+    if store is None:  # no meeting to hold (nor an agreement to have masked a rank by)
+        if reset is not None:
+            reset()
         return
     store.set(f"epcomm/{transport.uid}/{tag}/seq/{be.rank}", str(be.seq))  # read by the peers after the meeting
     missing = transport.meet(tag, time.monotonic() + transport.timeout_s)
     be.seq = max(int(store.get(f"epcomm/{transport.uid}/{tag}/seq/{r}")) for r in range(be.num_ranks)
                  if r not in missing)
+    if not missing and reset is not None:
+        reset()
+        tag = f"{tag}-reset"
+        missing = transport.meet(tag, time.monotonic() + transport.timeout_s)
     if missing:
-        error = PeerTimeoutError(f"epcomm: rank(s) {missing} did not meet after the mask was cleaned")
-        error.seq, error.missing, error.deadline = tag, missing, 0.0
-        raise error
+        raise PeerTimeoutError(f"epcomm: rank(s) {missing} did not meet after the mask was cleaned", tag, missing)
 
 
 def agree(be: ReferenceBackend, error: PeerTimeoutError) -> list[int]:

@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 
 class PeerTimeoutError(RuntimeError):
-    """A peer did not arrive within the timeout."""
+    """A peer did not arrive within the timeout. What enable_shrink's agreement starts from (shrink.py):
+    the call's key ``seq``, the ranks ``missing`` (None: unknown) and the exchange's ``deadline``."""
+
+    def __init__(self, message: str, seq: int | str, missing: list[int] | None, deadline: float = 0.0) -> None:
+        super().__init__(message)
+        self.seq, self.missing, self.deadline = seq, missing, deadline
 
 
 # The Buffer method an exchange's op tag stands for, where the two differ (the handshakes tag by
@@ -187,12 +192,9 @@ class Transport:
         if self.recorder is not None:
             counters = {"this_rank_call": seq, "arrived_call": arrived, "gave_up_at": dict(sorted(positions.items()))}
             flight = self.recorder.timeout("reference", op, phase, missing, counters)
-        error = PeerTimeoutError(
+        raise PeerTimeoutError(
             f"epcomm {op}: rank {self.rank} {what} waiting for its peers in the {phase} phase; {who}. "
-            f"Destroy the Buffer and the process group.{flight}")
-        # What enable_shrink's agreement starts from (shrink.py).
-        error.seq, error.missing, error.deadline = seq, missing, deadline
-        raise error from None  # no transport message reaches the caller
+            f"Destroy the Buffer and the process group.{flight}", seq, missing, deadline) from None  # no transport text
 
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
