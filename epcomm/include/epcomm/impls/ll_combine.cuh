@@ -373,10 +373,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine(CombineArgs a) {
     const Layout lay(a.slot, a.slot_bytes, a.num_experts, a.num_ranks, a.num_max_tokens, a.hidden);
     int64_t seq;
     if (a.phase == kReceivePhase) {
-        seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+        seq = *slot_seq(mine, a.slot);
     } else {
         seq = next_seq(mine);
-        const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+        const int64_t prev = ld_volatile(slot_seq(mine, a.slot));
         if (blockIdx.x == 0 && threadIdx.x < kWarpSize) pay_owed_acks(a.peers, a.num_ranks, a.rank, a.slot_bytes, a.mask);
         trace_point(a.trace, 0, kTraceStart);
         if (!kOverlap && a.units_together) {

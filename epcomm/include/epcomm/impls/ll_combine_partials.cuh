@@ -88,7 +88,7 @@ __device__ __forceinline__ int64_t send_partials_role(const CombineArgs& a) {
     uint8_t* mine = a.peers.bufs[me];
     trace_point(a.trace, 0, kTraceStart);
     const int64_t seq = next_seq(mine);
-    const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+    const int64_t prev = ld_volatile(slot_seq(mine, a.slot));
     if (blockIdx.x == 0 && warp == 0) pay_owed_acks(a.peers, R, me, a.slot_bytes, a.mask);
     const Layout lay(a.slot, a.slot_bytes, E, R, N, a.hidden);
     const int64_t requests = partials_requests_offset(lay, R, N, a.hidden);
@@ -380,9 +380,7 @@ __device__ __forceinline__ void receive_partials_role(const CombineArgs& a, int6
 // a send launch's drain and a receive launch's start (docs/TUNING.md, fused partials combine); or,
 // where a call's token blocks outnumber the SMs, the send and the receive in two launches.
 __global__ void __launch_bounds__(kThreads, 1) combine_partials(CombineArgs a) {
-    const int64_t seq = a.phase == kReceivePhase
-                            ? reinterpret_cast<const int64_t*>(a.peers.bufs[a.rank] + kSlotSeqOffset)[a.slot]
-                            : send_partials_role(a);
+    const int64_t seq = a.phase == kReceivePhase ? *slot_seq(a.peers.bufs[a.rank], a.slot) : send_partials_role(a);
     if (a.phase != kSendPhase) receive_partials_role(a, seq);
 }
 

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch(DispatchArgs a) {
     int64_t seq;
     if (a.phase == kReceivePhase) {
         trace_point(a.trace, plane, kTraceStart);
-        seq = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset)[a.slot];
+        seq = *slot_seq(mine, a.slot);
     } else {
         m = dispatch_mode(a, lay, mine);
         plan = send_plan(a, m);

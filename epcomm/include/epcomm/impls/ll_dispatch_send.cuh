@@ -393,7 +393,7 @@ __device__ int64_t send_dispatch_messages(const DispatchArgs& a, const ArrivalMo
         if (tid == 0) call_seq = next_seq(mine);
         if (b == 0) pay_owed_acks(a.peers, R, me, a.slot_bytes, a.mask);
         if (tid < R) {  // a peer still reading the previous call of this slot must acknowledge it first
-            const int64_t prev = ld_volatile(reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset) + a.slot);
+            const int64_t prev = ld_volatile(slot_seq(mine, a.slot));
             skip_dst[tid] = !may_write_slot(mine, lay.acks, me, tid, prev, a.mask, a.timeout_ns, a.info, kOpLowLatencyDispatch);
         }
     } else {

@@ -21,7 +21,7 @@ __device__ void finish_send_kernel(uint8_t* mine, int64_t seq, int slot, Arrival
         int* done = reinterpret_cast<int*>(mine + kDoneOffset);
         if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
             *done = 0;
-            reinterpret_cast<int64_t*>(mine + kSlotSeqOffset)[slot] = seq;
+            *slot_seq(mine, slot) = seq;
             *counter(mine) = seq;
             int64_t* key = arrival_key_word(mine, slot);
             if (key_update.set)
@@ -73,7 +73,7 @@ __device__ __forceinline__ void pay_owed_acks(const Peers& peers, int num_ranks,
                                               const int* mask) {
     uint8_t* mine = peers.bufs[me];
     int* owed = reinterpret_cast<int*>(mine + kOwedAckOffset);
-    const auto* slot_seqs = reinterpret_cast<const int64_t*>(mine + kSlotSeqOffset);
+    const int64_t* slot_seqs = slot_seq(mine, 0);
     const int slot_plus_one = ld_volatile_int(owed), lane = static_cast<int>(threadIdx.x) % kWarpSize;
     const int64_t seqs[2] = {ld_volatile(slot_seqs), ld_volatile(slot_seqs + 1)};  // in flight together
     if (slot_plus_one == 0) return;

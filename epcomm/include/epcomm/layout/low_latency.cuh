@@ -154,6 +154,10 @@ __device__ __forceinline__ bool masked(const int* mask, int r) {
 
 __device__ __forceinline__ int64_t* counter(uint8_t* buf) { return reinterpret_cast<int64_t*>(buf + kCounterOffset); }
 __device__ __forceinline__ int* gave_up_word(uint8_t* buf) { return reinterpret_cast<int*>(buf + kGaveUpOffset); }
+// The call counter of the call that last used a slot (its receive phase reads it; a send waits on its acks).
+__device__ __forceinline__ int64_t* slot_seq(uint8_t* buf, int slot) {
+    return reinterpret_cast<int64_t*>(buf + kSlotSeqOffset) + slot;
+}
 
 // The call counter of a send kernel: every block reads the same value (the previous call's,
 // written by that call's last block), uses one more, and the last block of this call stores it.
