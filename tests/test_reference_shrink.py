@@ -18,7 +18,7 @@ from epcomm import Buffer, oracle
 from epcomm.utils.launch import LocalCluster, RankFailure
 
 TIMEOUT_S = 3.0
-HIDDEN, NUM_EXPERTS, NUM_TOKENS, NUM_TOPK = 128, 12, 24, 3
+HIDDEN, NUM_EXPERTS, NUM_TOKENS, NUM_TOPK = 128, 24, 24, 3
 MARGIN_S = 2.0
 
 
