@@ -121,3 +121,11 @@ def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int
 # The senders of a low-latency dispatch by arrival, unasked (EPCOMM_LL_DISPATCH_SENDERS auto), are
 # chosen by the library (auto_senders, shared by its host and device code): 2/3 of the blocks up to
 # that many tokens, beyond it the other third. See docs/TUNING.md.
+
+
+# ---------------------------------------------------------------- portable path
+# Up to this many ranks a group not on NCCL exchanges the handshake's headers through the process
+# group's store (a set, a wait, a read and a delete: four round trips) rather than with a collective,
+# which costs each rank several times the CPU there; the store's server answers every rank's read of
+# every header (R^2 words a call), which bounds it.
+STORE_HEADER_RANKS = 16

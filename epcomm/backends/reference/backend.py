@@ -95,6 +95,20 @@ class ReferenceBackend:
         self.dispatch_tokens: list[int] = []
         self.graph_overflow = torch.zeros((), dtype=torch.int32, device=device)
         self._overflow_noted = False
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def scratch(self, use: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory an eager call's temporaries of one ``use`` (the rows a dispatch sends, a combine's
+        returned rows, its fp32 sums) keep across calls: on the host the allocator hands blocks this big
+        back to the system, and a fresh one faults in every page each call. Grown to the largest call's
+        size; eager calls end their exchanges, so one call at a time holds a use's memory."""
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        held = self._scratch.get(use)
+        if held is None or held.numel() < nbytes:
+            held = self._scratch[use] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return held[:nbytes].view(dtype).view(shape)
 
     # ----------------------------------------------------------------- CUDA graphs
     def note_graph_overflow(self, dropped: torch.Tensor) -> None:
@@ -135,10 +149,8 @@ class ReferenceBackend:
         if counts is not None:
             words[_HEADER_FIELDS:] = [int(c) for c in counts]
         header = torch.tensor(words, dtype=torch.int64, device="cpu")
-        header = header.to(self.device)
         deadline = time.monotonic() + self.transport.timeout_s
-        self.transport.announce(seq)
-        headers = self.transport.share(header, api_name(op), seq, deadline).cpu()
+        headers = self.transport.share_header(header, api_name(op), seq, deadline, self.device)
         if self.transport.live is not None:  # a masked rank's row is this rank's: it sends nothing
             masked = [r for r in range(self.num_ranks) if r not in self.transport.live]
             headers[masked, _HEADER_FIELDS:] = 0

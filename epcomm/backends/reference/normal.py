@@ -244,7 +244,9 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     counts_exchange = None if cached or topk_idx is not None else \
         start_expert_counts(be, num_tokens_per_expert, num_experts)
     if not everyone_empty:
-        send_x = row_words(x).index_select(0, order)
+        words = row_words(x)
+        send_x = be.scratch("send", (order.numel(), words.shape[1]), words.dtype)
+        torch.index_select(words, 0, order, out=send_x)
         pending.append(be.transport.start_all_to_all(send_x, send_counts, recv_counts,
                                                      out=row_words(recv_x[:num_recv])))
         if meta is not None:
@@ -318,7 +320,7 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     num_recv, num_tokens = handle.num_recv_tokens, handle.num_tokens
     order = strategy_state(handle, "alltoall")["order"]
     num_back = order.numel()
-    recv = x.new_empty((num_back, hidden))
+    recv = be.scratch("back", (num_back, hidden), x.dtype)
     k = topk_weights.shape[1] if topk_weights is not None else 0
     recv_w = None
     pending = []
@@ -331,17 +333,18 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     deadline = time.monotonic() + be.transport.timeout_s
     for p in pending:
         p.wait("combine", be.seq, deadline)
-    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    acc = be.scratch("sum", (num_tokens, hidden), torch.float32).zero_()
     acc_w = torch.zeros((num_tokens, k), dtype=torch.float32, device=x.device) if k else None
     if k and len(pending) > 1:
         recv_w = pending[1].recv
     if not everyone_empty:
         begin = 0
         live = be.transport.expected()  # a masked rank's rows are absent from the sums
+        block = be.scratch("block", (max(handle.send_counts), hidden), torch.float32)
         for src, count in enumerate(handle.send_counts):  # ascending source rank: the oracle's fp32 order
             if count and src in live:
                 rows = order[begin:begin + count]
-                acc.index_add_(0, rows, recv[begin:begin + count].float())
+                acc.index_add_(0, rows, block[:count].copy_(recv[begin:begin + count]))
                 if acc_w is not None:
                     acc_w.index_add_(0, rows, recv_w[begin:begin + count])
             begin += count

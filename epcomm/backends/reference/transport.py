@@ -1,7 +1,8 @@
 """Collectives with a deadline: every wait is bounded and names the ranks that did not arrive.
 
-Each call first publishes "rank r reached call #seq" in the process group's store, then runs an
-asynchronous torch.distributed collective and polls it. If the deadline passes (or the collective
+Each call first publishes "rank r reached call #seq" in the process group's store (with its
+handshake's header, which small non-NCCL groups exchange there), then runs an asynchronous
+torch.distributed collective and polls it. If the deadline passes (or the collective
 fails: a peer that exited), the store tells which ranks never reached this call, or, of those that
 did, which never reached this exchange (each rank that gives up says where it is, ``_positions``),
 and the error names them with the phase and the flight recorder's file. After such a timeout the
@@ -17,6 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from ...tuning import STORE_HEADER_RANKS
 
 
 class PeerTimeoutError(RuntimeError):
@@ -43,6 +46,7 @@ class Transport:
         self.num_ranks = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self.uid = uid
+        self._nccl = "nccl" in str(dist.get_backend(group))  # a group of the live ranks has the same backend
         # Masked ranks (enable_shrink): exchanges then run on a group of the live ranks only, made once
         # per live set (``use``); ``live`` is None while every rank takes part.
         self.world = group
@@ -52,6 +56,8 @@ class Transport:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # not every launcher exposes the store; errors then name no rank
             self._store = None
+        self._headers_in_store = (self._store is not None and hasattr(self._store, "multi_get") and not self._nccl
+                                  and self.num_ranks <= STORE_HEADER_RANKS)
 
     def expected(self) -> list[int]:
         """The ranks an exchange waits for: the live ones."""
@@ -196,6 +202,33 @@ class Transport:
             f"epcomm {op}: rank {self.rank} {what} waiting for its peers in the {phase} phase; {who}. "
             f"Destroy the Buffer and the process group.{flight}", seq, missing, deadline) from None  # no transport text
 
+    def share_header(self, header: torch.Tensor, op: str, seq: int, deadline: float, device: torch.device
+                     ) -> torch.Tensor:
+        """Every rank's header (1-D int64, built on the host) as rows [R, n] on the host, this rank's
+        arrival at call ``seq`` announced. Where a collective of the group costs more than a few store
+        round trips (not NCCL, at most STORE_HEADER_RANKS ranks: tuning.py), through the store;
+        else a collective on ``device``."""
+        if self.num_ranks == 1:
+            return header.unsqueeze(0)
+        if not self._headers_in_store:
+            self.announce(seq)
+            return self.share(header.to(device), op, seq, deadline).cpu()
+        me, live = self.rank, self.expected()
+        keys = [self._header_key(seq, r) for r in live]
+        try:
+            self._store.multi_set([self._key(me), self._header_key(seq, me)], [str(seq), header.numpy().tobytes()])
+            self._store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            values = self._store.multi_get(keys)
+            self._store.delete_key(self._header_key(seq - 2, me))  # every peer has read it: they are at seq
+        except RuntimeError as error:  # the wait's timeout, or the store gone with its host
+            self._give_up(op, seq, "notify", None if time.monotonic() > deadline else error, deadline)
+        out = header.unsqueeze(0).repeat(self.num_ranks, 1)  # a masked rank's row: this rank's own
+        out[live] = torch.frombuffer(bytearray(b"".join(values)), dtype=torch.int64).view(len(live), -1)
+        return out
+
+    def _header_key(self, seq: int, rank: int) -> str:
+        return f"epcomm/{self.uid}/header/{seq}/{rank}"
+
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
         self.wait(dist.all_gather(out, t, group=self.group, async_op=True), op, seq, deadline, "notify")
@@ -255,7 +288,7 @@ class Transport:
         return out
 
     def _is_nccl(self) -> bool:
-        return "nccl" in str(dist.get_backend(self.group))
+        return self._nccl
 
     def all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int], op: str, seq: int,
                    deadline: float) -> torch.Tensor:
