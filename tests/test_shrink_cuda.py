@@ -22,6 +22,7 @@ pytestmark = [
 
 CASES = [("intranode", 2, 1, "before_combine"), ("intranode", 3, 1, "before_dispatch"),
          ("intranode", 4, 2, "before_combine"), ("intranode", 3, 1, "silent_before_dispatch"),
+         ("intranode", 4, 3, "silent_before_combine"),
          ("intranode", 8, 5, "before_dispatch"),
          ("hierarchical", 4, 1, "before_dispatch"), ("hierarchical", 4, 2, "before_combine")]
 
