@@ -267,3 +267,32 @@ def test_masked_by_hand_then_cleaned_restores_every_rank(kind="reference", backe
         cluster.run(rank_masked_by_hand, kind, timeout_s=60)
     finally:
         cluster.close()
+
+
+def rank_late(kind: str = "reference"):
+    """Rank 1 reaches the dispatch and the combine half the timeout late: nobody is masked, every
+    output is the whole group's, and the kernels (kind != "reference") stay in use."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    buf = shrink_buffer(kind)
+    x, idx, w = _on(buf, _inputs(rank, num_ranks, 1))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(TIMEOUT_S / 2)
+    out = _dispatch(buf, x, idx, w)
+    _check_live_dispatch(_host(out), rank, num_ranks, 1, set())
+    if rank == 1:
+        time.sleep(TIMEOUT_S / 2)
+    _check_combine(buf.combine(out[0], out[4])[0].cpu(), out, rank, num_ranks, 1, set(), set())
+    status = torch.ones(num_ranks, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0] * num_ranks
+    if kind != "reference":
+        assert not buf.normal_ops.off_kernels
+
+
+def test_a_late_peer_is_not_masked(kind="reference", backend="gloo"):
+    cluster = LocalCluster(3, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+    try:
+        cluster.run(rank_late, kind, timeout_s=60)
+    finally:
+        cluster.close()

@@ -6,6 +6,9 @@ live ranks, the same time bounds, and the kernels running again once the mask is
 import pytest
 from conftest import BACKEND, gpu_backend, nvshmem_found
 from test_reference_shrink import (
+    test_a_late_peer_is_not_masked as late_peer_not_masked,
+)
+from test_reference_shrink import (
     test_a_rank_masked_while_silent_raises_when_it_calls as silent_rank_raises,
 )
 from test_reference_shrink import (
@@ -44,3 +47,7 @@ def test_a_rank_masked_while_silent_raises_when_it_calls_on_the_kernels():
 
 def test_masked_by_hand_then_cleaned_runs_on_the_kernels_again():
     masked_by_hand("intranode", gpu_backend(3))
+
+
+def test_a_late_peer_is_not_masked_on_the_kernels():
+    late_peer_not_masked("intranode", gpu_backend(3))
