@@ -141,3 +141,34 @@ def test_num_worst_tokens(fp8):
     tokens = [30, 5, 0, 12]
     cluster(4).run(rank_dispatch_combine, tokens, 128, 16, 4, "random", seed=5, fp8=fp8, col_major_scales=False,
                    alignment=1, num_worst_tokens=30 * 4, use_bias=True)
+
+
+def rank_repeated_calls():
+    """Many calls leave the store and the Buffer's memory where a few left them: the handshake's keys are
+    deleted as the calls pass, the kept temporaries are reused."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    x, topk_idx, topk_weights = (t.to(device()) for t in make_inputs(3, rank, 24, 128, 4 * num_ranks, 3, num_ranks,
+                                                                      "random"))
+    buf = _buffer(128 * 2)
+    store = dist.distributed_c10d._get_default_store()
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 4 * num_ranks)
+        out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                           topk_idx=topk_idx, topk_weights=topk_weights)
+        buf.combine(out[0], out[4], out[2])
+
+    for _ in range(3):
+        step()
+    dist.barrier()
+    keys = store.num_keys()
+    scratch = sum(t.numel() for t in buf._backend._scratch.values())
+    for _ in range(20):
+        step()
+    dist.barrier()
+    assert store.num_keys() <= keys + num_ranks, (keys, store.num_keys())  # a peer may be a call ahead
+    assert sum(t.numel() for t in buf._backend._scratch.values()) == scratch
+
+
+def test_repeated_calls_keep_store_and_memory_flat():
+    cluster(3).run(rank_repeated_calls)
