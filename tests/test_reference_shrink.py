@@ -93,6 +93,15 @@ def shrink_buffer(kind: str) -> Buffer:
                           enable_shrink=True)
 
 
+def _run(num_ranks: int, backend: str, fn, *args, timeout_s: float = 60) -> None:
+    """``fn(*args)`` on ``num_ranks`` fresh ranks with the tests' timeout."""
+    cluster = LocalCluster(num_ranks, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
+    try:
+        cluster.run(fn, *args, timeout_s=timeout_s)
+    finally:
+        cluster.close()
+
+
 def _on(buf: Buffer, tensors):
     """``tensors`` on the Buffer's device (the oracle's inputs are on the host)."""
     return tuple(t.to(buf.device) for t in tensors)
@@ -195,11 +204,7 @@ def rank_without_shrink(strategy: str):
 
 @pytest.mark.parametrize("strategy", ["allgather", "hierarchical"])
 def test_other_strategies_refuse_shrink_in_normal_mode(strategy):
-    cluster = LocalCluster(2, "gloo", env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
-    try:
-        cluster.run(rank_without_shrink, strategy, timeout_s=60)
-    finally:
-        cluster.close()
+    _run(2, "gloo", rank_without_shrink, strategy)
 
 
 def rank_wakes_up_masked(path: str, kind: str = "reference"):
@@ -225,11 +230,7 @@ def rank_wakes_up_masked(path: str, kind: str = "reference"):
 
 def test_a_rank_masked_while_silent_raises_when_it_calls(kind="reference", backend="gloo"):
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(3, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
-        try:
-            cluster.run(rank_wakes_up_masked, tmp, kind, timeout_s=90)
-        finally:
-            cluster.close()
+        _run(3, backend, rank_wakes_up_masked, tmp, kind, timeout_s=90)
         with open(os.path.join(tmp, "late.json")) as f:
             late = json.load(f)
     assert late["s"] < 2 * TIMEOUT_S + MARGIN_S, late
@@ -262,11 +263,7 @@ def rank_masked_by_hand(kind: str = "reference"):
 
 
 def test_masked_by_hand_then_cleaned_restores_every_rank(kind="reference", backend="gloo"):
-    cluster = LocalCluster(3, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
-    try:
-        cluster.run(rank_masked_by_hand, kind, timeout_s=60)
-    finally:
-        cluster.close()
+    _run(3, backend, rank_masked_by_hand, kind)
 
 
 def rank_late(kind: str = "reference"):
@@ -291,8 +288,4 @@ def rank_late(kind: str = "reference"):
 
 
 def test_a_late_peer_is_not_masked(kind="reference", backend="gloo"):
-    cluster = LocalCluster(3, backend, env={**TEST_ENV, "EPCOMM_TIMEOUT_S": str(TIMEOUT_S)})
-    try:
-        cluster.run(rank_late, kind, timeout_s=60)
-    finally:
-        cluster.close()
+    _run(3, backend, rank_late, kind)
