@@ -352,6 +352,7 @@ def destroy(buf: Any) -> None:
         _free_when_peers_done(buf, ops, "normal-mode")
         buf._local_scratch.clear()
         buf._backend.ll_combine_buffers.clear()
+        buf._backend.drop_scratch()
         buf._destroyed = True  # before raising what the kernels reported: the Buffer is gone either way
         ops.check_errors("destroy")
     if buf._normal_ops.on_kernels:
@@ -364,6 +365,7 @@ def destroy(buf: Any) -> None:
         ops.close()
     buf._local_scratch.clear()
     buf._backend.ll_combine_buffers.clear()
+    buf._backend.drop_scratch()
     buf._destroyed = True
 
 

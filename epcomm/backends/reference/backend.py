@@ -99,9 +99,12 @@ class ReferenceBackend:
 
     def scratch(self, use: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory an eager call's temporaries of one ``use`` (the rows a dispatch sends, a combine's
-        returned rows, its fp32 sums) keep across calls: on the host the allocator hands blocks this big
-        back to the system, and a fresh one faults in every page each call. Grown to the largest call's
-        size; eager calls end their exchanges, so one call at a time holds a use's memory."""
+        returned rows, its fp32 sums) keep across calls on the host, whose allocator hands blocks this
+        big back to the system, so that a fresh one faults in every page each call (a GPU's caching
+        allocator keeps them: there a fresh tensor). Grown to the largest call's size; eager calls end
+        their exchanges, so one call at a time holds a use's memory (drop_scratch: one abandoned)."""
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
         nbytes = dtype.itemsize
         for n in shape:
             nbytes *= n
@@ -109,6 +112,11 @@ class ReferenceBackend:
         if held is None or held.numel() < nbytes:
             held = self._scratch[use] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return held[:nbytes].view(dtype).view(shape)
+
+    def drop_scratch(self) -> None:
+        """Let go of the kept memory: an exchange that timed out may still write into it (a late peer
+        completes it), so calls after it take fresh memory; and at destroy."""
+        self._scratch.clear()
 
     # ----------------------------------------------------------------- CUDA graphs
     def note_graph_overflow(self, dropped: torch.Tensor) -> None:

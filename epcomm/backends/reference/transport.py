@@ -56,8 +56,16 @@ class Transport:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # not every launcher exposes the store; errors then name no rank
             self._store = None
-        self._headers_in_store = (self._store is not None and hasattr(self._store, "multi_get") and not self._nccl
-                                  and self.num_ranks <= STORE_HEADER_RANKS)
+        # The headers' store client: a connection of this Transport's own, since a wait holds its client
+        # for as long as it waits (every other user of the process's client would wait behind it).
+        self._header_store = None
+        if self._store is not None and not self._nccl and 1 < self.num_ranks <= STORE_HEADER_RANKS:
+            try:
+                clone = self._store.clone()
+                if hasattr(clone, "multi_get") and hasattr(clone, "multi_set"):
+                    self._header_store = clone
+            except Exception:  # a store without clone (or multi_get) keeps the collective
+                pass
 
     def expected(self) -> list[int]:
         """The ranks an exchange waits for: the live ones."""
@@ -179,19 +187,22 @@ class Transport:
         """Raise PeerTimeoutError naming the ranks this exchange waited for, with the flight record."""
         op = CALLS.get(op, op)
         phase = phase or ("reduce" if "combine" in op else "receive")
-        missing = self.missing_ranks(seq)
         arrived: dict[int, int] = {}
         positions: dict[int, list] = {}
-        if missing == []:  # every rank reached the call: the ones that never reached this exchange
-            positions = self._positions(seq, [seq, phase], min(1.0, self.timeout_s / 4))
-            missing = [r for r in self.expected() if r not in positions]
-        if self._store is not None:
-            for r in range(self.num_ranks):
-                key = self._key(r)
-                arrived[r] = int(self._store.get(key)) if self._store.check([key]) else None
+        try:
+            missing = self.missing_ranks(seq)
+            if missing == []:  # every rank reached the call: the ones that never reached this exchange
+                positions = self._positions(seq, [seq, phase], min(1.0, self.timeout_s / 4))
+                missing = [r for r in self.expected() if r not in positions]
+            if self._store is not None:
+                for r in range(self.num_ranks):
+                    key = self._key(r)
+                    arrived[r] = int(self._store.get(key)) if self._store.check([key]) else None
+        except RuntimeError:  # the store is gone too (its host was a peer): the ranks at fault are unknown
+            missing = None
         who = (f"rank(s) {missing} did not arrive" if missing
                else "every rank arrived, so a peer failed during the exchange" if missing == []
-               else "the ranks that did not arrive are unknown (no store)")
+               else "the ranks that did not arrive are unknown (no store to ask)")
         what = (f"timed out after {self.timeout_s:g} s (EPCOMM_TIMEOUT_S)" if error is None
                 else "lost a peer (the exchange failed)")
         flight = ""
@@ -210,16 +221,17 @@ class Transport:
         else a collective on ``device``."""
         if self.num_ranks == 1:
             return header.unsqueeze(0)
-        if not self._headers_in_store:
+        store = self._header_store
+        if store is None:
             self.announce(seq)
             return self.share(header.to(device), op, seq, deadline).cpu()
         me, live = self.rank, self.expected()
         keys = [self._header_key(seq, r) for r in live]
         try:
-            self._store.multi_set([self._key(me), self._header_key(seq, me)], [str(seq), header.numpy().tobytes()])
-            self._store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-            values = self._store.multi_get(keys)
-            self._store.delete_key(self._header_key(seq - 2, me))  # every peer has read it: they are at seq
+            store.multi_set([self._key(me), self._header_key(seq, me)], [str(seq), header.numpy().tobytes()])
+            store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            values = store.multi_get(keys)
+            store.delete_key(self._header_key(seq - 2, me))  # every peer has read it: they are at seq
         except RuntimeError as error:  # the wait's timeout, or the store gone with its host
             self._give_up(op, seq, "notify", None if time.monotonic() > deadline else error, deadline)
         out = header.unsqueeze(0).repeat(self.num_ranks, 1)  # a masked rank's row: this rank's own
