@@ -37,6 +37,26 @@ CALLS = {"ll_dispatch": "low_latency_dispatch", "ll_combine": "low_latency_combi
           "clean_ll": "clean_low_latency_buffer"}
 
 
+# The store connection the handshakes wait on, one a process (and its store): a wait holds its client for as
+# long as it waits, so the process's own client, which torch.distributed and every other user share, must not be
+# it; one a Buffer would pile connections onto the store's server as Buffers come and go.
+_header_clients: tuple = (None, None)
+
+
+def _header_client(store: dist.Store):
+    """epcomm's own connection to ``store`` (None where the store cannot clone itself or read many keys at
+    once: the headers then take a collective)."""
+    global _header_clients
+    if _header_clients[0] is not store:
+        try:
+            clone = store.clone()
+            usable = hasattr(clone, "multi_get") and hasattr(clone, "multi_set")
+        except Exception:
+            clone, usable = None, False
+        _header_clients = (store, clone if usable else None)
+    return _header_clients[1]
+
+
 class Transport:
     recorder = None  # the Buffer's FlightRecorder (flight_recorder.attach)
 
@@ -56,16 +76,9 @@ class Transport:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # not every launcher exposes the store; errors then name no rank
             self._store = None
-        # The headers' store client: a connection of this Transport's own, since a wait holds its client
-        # for as long as it waits (every other user of the process's client would wait behind it).
         self._header_store = None
         if self._store is not None and not self._nccl and 1 < self.num_ranks <= STORE_HEADER_RANKS:
-            try:
-                clone = self._store.clone()
-                if hasattr(clone, "multi_get") and hasattr(clone, "multi_set"):
-                    self._header_store = clone
-            except Exception:  # a store without clone (or multi_get) keeps the collective
-                pass
+            self._header_store = _header_client(self._store)
 
     def expected(self) -> list[int]:
         """The ranks an exchange waits for: the live ones."""
