@@ -9,6 +9,7 @@ valid arguments, so bad input and mismatched calls raise on every rank alike ins
 from __future__ import annotations
 
 import enum
+import math
 import time
 
 import torch
@@ -105,9 +106,7 @@ class ReferenceBackend:
         their exchanges, so one call at a time holds a use's memory (drop_scratch: one abandoned)."""
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=self.device)
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = dtype.itemsize * math.prod(shape)
         held = self._scratch.get(use)
         if held is None or held.numel() < nbytes:
             held = self._scratch[use] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -151,7 +151,7 @@ class Transport:
         A transport error (a peer's process gone resets its connections) gives the same kind of error
         as a timeout, naming the ranks. ``phase``: the flight recorder's (default: a combine's exchange
         reduces, any other receives)."""
-        if self._is_nccl():
+        if self._nccl:
             if torch.cuda.is_current_stream_capturing():
                 work.wait()
                 return
@@ -163,7 +163,7 @@ class Transport:
                 pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
         done = True
         try:
-            if self._is_nccl():
+            if self._nccl:
                 work.wait()
             else:
                 left = max(deadline - time.monotonic(), 1e-3)  # a zero timeout would mean none
@@ -271,7 +271,7 @@ class Transport:
             out[live] = rows
             return out
         out = t.new_empty((self.num_ranks, t.numel()))
-        if self._is_nccl():
+        if self._nccl:
             return self.all_gather_into(out, t.unsqueeze(0), op, seq, deadline, "notify")
         send = t.unsqueeze(0).expand(self.num_ranks, -1).contiguous()
         self.wait(dist.all_to_all_single(out, send, group=self.group, async_op=True), op, seq, deadline, "notify")
@@ -284,7 +284,7 @@ class Transport:
         NCCL gathers into ``out`` directly; other backends use the list form into views of ``out``,
         which every gloo version supports (the single-tensor form is recent there).
         """
-        if self._is_nccl():
+        if self._nccl:
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             work = gather(out, t, group=self.group, async_op=True)
         else:
@@ -301,7 +301,7 @@ class Transport:
         strategy's combine, so on gloo both strategies agree bit for bit.
         """
         n = send.shape[0] // self.num_ranks
-        if self._is_nccl():
+        if self._nccl:
             out = send.new_empty((n, *send.shape[1:]))
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             self.wait(scatter(out, send, group=self.group, async_op=True), op, seq, deadline)
@@ -311,9 +311,6 @@ class Transport:
         for src in range(self.num_ranks):
             out += blocks[src * n:(src + 1) * n]
         return out
-
-    def _is_nccl(self) -> bool:
-        return self._nccl
 
     def all_to_all(self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int], op: str, seq: int,
                    deadline: float) -> torch.Tensor:
