@@ -94,12 +94,10 @@ class ArgumentChecks:
                              shape=(self.num_domains,), device=self.device)
             # Checks of values need the data on the host; the CUDA kernels make them on the device
             # (no host sync, CUDA-graph capturable) and every rank raises the same ValueError.
-            on_host = not self._normal_ops.on_kernels and not self._capturing()
-            if on_host and not torch.equal(is_token_in_rank.sum(0).to(torch.int32), num_tokens_per_rank):
-                raise ValueError("num_tokens_per_rank does not match is_token_in_rank.sum(0); pass both from "
-                                 "get_dispatch_layout")
             if topk_idx is not None:
-                check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens, values=on_host)
+                check_topk_idx("topk_idx", topk_idx, num_experts, self.device, num_tokens, values=False)
+            if not self._normal_ops.on_kernels and not self._capturing():
+                _check_routing_values(num_tokens_per_rank, is_token_in_rank, topk_idx, num_experts)
             if topk_weights is not None:
                 if topk_idx is None:
                     raise ValueError("topk_weights given without topk_idx")
@@ -332,3 +330,17 @@ def _tensor_keys(*tensors: torch.Tensor | None) -> tuple | None:
             return None
     return key
 
+
+def _check_routing_values(num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
+                          topk_idx: torch.Tensor | None, num_experts: int) -> None:
+    """The routing's values as check_topk_idx and get_dispatch_layout state them, in one host read."""
+    probes = [(is_token_in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any().to(torch.int64)]
+    if topk_idx is not None and topk_idx.numel():
+        probes.extend(torch.aminmax(topk_idx))
+    mismatch, *bounds = torch.stack(probes).tolist()
+    if mismatch:
+        raise ValueError("num_tokens_per_rank does not match is_token_in_rank.sum(0); pass both from "
+                         "get_dispatch_layout")
+    if bounds and (bounds[0] < -1 or bounds[1] >= num_experts):
+        raise ValueError(f"topk_idx values must lie in [-1, {num_experts}) (num_experts={num_experts}), "
+                         f"got min {bounds[0]} and max {bounds[1]}")

@@ -84,7 +84,7 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
 
     # Combine: each destination scales its rows by (rank + 1); the source sums them.
     y = torch.zeros((rows, hidden), dtype=torch.bfloat16)
-    y_valid = (want_x.float() * (rank + 1)).to(torch.bfloat16)
+    y_valid = _returned_rows(want_x, rank)
     y[:n] = y_valid
     w_back = torch.zeros((rows, num_topk), dtype=torch.float32)
     w_back[:n] = want_w
@@ -97,8 +97,12 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     combined, combined_w = combined.cpu(), combined_w.cpu()
     # Every destination d returned its received rows times (d + 1): the oracle's exact (float64) combine.
     in_ranks = [oracle.dispatch_layout(i[1], num_experts, num_ranks)[3] for i in all_inputs]
-    ys = [(d.x.float() * (r + 1)).to(torch.bfloat16) for r, d in enumerate(everyone)]
+    ys = [_returned_rows(d.x, r) for r, d in enumerate(everyone)]
     all_biases = [biases if r == rank else () for r in range(num_ranks)] if biases is not None else None
+    # The oracle's fp32 sums, bit for bit (-0 rows included: a sum from +0 gives +0).
+    want, want_w = oracle.combine(ys, in_ranks, [d.topk_weights for d in everyone], all_biases)[rank]
+    assert torch.equal(combined.view(torch.int16), want.view(torch.int16)), f"{tag}: combine not bitwise"
+    assert torch.equal(combined_w.view(torch.int32), want_w.view(torch.int32)), f"{tag}: weights not bitwise"
     ref, ref_w = oracle.combine(ys, in_ranks, [d.topk_weights for d in everyone], all_biases, exact=True)[rank]
     assert combined.dtype == torch.bfloat16 and combined.shape == (x.shape[0], hidden), tag
     # bf16 output: within one bf16 rounding of the float64 sum.
@@ -108,8 +112,17 @@ def rank_dispatch_combine(tokens_per_rank, hidden, num_experts, num_topk, routin
     return n
 
 
+def _returned_rows(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """What rank ``rank`` returns for its received rows ``x``: x * (rank + 1), a few values -0."""
+    y = (x.float() * (rank + 1)).to(torch.bfloat16)
+    y[::3, :5] = -0.0
+    return y
+
+
 CASES = [
     # (ranks, tokens per rank, hidden, experts, topk, routing)
+    (1, [40], 128, 8, 4, "random"),
+    (1, [24], 128, 8, 2, "all_dropped"),
     (2, [64, 48], 256, 8, 4, "random"),
     (4, [32, 0, 17, 1], 128, 16, 4, "random"),
     (4, [40, 40, 40, 40], 128, 16, 2, "imbalanced"),

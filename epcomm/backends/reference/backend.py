@@ -236,6 +236,15 @@ def _op_name(code: int) -> str:
         return f"unknown op {code}"
 
 
+def counts(values: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of 0 .. size - 1 occurs in ``values`` (all below ``size``), as int64. On a GPU a
+    scatter_add_ of that size, which reads nothing back (bincount reads the maximum on the host);
+    elsewhere bincount, several times faster there."""
+    if values.device.type != "cuda":
+        return torch.bincount(values, minlength=size)
+    return torch.zeros(size, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
     """View a 2-D tensor's rows as raw bytes (contiguous copy if needed)."""
     row_bytes = _row_numel(t) * t.element_size()

@@ -35,18 +35,9 @@ from ...fp8 import pack_ue8m0, quantize_groups
 from ...handle import LowLatencyHandle
 from ...utils.tensors import dense, row_words
 from ..rows import low_latency_scales_layout, round_up
-from .backend import F, Op, ReferenceBackend, in_graph, to_bytes
+from .backend import F, Op, ReferenceBackend, counts, in_graph, to_bytes
 
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
-
-
-def counts(values: torch.Tensor, size: int) -> torch.Tensor:
-    """How often each of 0 .. size - 1 occurs in ``values`` (all below ``size``), as int64. On a GPU a
-    scatter_add_ of that size, which reads nothing back (bincount reads the maximum on the host);
-    elsewhere bincount, several times faster there."""
-    if values.device.type != "cuda":
-        return torch.bincount(values, minlength=size)
-    return torch.zeros(size, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
 
 
 def _destinations(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int,
@@ -61,12 +52,14 @@ def _destinations(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int,
     return dest
 
 
-def running_count(keys: torch.Tensor, size: int) -> torch.Tensor:
+def running_count(keys: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each element of ``keys`` (values below ``size``), how many earlier elements have its value:
-    the scan of a one-hot table, which a GPU runs far faster than the stable sort it replaces."""
+    the scan of a one-hot table, which a GPU runs far faster than the stable sort it replaces. Returns
+    it and the scan itself ([size, n] int32: column j counts each value among elements 0..j)."""
     seen = torch.zeros((size, keys.numel()), dtype=torch.int32, device=keys.device)
     seen.scatter_(0, keys.view(1, -1), 1)
-    return seen.cumsum(1, dtype=torch.int32).gather(0, keys.view(1, -1)).view(-1).to(torch.int64) - 1
+    seen = seen.cumsum(1, dtype=torch.int32)
+    return seen.gather(0, keys.view(1, -1)).view(-1).to(torch.int64) - 1, seen
 
 
 def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, list[int]]:
@@ -137,8 +130,8 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
         shape, strides, dtype = low_latency_scales_layout(experts_per_rank + 1, rows, hidden, use_ue8m0)
         scales_buf = torch.empty_strided(shape, strides, dtype=dtype, device=dev)
     src_info_buf = torch.full((experts_per_rank + 1, rows), -1, dtype=torch.int32, device=dev)
-    recv_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=dev)
-    layout_range = torch.zeros((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
+    recv_count = torch.empty(experts_per_rank, dtype=torch.int32, device=dev)  # finish() writes them whole
+    layout_range = torch.empty((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
     state: dict = {"dest": dest, "masked": masked}
     if not graph:
         state["entries"], state["rows_per_dest"] = _source_entries(dest, num_ranks)
@@ -174,17 +167,26 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     hidden = data_buf.shape[2]
     rows = n * num_ranks
     dev = recv.device
-    got = dense(recv[:, :, :4 * num_topk]).view(torch.int32).view(-1).to(torch.int64)
-    local = got - rank * experts_per_rank
-    expert = torch.where((got >= 0) & (local >= 0) & (local < experts_per_rank), local, experts_per_rank)
-    per_expert = counts(expert, experts_per_rank + 1)
-    pos = running_count(expert, experts_per_rank + 1)
+    got = recv[:, :, :4 * num_topk].view(torch.int32).to(torch.int64).view(-1)
+    lo = rank * experts_per_rank
+    expert = torch.where((got >= lo) & (got < lo + experts_per_rank), got - lo, experts_per_rank)
+    pos, seen = running_count(expert, experts_per_rank + 1)
+    # Each expert's entries up to the end of each source's block, read off the scan: the blocks and
+    # where they begin (layout_range), the count per expert in the last column.
+    ends = seen.view(experts_per_rank + 1, num_ranks, -1)[:experts_per_rank, :, -1].to(torch.int64)
+    begin = torch.nn.functional.pad(ends[:, :-1], (1, 0))
+    blocks = ends - begin
+    recv_count.copy_(ends[:, -1])
+    layout_range.copy_((begin << 32) | blocks)
     entry = torch.arange(expert.numel(), device=dev)
     valid = expert < experts_per_rank
     if fixed:
         exp, pos = expert, torch.where(valid, pos, 0)
     else:
-        entry = entry[valid]  # read on the host: the combine's sizes need the count
+        per_source = blocks.sum(0).tolist()  # read on the host: the combine's sizes
+        state["send_rows"] = per_source
+        entry = torch.nonzero_static(valid, size=sum(per_source)).view(-1) if valid.is_cuda else \
+            torch.nonzero(valid).view(-1)
         exp, pos = expert[entry], pos[entry]
         valid = valid[entry]
     slot = entry // num_topk  # source * N + token
@@ -197,23 +199,18 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
         begin = id_bytes + data_words * 8
         scale_bytes = dense(taken.view(torch.uint8)[:, begin:begin + scales_buf.shape[2] * 4])
         scales_buf[exp, pos] = scale_bytes.view(scales_buf.dtype)
-    src_info_buf[exp, pos] = (slot % n).to(torch.int32)
-    recv_count.copy_(per_expert[:experts_per_rank])
-    source = entry // (n * num_topk)
-    blocks = counts(exp * num_ranks + source, (experts_per_rank + 1) * num_ranks)
-    blocks = blocks[:experts_per_rank * num_ranks].view(experts_per_rank, num_ranks)
-    layout_range.copy_(((torch.cumsum(blocks, 1) - blocks) << 32) | blocks)
+    src_info_buf.view(-1).index_copy_(0, target, (slot % n).to(torch.int32))
     # The combine returns the entries in (source, token, slot) order, the order here: the rows of x to
     # send, and each row's place in the fixed-size exchange (a block of N * K rows per source; invalid:
     # a spare row).
     state["combine_rows"] = torch.where(valid, target, 0)
     block = n * num_topk
+    source = entry // block
     if fixed:  # every source's entries, in order: the valid ones before each
         before = torch.cumsum(valid.view(num_ranks, -1), 1).view(-1) - 1
     else:
-        per_source = blocks.sum(0)
-        before = torch.arange(valid.numel(), device=dev) - (torch.cumsum(per_source, 0) - per_source)[source]
-        state["send_rows"] = per_source.tolist()
+        starts = torch.tensor([0] + per_source[:-1], device=dev).cumsum(0)
+        before = torch.arange(valid.numel(), device=dev) - starts[source]
     state["send_pos"] = torch.where(valid, source * block + before, num_ranks * block)
 
 
@@ -304,7 +301,7 @@ def _fixed_places(state: dict, num_ranks: int, block: int) -> torch.Tensor:
     zero row after the blocks. Made by every combine, on the device (a graph's replay rewrites the
     dispatch's ``dest``, so nothing derived from it may be kept)."""
     dest = state["dest"]
-    return torch.where(dest < num_ranks, dest * block + running_count(dest, num_ranks + 1), num_ranks * block)
+    return torch.where(dest < num_ranks, dest * block + running_count(dest, num_ranks + 1)[0], num_ranks * block)
 
 
 def _slot_order(state: dict, num_topk: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -29,7 +29,7 @@ import torch
 from ...handle import DispatchHandle
 from ...utils.tensors import dense, row_words
 from ..rows import check_worst_tokens, scale_kind
-from .backend import F, Op, ReferenceBackend, check_strategy, in_graph, mark_strategy, to_bytes
+from .backend import F, Op, ReferenceBackend, check_strategy, counts, in_graph, mark_strategy, to_bytes
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_domain: int):
@@ -75,10 +75,11 @@ def expert_list(recv_per_expert: torch.Tensor, expert_alignment: int, num_worst_
 def received_expert_list(recv_topk_idx: torch.Tensor, num_recv: int, experts_per_rank: int, expert_alignment: int,
                          num_worst_tokens: int) -> list[int] | None:
     """The per-expert list counted from the received top-k ids (local ids; -1 for other ranks'), as the
-    oracle states it: no exchange of the caller's counts."""
-    local = recv_topk_idx[:num_recv]
-    per_expert = torch.bincount(local[local >= 0], minlength=experts_per_rank)
-    return expert_list(per_expert.unsqueeze(0), expert_alignment, num_worst_tokens)
+    oracle states it: no exchange of the caller's counts. One host read (the ids of other ranks count
+    in a spare bin)."""
+    local = recv_topk_idx[:num_recv].flatten()
+    per_expert = counts(torch.where(local >= 0, local, experts_per_rank), experts_per_rank + 1)
+    return expert_list(per_expert[:experts_per_rank].unsqueeze(0), expert_alignment, num_worst_tokens)
 
 
 def exchange_expert_counts(be: ReferenceBackend, num_tokens_per_expert: torch.Tensor, num_experts: int,
@@ -190,16 +191,20 @@ def dispatch_prologue(be: ReferenceBackend, strategy: str, x: torch.Tensor, scal
     return headers, count_matrix, recv_counts, is_token_in_rank, send_counts, num_worst_tokens
 
 
-def send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+def send_order(is_token_in_rank: torch.Tensor, num_sent: int | None = None) -> torch.Tensor:
     """The tokens this rank sends, grouped by destination rank (ascending), ascending within each
-    group: one device op, no host sync."""
-    return torch.nonzero(is_token_in_rank.t())[:, 1]
+    group: one device op. ``num_sent`` (the counts' sum, known on the host) spares a GPU the host read
+    of the size that ``nonzero`` makes."""
+    pairs = is_token_in_rank.t()
+    if num_sent is not None and pairs.is_cuda:
+        return torch.nonzero_static(pairs, size=num_sent)[:, 1]
+    return torch.nonzero(pairs)[:, 1]
 
 
 def _meta_words(scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                 topk_weights: torch.Tensor | None) -> torch.Tensor | None:
-    """[T, S + K + K] int32: a token's scales, top-k ids and weights as 4-byte words (one small
-    all-to-all moves them beside the rows of x), or None when there is nothing but x."""
+    """[T, S + K + K] int32: a token's scales, top-k ids and weights as 4-byte words (they travel beside
+    the rows of x), or None when there is nothing but x."""
     parts = []
     if scales is not None:
         parts.append(scales.view(torch.int32) if scales.dtype == torch.float32 else scales)
@@ -208,6 +213,28 @@ def _meta_words(scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
         if topk_weights is not None:
             parts.append(topk_weights.view(torch.int32))
     return torch.cat(parts, dim=1) if parts else None
+
+
+def send_rows(be: ReferenceBackend, words: torch.Tensor, meta: torch.Tensor | None, order: torch.Tensor,
+              send_counts: list[int], recv_counts: list[int], out: torch.Tensor, op: str, deadline: float):
+    """Move the rows of ``words`` (x as words) in ``order`` to their ranks, received into ``out``, and
+    ``meta``'s rows beside them. Returns (received meta or None, finish): ``finish()`` completes the
+    rows, which may still be in flight when the meta is in.
+
+    A group of one rank gathers straight into ``out``. Otherwise the meta goes first, in an exchange of
+    its own, so that it is in while the rows still travel (the host reads the per-expert counts from
+    it)."""
+    if be.num_ranks == 1 and be.transport.live is None:
+        torch.index_select(words, 0, order, out=out)
+        return (None if meta is None else meta.index_select(0, order)), lambda: None
+    pending_meta = None
+    if meta is not None:
+        pending_meta = be.transport.start_all_to_all(meta.index_select(0, order), send_counts, recv_counts)
+    send = be.scratch("send", (order.numel(), words.shape[1]), words.dtype)
+    torch.index_select(words, 0, order, out=send)
+    pending = be.transport.start_all_to_all(send, send_counts, recv_counts, out=out)
+    recv_meta = None if pending_meta is None else pending_meta.wait(op, be.seq, deadline)
+    return recv_meta, lambda: pending.wait(op, be.seq, deadline)
 
 
 def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle | None,
@@ -228,7 +255,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     everyone_empty = int(count_matrix.sum()) == 0
     num_recv = sum(recv_counts)
     num_rows = num_worst_tokens or num_recv
-    order = handle.backend_state["order"] if cached else send_order(is_token_in_rank)
+    order = handle.backend_state["order"] if cached else send_order(is_token_in_rank, sum(send_counts))
 
     x = dense(x)
     # Room for every row even past num_worst_tokens: the rank that overflows raises after the
@@ -237,37 +264,29 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     if num_rows > num_recv:
         recv_x[num_recv:].view(torch.uint8).zero_()
     meta = _meta_words(scales, None if cached else topk_idx, None if cached else topk_weights)
-    recv_meta = None
-    pending = []
     # The per-expert counts are the received top-k ids' (as the oracle states them); only a dispatch
     # without top-k ids exchanges the caller's num_tokens_per_expert.
     counts_exchange = None if cached or topk_idx is not None else \
         start_expert_counts(be, num_tokens_per_expert, num_experts)
-    if not everyone_empty:
-        words = row_words(x)
-        send_x = be.scratch("send", (order.numel(), words.shape[1]), words.dtype)
-        torch.index_select(words, 0, order, out=send_x)
-        pending.append(be.transport.start_all_to_all(send_x, send_counts, recv_counts,
-                                                     out=row_words(recv_x[:num_recv])))
-        if meta is not None:
-            pending.append(be.transport.start_all_to_all(meta.index_select(0, order), send_counts, recv_counts))
     deadline = time.monotonic() + be.transport.timeout_s
-    for p in pending:
-        p.wait("dispatch", be.seq, deadline)
+    recv_meta, finish = None, lambda: None
+    if not everyone_empty:
+        recv_meta, finish = send_rows(be, row_words(x), meta, order, send_counts, recv_counts,
+                                      row_words(recv_x[:num_recv]), "dispatch", deadline)
     check_worst_tokens(rank, num_recv, num_worst_tokens)
     experts = None if counts_exchange is None else \
         expert_list(counts_exchange.wait("dispatch", be.seq, deadline), expert_alignment, num_worst_tokens)
-    if meta is not None:
-        recv_meta = pending[1].recv if len(pending) > 1 else meta.new_empty((0, meta.shape[1]))
+    if meta is not None and recv_meta is None:
+        recv_meta = meta.new_empty((0, meta.shape[1]))
     recv_x_out, recv_topk_idx, recv_topk_weights = _split_meta(
         recv_x, recv_meta, num_recv, num_rows, scales, None if cached else topk_idx,
         None if cached else topk_weights, rank, num_experts, be.num_ranks)
-
-    if cached:
-        return recv_x_out, None, None, None, handle
-    if recv_topk_idx is not None and not num_worst_tokens:
+    if recv_topk_idx is not None and not num_worst_tokens and not cached:
         experts = received_expert_list(recv_topk_idx, num_recv, num_experts // be.num_ranks, expert_alignment,
                                        num_worst_tokens)
+    finish()
+    if cached:
+        return recv_x_out, None, None, None, handle
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), experts, buffer_uid, x, num_recv,
                            num_worst_tokens, is_token_in_rank, send_counts, recv_counts, count_matrix,
                            {"order": order})
@@ -319,38 +338,62 @@ def combine(be: ReferenceBackend, x: torch.Tensor, handle: DispatchHandle, topk_
     everyone_empty = int(count_matrix.sum()) == 0
     num_recv, num_tokens = handle.num_recv_tokens, handle.num_tokens
     order = strategy_state(handle, "alltoall")["order"]
-    num_back = order.numel()
-    recv = be.scratch("back", (num_back, hidden), x.dtype)
     k = topk_weights.shape[1] if topk_weights is not None else 0
-    recv_w = None
-    pending = []
-    if not everyone_empty:
-        pending.append(be.transport.start_all_to_all(row_words(dense(x[:num_recv])), handle.recv_counts,
-                                                     handle.send_counts, out=row_words(recv)))
-        if k:
-            pending.append(be.transport.start_all_to_all(dense(topk_weights[:num_recv]), handle.recv_counts,
-                                                         handle.send_counts))
     deadline = time.monotonic() + be.transport.timeout_s
-    for p in pending:
-        p.wait("combine", be.seq, deadline)
+    if be.num_ranks == 1 and be.transport.live is None and not biases:
+        return _combine_local(x[:num_recv], topk_weights[:num_recv] if k else None, order, num_tokens)
+    recv, recv_w = (None, None) if everyone_empty else return_rows(be, x[:num_recv], topk_weights, handle, deadline)
     acc = be.scratch("sum", (num_tokens, hidden), torch.float32).zero_()
     acc_w = torch.zeros((num_tokens, k), dtype=torch.float32, device=x.device) if k else None
-    if k and len(pending) > 1:
-        recv_w = pending[1].recv
-    if not everyone_empty:
-        begin = 0
+    if recv is not None:
         live = be.transport.expected()  # a masked rank's rows are absent from the sums
-        block = be.scratch("block", (max(handle.send_counts), hidden), torch.float32)
-        for src, count in enumerate(handle.send_counts):  # ascending source rank: the oracle's fp32 order
-            if count and src in live:
-                rows = order[begin:begin + count]
-                acc.index_add_(0, rows, block[:count].copy_(recv[begin:begin + count]))
-                if acc_w is not None:
-                    acc_w.index_add_(0, rows, recv_w[begin:begin + count])
-            begin += count
+        if x.device.type == "cpu" and len(live) == be.num_ranks:
+            # The host adds an index_add_'s rows in their order, so one call over every block sums each
+            # token in ascending source rank, as the blocks come.
+            acc.index_add_(0, order, be.scratch("block", recv.shape, torch.float32).copy_(recv))
+            if acc_w is not None:
+                acc_w.index_add_(0, order, recv_w)
+        else:
+            begin = 0
+            block = be.scratch("block", (max(handle.send_counts), hidden), torch.float32)
+            for src, count in enumerate(handle.send_counts):  # ascending source rank: the oracle's fp32 order
+                if count and src in live:
+                    rows = order[begin:begin + count]
+                    acc.index_add_(0, rows, block[:count].copy_(recv[begin:begin + count]))
+                    if acc_w is not None:
+                        acc_w.index_add_(0, rows, recv_w[begin:begin + count])
+                begin += count
     for bias in biases:
         acc += bias.float()
     return acc.to(torch.bfloat16), acc_w
+
+
+def return_rows(be: ReferenceBackend, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
+                deadline: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The combine's exchange: x's rows (already grouped by source rank) back to their sources, the
+    weights beside them. Returns the rows (bf16, in this rank's send order) and the weights or None."""
+    recv = be.scratch("back", (sum(handle.send_counts), x.shape[1]), x.dtype)
+    pending = [be.transport.start_all_to_all(row_words(dense(x)), handle.recv_counts, handle.send_counts,
+                                             out=row_words(recv))]
+    if topk_weights is not None:
+        pending.append(be.transport.start_all_to_all(dense(topk_weights[:x.shape[0]]), handle.recv_counts,
+                                                      handle.send_counts))
+    received = [p.wait("combine", be.seq, deadline) for p in pending]
+    return recv, received[1] if topk_weights is not None else None
+
+
+def _combine_local(x: torch.Tensor, topk_weights: torch.Tensor | None, order: torch.Tensor, num_tokens: int):
+    """A group of one rank: each row goes back to its token, no exchange, no fp32 sum (a token has one
+    row); ``add_(0.0)`` turns -0 into +0, as the sum from +0 does."""
+    out = x.new_empty((num_tokens, x.shape[1])) if order.numel() == num_tokens else x.new_zeros((num_tokens,
+                                                                                                 x.shape[1]))
+    row_words(out).index_copy_(0, order, row_words(dense(x)))
+    out.add_(0.0)
+    out_w = None
+    if topk_weights is not None:
+        out_w = torch.zeros((num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
+        out_w.index_copy_(0, order, topk_weights.float()).add_(0.0)
+    return out, out_w
 
 
 def _check_equal_tokens(be: ReferenceBackend, op: str, headers: torch.Tensor | None, num_tokens: int) -> None:
