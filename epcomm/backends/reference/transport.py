@@ -256,7 +256,10 @@ class Transport:
         return out
 
     def _header_key(self, seq: int, rank: int) -> str:
-        return f"epcomm/{self.uid}/header/{seq}/{rank}"
+        # Keyed by the live set too: a masked rank that wakes inside an abandoned call must not meet its
+        # peers' retry of that call (same number, the live ranks only); it times out and learns it is masked.
+        live = "all" if self.live is None else "-".join(map(str, self.live))
+        return f"epcomm/{self.uid}/header/{live}/{seq}/{rank}"
 
     def all_gather(self, t: torch.Tensor, op: str, seq: int, deadline: float) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.num_ranks)]
