@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+# nonzero_static runs on CUDA from PyTorch 2.6.
+_NONZERO_STATIC_CUDA = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 6)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -49,3 +54,11 @@ def result_tensors(obj: object, out: list | None = None) -> list[torch.Tensor]:
         for item in obj:
             result_tensors(item, out)
     return out
+
+
+def nonzero_counted(t: torch.Tensor, count: int) -> torch.Tensor:
+    """``torch.nonzero(t)`` where the host knows the count of nonzeros: on a GPU then no host read of
+    the size (``nonzero_static``)."""
+    if count and t.is_cuda and _NONZERO_STATIC_CUDA:
+        return torch.nonzero_static(t, size=count)
+    return torch.nonzero(t)

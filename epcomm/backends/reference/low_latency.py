@@ -33,7 +33,7 @@ import torch
 
 from ...fp8 import pack_ue8m0, quantize_groups
 from ...handle import LowLatencyHandle
-from ...utils.tensors import dense, row_words
+from ...utils.tensors import dense, nonzero_counted, row_words
 from ..rows import low_latency_scales_layout, round_up
 from .backend import F, Op, ReferenceBackend, counts, in_graph, to_bytes
 
@@ -185,8 +185,7 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     else:
         per_source = blocks.sum(0).tolist()  # read on the host: the combine's sizes
         state["send_rows"] = per_source
-        entry = torch.nonzero_static(valid, size=sum(per_source)).view(-1) if valid.is_cuda else \
-            torch.nonzero(valid).view(-1)
+        entry = nonzero_counted(valid, sum(per_source)).view(-1)
         exp, pos = expert[entry], pos[entry]
         valid = valid[entry]
     slot = entry // num_topk  # source * N + token

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ...handle import DispatchHandle
-from ...utils.tensors import dense, row_words
+from ...utils.tensors import dense, nonzero_counted, row_words
 from ..rows import check_worst_tokens, scale_kind
 from .backend import F, Op, ReferenceBackend, check_strategy, counts, in_graph, mark_strategy, to_bytes
 
@@ -196,9 +196,7 @@ def send_order(is_token_in_rank: torch.Tensor, num_sent: int | None = None) -> t
     group: one device op. ``num_sent`` (the counts' sum, known on the host) spares a GPU the host read
     of the size that ``nonzero`` makes."""
     pairs = is_token_in_rank.t()
-    if num_sent is not None and pairs.is_cuda:
-        return torch.nonzero_static(pairs, size=num_sent)[:, 1]
-    return torch.nonzero(pairs)[:, 1]
+    return (torch.nonzero(pairs) if num_sent is None else nonzero_counted(pairs, num_sent))[:, 1]
 
 
 def _meta_words(scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
@@ -273,18 +271,20 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, scales: torch.Tensor | None,
     if not everyone_empty:
         recv_meta, finish = send_rows(be, row_words(x), meta, order, send_counts, recv_counts,
                                       row_words(recv_x[:num_recv]), "dispatch", deadline)
-    check_worst_tokens(rank, num_recv, num_worst_tokens)
-    experts = None if counts_exchange is None else \
-        expert_list(counts_exchange.wait("dispatch", be.seq, deadline), expert_alignment, num_worst_tokens)
-    if meta is not None and recv_meta is None:
-        recv_meta = meta.new_empty((0, meta.shape[1]))
-    recv_x_out, recv_topk_idx, recv_topk_weights = _split_meta(
-        recv_x, recv_meta, num_recv, num_rows, scales, None if cached else topk_idx,
-        None if cached else topk_weights, rank, num_experts, be.num_ranks)
-    if recv_topk_idx is not None and not num_worst_tokens and not cached:
-        experts = received_expert_list(recv_topk_idx, num_recv, num_experts // be.num_ranks, expert_alignment,
-                                       num_worst_tokens)
-    finish()
+    try:  # the rows may still be in flight: complete them even where this rank raises
+        check_worst_tokens(rank, num_recv, num_worst_tokens)
+        experts = None if counts_exchange is None else \
+            expert_list(counts_exchange.wait("dispatch", be.seq, deadline), expert_alignment, num_worst_tokens)
+        if meta is not None and recv_meta is None:
+            recv_meta = meta.new_empty((0, meta.shape[1]))
+        recv_x_out, recv_topk_idx, recv_topk_weights = _split_meta(
+            recv_x, recv_meta, num_recv, num_rows, scales, None if cached else topk_idx,
+            None if cached else topk_weights, rank, num_experts, be.num_ranks)
+        if recv_topk_idx is not None and not num_worst_tokens and not cached:
+            experts = received_expert_list(recv_topk_idx, num_recv, num_experts // be.num_ranks, expert_alignment,
+                                           num_worst_tokens)
+    finally:
+        finish()
     if cached:
         return recv_x_out, None, None, None, handle
     return dispatch_result((recv_x_out, recv_topk_idx, recv_topk_weights), experts, buffer_uid, x, num_recv,

@@ -77,6 +77,7 @@ class Transport:
         except Exception:  # not every launcher exposes the store; errors then name no rank
             self._store = None
         self._header_store = None
+        self._header_seq = 0  # the latest call whose header this rank left in the store
         if self._store is not None and not self._nccl and 1 < self.num_ranks <= STORE_HEADER_RANKS:
             self._header_store = _header_client(self._store)
 
@@ -88,6 +89,7 @@ class Transport:
         """Run the exchanges among ``live`` (ascending) only, or among every rank again. The group of
         the live ranks is made by them alone (``use_local_synchronization``: a dead rank cannot take
         part in a collective of the whole group), bounded by the timeout."""
+        self._drop_headers()
         if len(live) == self.num_ranks:
             self.group, self.live = self.world, None
             return
@@ -249,11 +251,22 @@ class Transport:
             store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             values = store.multi_get(keys)
             store.delete_key(self._header_key(seq - 2, me))  # every peer has read it: they are at seq
+            self._header_seq = seq
         except RuntimeError as error:  # the wait's timeout, or the store gone with its host
             self._give_up(op, seq, "notify", None if time.monotonic() > deadline else error, deadline)
         out = header.unsqueeze(0).repeat(self.num_ranks, 1)  # a masked rank's row: this rank's own
         out[live] = torch.frombuffer(bytearray(b"".join(values)), dtype=torch.int64).view(len(live), -1)
         return out
+
+    def _drop_headers(self) -> None:
+        """Delete this rank's headers still in the store under the live set it leaves (the latest two)."""
+        if self._header_store is not None and self._header_seq:
+            for seq in (self._header_seq - 1, self._header_seq):
+                try:
+                    self._header_store.delete_key(self._header_key(seq, self.rank))
+                except RuntimeError:  # the store is gone with its host: nothing to clean
+                    return
+        self._header_seq = 0
 
     def _header_key(self, seq: int, rank: int) -> str:
         # Keyed by the live set too: a masked rank that wakes inside an abandoned call must not meet its
