@@ -124,7 +124,8 @@ def combine_handshake(be: ReferenceBackend, strategy: str, hidden: int, handle: 
     headers = combine_headers(be, strategy, hidden, handle, topk_weights, num_biases, handle.recv_counts)
     count_matrix = be.count_matrix(headers)
     live = be.transport.expected()  # masked ranks return nothing
-    if count_matrix[live, be.rank].tolist() != [handle.send_counts[r] for r in live]:
+    returned = count_matrix[:, be.rank].tolist()
+    if any(returned[r] != handle.send_counts[r] for r in live):
         raise RuntimeError("epcomm combine: peers return a different number of rows than this rank dispatched; "
                            "every rank must combine with the handle of the same dispatch")
     return count_matrix
