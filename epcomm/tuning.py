@@ -129,7 +129,3 @@ def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int
 # which costs each rank several times the CPU there; the store's server answers every rank's read of
 # every header (R^2 words a call), which bounds it.
 STORE_HEADER_RANKS = 16
-
-# How long a rank on NCCL spins on an exchange's completion before it sleeps between polls: a
-# sleep overshoots by tens of microseconds, as long as what most eager calls have left to wait.
-POLL_SPIN_S = 2e-3

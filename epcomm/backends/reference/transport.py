@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...tuning import POLL_SPIN_S, STORE_HEADER_RANKS
+from ...tuning import STORE_HEADER_RANKS
 
 
 class PeerTimeoutError(RuntimeError):
@@ -157,16 +157,12 @@ class Transport:
             if torch.cuda.is_current_stream_capturing():
                 work.wait()
                 return
-            # Spin for the first POLL_SPIN_S (a sleep overshoots by ~60 us, longer than most exchanges
-            # left), then back off so the poll does not starve the transport thread.
-            spin_until, pause = time.monotonic() + POLL_SPIN_S, 1e-4
+            pause = 2e-5
             while not work.is_completed():
-                now = time.monotonic()
-                if now > deadline:
+                if time.monotonic() > deadline:
                     self._give_up(op, seq, phase, None, deadline)
-                if now > spin_until:
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)  # back off so the poll does not starve the transport thread
         done = True
         try:
             if self._nccl:
