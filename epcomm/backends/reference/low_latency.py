@@ -62,12 +62,11 @@ def running_count(keys: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Te
     return seen.gather(0, keys.view(1, -1)).view(-1).to(torch.int64) - 1, seen
 
 
-def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, list[int]]:
-    """This rank's (token, slot) entries that go out, as flat indices ``t * K + k`` ordered by
-    (destination rank, token, slot), and the count per destination (host list)."""
-    entries = torch.sort(dest, stable=True).indices
-    per_dest = counts(dest, num_ranks + 1)[:num_ranks].tolist()
-    return entries[:sum(per_dest)], per_dest
+def _source_entries(dest: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (token, slot) entries, as flat indices ``t * K + k`` ordered by (destination rank,
+    token, slot), those that go nowhere last, and the count per destination (on the device: the
+    receive reads it on the host with its own counts, ``_place``)."""
+    return torch.sort(dest, stable=True).indices, counts(dest, num_ranks + 1)[:num_ranks]
 
 
 def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int,
@@ -134,7 +133,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     layout_range = torch.empty((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
     state: dict = {"dest": dest, "masked": masked}
     if not graph:
-        state["entries"], state["rows_per_dest"] = _source_entries(dest, num_ranks)
+        state["entries"], state["rows_per_dest"] = _source_entries(dest, num_ranks)  # _place reads them
     arrived_ns = torch.zeros(num_ranks, dtype=torch.int64, device="cpu")
 
     def finish() -> None:
@@ -183,8 +182,12 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     if fixed:
         exp, pos = expert, torch.where(valid, pos, 0)
     else:
-        per_source = blocks.sum(0).tolist()  # read on the host: the combine's sizes
-        state["send_rows"] = per_source
+        # One host read for the combine's sizes: the entries this rank returns to each source and
+        # those each destination returns to it.
+        sizes = torch.cat([blocks.sum(0), state["rows_per_dest"]]).tolist()
+        per_source = state["send_rows"] = sizes[:num_ranks]
+        state["rows_per_dest"] = sizes[num_ranks:]
+        state["entries"] = state["entries"][:sum(state["rows_per_dest"])]
         entry = nonzero_counted(valid, sum(per_source)).view(-1)
         exp, pos = expert[entry], pos[entry]
         valid = valid[entry]
