@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_int, check_tensor, check_topk_idx, split_x, topk_idx_t
+from ._checks import check_int, check_tensor, check_topk_bounds, check_topk_idx, split_x, topk_idx_t
 from .backends.base import CombineOverlap
 from .config import Config, low_latency_size_hint
 from .handle import DispatchHandle, LowLatencyHandle
@@ -341,6 +341,5 @@ def _check_routing_values(num_tokens_per_rank: torch.Tensor, is_token_in_rank: t
     if mismatch:
         raise ValueError("num_tokens_per_rank does not match is_token_in_rank.sum(0); pass both from "
                          "get_dispatch_layout")
-    if bounds and (bounds[0] < -1 or bounds[1] >= num_experts):
-        raise ValueError(f"topk_idx values must lie in [-1, {num_experts}) (num_experts={num_experts}), "
-                         f"got min {bounds[0]} and max {bounds[1]}")
+    if bounds:
+        check_topk_bounds("topk_idx", *bounds, num_experts)

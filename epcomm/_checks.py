@@ -63,11 +63,15 @@ def check_topk_idx(name: str, topk_idx: object, num_experts: int, device: torch.
     if num_tokens is not None and t.shape[0] != num_tokens:
         raise ValueError(f"{name} must have {num_tokens} rows (one per token of x), got {t.shape[0]}")
     if values and t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"{name} values must lie in [-1, {num_experts}) (num_experts={num_experts}), "
-                             f"got min {lo} and max {hi}")
+        check_topk_bounds(name, int(t.min()), int(t.max()), num_experts)
     return t
+
+
+def check_topk_bounds(name: str, lo: int, hi: int, num_experts: int) -> None:
+    """The range check of top-k ids, from their minimum and maximum read on the host."""
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"{name} values must lie in [-1, {num_experts}) (num_experts={num_experts}), "
+                         f"got min {lo} and max {hi}")
 
 
 def split_x(name: str, x: object) -> tuple[torch.Tensor, torch.Tensor | None]:

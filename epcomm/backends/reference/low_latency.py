@@ -133,7 +133,7 @@ def dispatch(be: ReferenceBackend, x: torch.Tensor, topk_idx: torch.Tensor, num_
     layout_range = torch.empty((experts_per_rank, num_ranks), dtype=torch.int64, device=dev)
     state: dict = {"dest": dest, "masked": masked}
     if not graph:
-        state["entries"], state["rows_per_dest"] = _source_entries(dest, num_ranks)  # _place reads them
+        state["entries"], state["per_dest"] = _source_entries(dest, num_ranks)  # _place reads them
     arrived_ns = torch.zeros(num_ranks, dtype=torch.int64, device="cpu")
 
     def finish() -> None:
@@ -184,7 +184,7 @@ def _place(recv: torch.Tensor, rank: int, n: int, num_ranks: int, num_topk: int,
     else:
         # One host read for the combine's sizes: the entries this rank returns to each source and
         # those each destination returns to it.
-        sizes = torch.cat([blocks.sum(0), state["rows_per_dest"]]).tolist()
+        sizes = torch.cat([blocks.sum(0), state.pop("per_dest")]).tolist()
         per_source = state["send_rows"] = sizes[:num_ranks]
         state["rows_per_dest"] = sizes[num_ranks:]
         state["entries"] = state["entries"][:sum(state["rows_per_dest"])]

@@ -386,8 +386,8 @@ def return_rows(be: ReferenceBackend, x: torch.Tensor, topk_weights: torch.Tenso
 def _combine_local(x: torch.Tensor, topk_weights: torch.Tensor | None, order: torch.Tensor, num_tokens: int):
     """A group of one rank: each row goes back to its token, no exchange, no fp32 sum (a token has one
     row); ``add_(0.0)`` turns -0 into +0, as the sum from +0 does."""
-    out = x.new_empty((num_tokens, x.shape[1])) if order.numel() == num_tokens else x.new_zeros((num_tokens,
-                                                                                                 x.shape[1]))
+    fresh = x.new_empty if order.numel() == num_tokens else x.new_zeros  # every token has its row, or some none
+    out = fresh((num_tokens, x.shape[1]))
     row_words(out).index_copy_(0, order, row_words(dense(x)))
     out.add_(0.0)
     out_w = None
