@@ -120,3 +120,26 @@ def test_slow_peer_is_not_an_error(mode):
         cluster.run(rank_slow_peer, mode, timeout_s=60)
     finally:
         cluster.close()
+
+
+def rank_store_headers(mode: str) -> list[int]:
+    """Per call, this rank's handshake headers left in the store (what ``tidy`` bounds)."""
+    buf, first, second = _calls(mode)
+    store = dist.distributed_c10d._get_default_store()
+    mine = f"/{dist.get_rank()}"
+    left = []
+    for _ in range(6):
+        first()
+        second()
+        left.append(sum(1 for k in store.list_keys() if f"{buf.uid}/header/" in k and k.endswith(mine)))
+    dist.barrier()
+    buf.destroy()
+    return left
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_store_headers_stay_bounded(mode):
+    """Each call leaves a header in the store; the exchanges delete those every peer has read."""
+    with LocalCluster(2, "gloo", env=TEST_ENV) as cluster:
+        for left in cluster.run(rank_store_headers, mode, timeout_s=60):
+            assert max(left) <= 3 and left[-1] == left[-2], left

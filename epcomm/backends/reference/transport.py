@@ -78,6 +78,7 @@ class Transport:
             self._store = None
         self._header_store = None
         self._header_seq = 0  # the latest call whose header this rank left in the store
+        self._stale_header: str | None = None  # a header every peer has read, to delete (``tidy``)
         if self._store is not None and not self._nccl and 1 < self.num_ranks <= STORE_HEADER_RANKS:
             self._header_store = _header_client(self._store)
 
@@ -243,21 +244,33 @@ class Transport:
         me, live = self.rank, self.expected()
         keys = [self._header_key(seq, r) for r in live]
         try:
+            self.tidy()  # a stale header no exchange has deleted yet (a call that exchanged nothing)
             store.multi_set([self._key(me), self._header_key(seq, me)], [str(seq), header.numpy().tobytes()])
-            store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-            values = store.multi_get(keys)
-            store.delete_key(self._header_key(seq - 2, me))  # every peer has read it: they are at seq
+            store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            values = store.multi_get(keys)  # waits for every key: one round trip less than wait, then read
             self._header_seq = seq
+            self._stale_header = self._header_key(seq - 2, me)  # every peer has read it: they are at seq
         except RuntimeError as error:  # the wait's timeout, or the store gone with its host
             self._give_up(op, seq, "notify", None if time.monotonic() > deadline else error, deadline)
         out = header.unsqueeze(0).repeat(self.num_ranks, 1)  # a masked rank's row: this rank's own
         out[live] = torch.frombuffer(bytearray(b"".join(values)), dtype=torch.int64).view(len(live), -1)
         return out
 
+    def tidy(self) -> None:
+        """Delete the header of this rank's call before last from the store: a round trip that the
+        exchanges take while their data travels (``start_all_to_all``), off the handshake's path."""
+        if self._stale_header is not None:
+            key, self._stale_header = self._stale_header, None
+            try:
+                self._header_store.delete_key(key)
+            except RuntimeError:  # the store is gone with its host: the exchange's wait names the ranks
+                pass
+
     def _drop_headers(self) -> None:
-        """Delete this rank's headers still in the store under the live set it leaves (the latest two)."""
+        """Delete this rank's headers still in the store under the live set it leaves (the latest three)."""
         if self._header_store is not None and self._header_seq:
-            for seq in (self._header_seq - 1, self._header_seq):
+            self._stale_header = None
+            for seq in (self._header_seq - 2, self._header_seq - 1, self._header_seq):
                 try:
                     self._header_store.delete_key(self._header_key(seq, self.rank))
                 except RuntimeError:  # the store is gone with its host: nothing to clean
@@ -343,6 +356,7 @@ class Transport:
         recv = out if out is not None else \
             torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group, async_op=True)
+        self.tidy()
         return PendingExchange(self, work, recv, keep_alive=send)
 
 
@@ -363,6 +377,7 @@ class Transport:
             recv, place = out.new_empty((sum(live_recv), out.shape[1])), (out, recv_rows, live)
         work = dist.all_to_all_single(recv, send, live_recv, [send_rows[r] for r in live], group=self.group,
                                       async_op=True)
+        self.tidy()
         return PendingExchange(self, work, recv, keep_alive=send, place=place)
 
 
