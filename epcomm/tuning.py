@@ -125,7 +125,7 @@ def receive_together(mode: str, num_tokens: int, num_topk: int, num_experts: int
 
 # ---------------------------------------------------------------- portable path
 # Up to this many ranks a group not on NCCL exchanges the handshake's headers through the process
-# group's store (a set, a wait, a read and a delete: four round trips) rather than with a collective,
+# group's store (a set, and a read that waits for the peers' headers) rather than with a collective,
 # which costs each rank several times the CPU there; the store's server answers every rank's read of
 # every header (R^2 words a call), which bounds it.
 STORE_HEADER_RANKS = 16
