@@ -52,11 +52,6 @@ __global__ void hold_sms(int64_t cycles) {
     if (threadIdx.x == 0 && smem[0] == 1) smem[1] = 0;  // keeps the allocation
 }
 
-__global__ void fill(uint8_t* p, int64_t n, uint32_t seed) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        p[i] = static_cast<uint8_t>((i * 2654435761u + seed) >> 13);
-}
-
 // dst row r equals source row order[r] (contiguous: order = nullptr, source rows packed).
 static bool check(const uint8_t* src, int64_t src_stride, const uint8_t* dst, const std::vector<int>* order) {
     std::vector<uint8_t> a(static_cast<size_t>(kRows) * src_stride), b(static_cast<size_t>(kRows) * kRowBytes);

@@ -87,11 +87,6 @@ static bool check(const uint8_t* src, uint8_t* dst) {
     return true;
 }
 
-__global__ void fill(uint8_t* p, int64_t n, uint32_t seed) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        p[i] = static_cast<uint8_t>((i * 2654435761u + seed) >> 13);
-}
-
 template <class Launch>
 static void report(const char* method, int sms, Launch launch, const uint8_t* src, uint8_t* dst) {
     CHECK(cudaMemset(dst, 0xff, static_cast<size_t>(kRows) * kRowBytes));  // poison

@@ -1,10 +1,11 @@
-// Shared by the microbenchmarks: error checks and the median time of a launch, on one GPU or all.
-// (copy_rate.cu, reduce_rate.cu, nvlink_rate.cu; the times are taken by CUDA events.)
+// Shared by the microbenchmarks: error checks, a fill pattern and the median time of a launch, on one
+// GPU or all (copy_rate.cu, ce_rate.cu, reduce_rate.cu, nvlink_rate.cu; times taken by CUDA events).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -17,6 +18,12 @@
             std::exit(1);                                                                              \
         }                                                                                              \
     } while (0)
+
+// Fills n bytes with a pattern of `seed` (never all zeros), so a copy that moved nothing fails its check.
+__global__ void fill(uint8_t* p, int64_t n, uint32_t seed) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        p[i] = static_cast<uint8_t>((i * 2654435761u + seed) >> 13);
+}
 
 // Median time in us of `iters` launches after 3 warm-ups (each timed alone by two events).
 template <class Launch>
